@@ -1,0 +1,25 @@
+# make demo  - create .venv if missing, install (again only when pyproject.toml changed), run the demo
+# make test  - same set-up, then the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) run.py experiment=demo
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+clean:
+	rm -rf outputs multirun wandb .pytest_cache

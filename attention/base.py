@@ -1,0 +1,97 @@
+"""The mixer base class: the contract every variant implements.
+
+A mixer maps tokens x of shape (B, N, C) to (B, N, C) with its own
+projections and no residual or normalisation around it; the task's network
+owns the block. ``forward(x, layout)`` takes ``attention.Grid``,
+``attention.Points`` or ``None``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from .errors import UserError
+from .layout import Grid, Points, kind_of
+
+
+def check_positive(name: str, value, variant: str, minimum: int = 1):
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise UserError(f"attn.{name}={value!r} is invalid for attention variant {variant!r}: "
+                        f"expected an integer >= {minimum}.")
+
+
+def check_divides(name: str, value: int, dim: int, variant: str, what: str = "the channel count"):
+    check_positive(name, value, variant)
+    if dim % value:
+        raise UserError(f"attn.{name}={value} does not divide {what} {dim} for attention variant {variant!r}; "
+                        f"choose a divisor of {dim}.")
+
+
+class Mixer(nn.Module):
+    """Base class of every attention variant.
+
+    Subclasses set ``layouts`` (which of 'grid', 'points', 'none' they serve),
+    call ``super().__init__(dim, heads)`` and implement ``mix(x, layout)``.
+    """
+
+    name: ClassVar[str] = "?"  # set by @register
+    layouts: ClassVar[frozenset[str]] = frozenset({"grid", "points", "none"})
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        check_positive("dim", dim, self.name)
+        check_divides("heads", heads, dim, self.name)
+        self.dim = dim
+        self.heads = heads
+
+    def forward(self, x: torch.Tensor, layout: Grid | Points | None = None) -> torch.Tensor:
+        self.check_input(x, layout)
+        return self.mix(x, layout)
+
+    def mix(self, x: torch.Tensor, layout) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def check_input(self, x: torch.Tensor, layout) -> None:
+        kind = kind_of(layout)
+        if kind not in self.layouts:
+            raise ValueError(f"Attention variant {self.name!r} cannot serve layout {kind!r}; it serves "
+                             f"{sorted(self.layouts)}. Use a variant that does, or pass a suitable layout.")
+        if x.dim() != 3 or x.shape[-1] != self.dim:
+            raise ValueError(f"{self.name!r} mixer expects x of shape (B, N, {self.dim}), got {tuple(x.shape)}.")
+        if layout is not None and len(layout) != x.shape[1]:
+            raise ValueError(f"{self.name!r} mixer: layout {layout!r} holds {len(layout)} tokens, x has {x.shape[1]}.")
+        if isinstance(layout, Points) and layout.xyz.shape[0] != x.shape[0]:
+            raise ValueError(f"{self.name!r} mixer: Points batch {layout.xyz.shape[0]} != x batch {x.shape[0]}.")
+
+    def example_layout(self, n: int, batch: int = 1):
+        """A layout of n tokens this mixer serves: a square grid if possible, else a random point set."""
+        side = math.isqrt(n)
+        if "grid" in self.layouts and side * side == n:
+            return Grid(side, side)
+        if "points" in self.layouts:
+            return Points(torch.rand(batch, n, 3))
+        return None
+
+    def num_params(self) -> int:
+        """Trainable parameters (shared tensors counted once)."""
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)
+
+    @torch.no_grad()
+    def cost(self, n: int, batch: int = 1) -> dict[str, int]:
+        """Parameters and forward FLOPs for ``batch`` x ``n`` tokens of ``dim`` channels.
+
+        FLOPs as counted by ``torch.utils.flop_counter`` (a multiply-add is 2 FLOPs).
+        """
+        x = torch.randn(batch, n, self.dim, device=next(self.parameters()).device)
+        layout = self.example_layout(n, batch)
+        with FlopCounterMode(display=False) as counter:
+            self(x, layout)
+        return {"params": self.num_params(), "flops": int(counter.get_total_flops())}
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, heads={self.heads}"

@@ -1,0 +1,298 @@
+"""The kernels of ``attention.functional`` against brute-force float64 references.
+
+Every reference below is written from the formula in the project issue, with an
+explicit N x M matrix per (sample, head) and explicit sums, independently of the
+kernel it checks (no call into ``attention``).
+"""
+
+import math
+
+import pytest
+import torch
+
+from attention import functional as AF
+
+# (B, heads, N, M, d, d_v): d_v != d and N != M included.
+SHAPES = [
+    (1, 1, 5, 5, 4, 4),
+    (2, 3, 7, 4, 8, 5),
+    (3, 2, 4, 9, 6, 10),
+    (2, 4, 16, 16, 16, 16),
+]
+SHAPE_IDS = ["B{}h{}N{}M{}d{}dv{}".format(*s) for s in SHAPES]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: intra-op threads only add spin-waiting on a busy 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def randn(gen, *shape):
+    return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+
+def per_head(fn, *tensors):
+    """Apply ``fn`` to the 2-D slices [b, h] of each tensor and stack (B, h, ...)."""
+    B, H = tensors[0].shape[:2]
+    return torch.stack([torch.stack([fn(*(t[b, h] for t in tensors)) for h in range(H)]) for b in range(B)])
+
+
+# --------------------------------------------------------------------------------------------
+# Brute-force references (float64, explicit N x M matrices)
+# --------------------------------------------------------------------------------------------
+
+def ref_softmax(q, k, v, scale=None):
+    d = q.shape[-1]
+    scale = d ** -0.5 if scale is None else scale
+
+    def one(q, k, v):  # q (N, d), k (M, d), v (M, d_v)
+        N, M = q.shape[0], k.shape[0]
+        logits = torch.empty(N, M, dtype=torch.float64)
+        for i in range(N):
+            for j in range(M):
+                logits[i, j] = (q[i] * k[j]).sum() * scale
+        e = torch.exp(logits - logits.max(dim=1, keepdim=True).values)
+        a = e / e.sum(dim=1, keepdim=True)
+        return a @ v
+
+    return per_head(one, q, k, v)
+
+
+def ref_offset(q, k, v, eps=1e-9):
+    def one(q, k, v):  # q (N, d), k (M, d), v (N, d_v) -> (M, d_v)
+        N, M = q.shape[0], k.shape[0]
+        logits = q @ k.T  # no scaling
+        e = torch.exp(logits - logits.max(dim=1, keepdim=True).values)
+        a = e / e.sum(dim=1, keepdim=True)  # softmax over keys
+        col = torch.zeros(M, dtype=torch.float64)
+        for j in range(M):
+            for i in range(N):
+                col[j] += a[i, j]
+        a = a / (eps + col)[None, :]
+        out = torch.zeros(M, v.shape[1], dtype=torch.float64)
+        for j in range(M):
+            for i in range(N):
+                out[j] += a[i, j] * v[i]
+        return out
+
+    return per_head(one, q, k, v)
+
+
+def ref_external(q, mem_k, mem_v, eps=1e-9):
+    def one(q):  # q (N, d)
+        N, S = q.shape[0], mem_k.shape[0]
+        logits = q @ mem_k.T  # (N, S)
+        e = torch.exp(logits - logits.max(dim=0, keepdim=True).values)
+        a = e / e.sum(dim=0, keepdim=True)  # softmax over the N tokens
+        rows = torch.zeros(N, dtype=torch.float64)
+        for i in range(N):
+            for s in range(S):
+                rows[i] += a[i, s]
+        a = a / (eps + rows)[:, None]
+        return a @ mem_v
+
+    return per_head(one, q)
+
+
+def ref_taylor(q, k, v, eps=1e-6):
+    def one(q, k, v):
+        qn = q / q.norm(dim=-1, keepdim=True)
+        kn = k / k.norm(dim=-1, keepdim=True)
+        sim = 1 + qn @ kn.T  # (N, M), S_ij = 1 + q_i . k_j
+        # The issue's denominator N + q.(sum_j k_j + eps) is S.sum(-1) + eps * sum(q_i).
+        den = sim.sum(dim=-1) + eps * qn.sum(dim=-1)
+        return (sim @ v) / den[:, None]
+
+    return per_head(one, q, k, v)
+
+
+def ref_elu(q, k, v, eps=1e-6):
+    def phi(x):
+        return torch.where(x > 0, x + 1, torch.exp(x))  # elu(x) + 1
+
+    def one(q, k, v):
+        sim = phi(q) @ phi(k).T  # (N, M)
+        return (sim @ v) / (sim.sum(dim=-1) + eps)[:, None]
+
+    return per_head(one, q, k, v)
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------------
+
+def qkv_inputs(kernel, shape, seed):
+    """Random float64 inputs of a kernel for ``shape`` = (B, h, N, M, d, d_v)."""
+    B, H, N, M, d, dv = shape
+    gen = torch.Generator().manual_seed(seed)
+    q = randn(gen, B, H, N, d)
+    if kernel == "external":
+        return q, randn(gen, M, d), randn(gen, M, d)  # M plays the memory size S
+    if kernel == "offset":
+        return q, randn(gen, B, H, M, d), randn(gen, B, H, N, dv)  # v has the queries' length
+    return q, randn(gen, B, H, M, d), randn(gen, B, H, M, dv)
+
+
+KERNELS = {
+    "softmax": (AF.softmax_attention, ref_softmax),
+    "offset": (AF.offset_attention, ref_offset),
+    "external": (AF.external_attention, ref_external),
+    "taylor": (AF.taylor_linear_attention, ref_taylor),
+    "elu": (AF.elu_linear_attention, ref_elu),
+}
+
+
+def seed_of(kernel, shape):
+    """A fixed seed per (kernel, shape) (``hash`` of a str changes between runs)."""
+    return 100 * sorted(KERNELS).index(kernel) + SHAPES.index(shape)
+
+
+def expected_shape(kernel, shape):
+    B, H, N, M, d, dv = shape
+    if kernel == "external":
+        return (B, H, N, d)
+    if kernel == "offset":
+        return (B, H, M, dv)  # indexed by key position
+    return (B, H, N, dv)
+
+
+# --------------------------------------------------------------------------------------------
+# Against the references
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_kernel_matches_bruteforce_float32(kernel, shape):
+    fn, ref = KERNELS[kernel]
+    inputs = qkv_inputs(kernel, shape, seed=seed_of(kernel, shape))
+    expected = ref(*inputs)
+    out = fn(*(t.float() for t in inputs))
+    assert out.dtype == torch.float32
+    assert out.shape == expected_shape(kernel, shape)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, expected) < 1e-5
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_kernel_matches_bruteforce_float64(kernel, shape):
+    fn, ref = KERNELS[kernel]
+    inputs = qkv_inputs(kernel, shape, seed=1000 + seed_of(kernel, shape))
+    out = fn(*inputs)
+    assert out.dtype == torch.float64
+    assert out.shape == expected_shape(kernel, shape)
+    assert rel_err(out, ref(*inputs)) < 1e-12
+
+
+def test_softmax_explicit_scale():
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = randn(gen, 2, 2, 5, 4), randn(gen, 2, 2, 6, 4), randn(gen, 2, 2, 6, 3)
+    for scale in (1.0, 0.1):
+        assert rel_err(AF.softmax_attention(q, k, v, scale=scale), ref_softmax(q, k, v, scale=scale)) < 1e-12
+
+
+def test_external_memory_of_other_width():
+    """mem_v may have its own width: the output takes it."""
+    gen = torch.Generator().manual_seed(4)
+    q, mk, mv = randn(gen, 2, 3, 6, 4), randn(gen, 5, 4), randn(gen, 5, 7)
+    out = AF.external_attention(q, mk, mv)
+    assert out.shape == (2, 3, 6, 7)
+    assert rel_err(out, ref_external(q, mk, mv)) < 1e-12
+
+
+# Closed forms: uniform attention, checked without any reference implementation.
+
+def test_closed_forms_with_zero_queries():
+    gen = torch.Generator().manual_seed(5)
+    B, H, N, M, d, dv = 2, 2, 5, 7, 4, 3
+    k, v = randn(gen, B, H, M, d), randn(gen, B, H, M, dv)
+    q0 = torch.zeros(B, H, N, d, dtype=torch.float64)
+    mean_v = v.mean(dim=-2, keepdim=True).expand(B, H, N, dv)
+    # softmax of equal logits -> mean of the values
+    assert rel_err(AF.softmax_attention(q0, k, v), mean_v) < 1e-12
+    # LAM: a zero query normalises to zero, sim = 1 -> mean of the values
+    assert rel_err(AF.taylor_linear_attention(q0, k, v), mean_v) < 1e-12
+    # offset: q = k = 0 -> A = 1/M, column sums N/M -> A = 1/N: every output is the mean of v over queries
+    vq = randn(gen, B, H, N, dv)
+    out = AF.offset_attention(q0, torch.zeros(B, H, M, d, dtype=torch.float64), vq)
+    assert out.shape == (B, H, M, dv)
+    assert rel_err(out, vq.mean(dim=-2, keepdim=True).expand(B, H, M, dv)) < 1e-8
+    # external: softmax over tokens = 1/N, row sums S/N -> 1/S: mean of the value memory
+    S = 6
+    mk, mv = randn(gen, S, d), randn(gen, S, d)
+    out = AF.external_attention(q0, mk, mv)
+    assert rel_err(out, mv.mean(dim=0).expand(B, H, N, d)) < 1e-8
+
+
+def test_elu_with_one_key_returns_its_value():
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = randn(gen, 2, 3, 5, 4), randn(gen, 2, 3, 1, 4), randn(gen, 2, 3, 1, 6)
+    out = AF.elu_linear_attention(q, k, v)
+    # phi > 0, so with a single key the weights are 1 up to eps = 1e-6
+    assert rel_err(out, v.expand(2, 3, 5, 6)) < 1e-5
+
+
+def test_offset_columns_sum_to_one():
+    """After the column normalisation every key's weights over queries sum to ~1: v = 1 gives 1."""
+    gen = torch.Generator().manual_seed(7)
+    q, k = randn(gen, 2, 2, 6, 4), randn(gen, 2, 2, 9, 4)
+    out = AF.offset_attention(q, k, torch.ones(2, 2, 6, 1, dtype=torch.float64))
+    assert torch.allclose(out, torch.ones_like(out), atol=1e-6)
+
+
+def test_external_rows_sum_to_one():
+    gen = torch.Generator().manual_seed(8)
+    q, mk = randn(gen, 2, 2, 6, 4), randn(gen, 5, 4)
+    out = AF.external_attention(q, mk, torch.ones(5, 1, dtype=torch.float64))
+    assert torch.allclose(out, torch.ones_like(out), atol=1e-6)
+
+
+@pytest.mark.parametrize("kernel", ["softmax", "taylor", "elu"])
+def test_key_permutation_invariance(kernel):
+    """Permuting keys and values together leaves the output unchanged."""
+    fn, _ = KERNELS[kernel]
+    q, k, v = qkv_inputs(kernel, (2, 2, 5, 8, 4, 3), seed=9)
+    perm = torch.randperm(8, generator=torch.Generator().manual_seed(10))
+    assert rel_err(fn(q, k[:, :, perm], v[:, :, perm]), fn(q, k, v)) < 1e-12
+
+
+# --------------------------------------------------------------------------------------------
+# Gradients
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_gradcheck(kernel):
+    fn, _ = KERNELS[kernel]
+    inputs = tuple(t.requires_grad_() for t in qkv_inputs(kernel, (1, 2, 4, 3, 3, 2), seed=11))
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_float32_gradients_finite(kernel):
+    fn, _ = KERNELS[kernel]
+    inputs = tuple(t.float().requires_grad_() for t in qkv_inputs(kernel, (2, 2, 16, 12, 8, 8), seed=12))
+    fn(*inputs).square().sum().backward()
+    for t in inputs:
+        assert t.grad is not None and torch.isfinite(t.grad).all()
+        assert t.grad.abs().sum() > 0
+
+
+def test_reference_sanity():
+    """The references themselves: softmax reference vs a closed-form 1-key case and row-stochasticity."""
+    gen = torch.Generator().manual_seed(13)
+    q, k = randn(gen, 1, 1, 3, 2), randn(gen, 1, 1, 4, 2)
+    ones = torch.ones(1, 1, 4, 1, dtype=torch.float64)
+    assert torch.allclose(ref_softmax(q, k, ones), torch.ones(1, 1, 3, 1, dtype=torch.float64))
+    # two keys: weight of key 0 is a logistic in the logit difference
+    k2, v2 = randn(gen, 1, 1, 2, 2), torch.tensor([[[[1.0], [0.0]]]], dtype=torch.float64)
+    diff = (q[0, 0] @ (k2[0, 0, 0] - k2[0, 0, 1])) / math.sqrt(2)
+    assert torch.allclose(ref_softmax(q, k2, v2)[0, 0, :, 0], torch.sigmoid(diff))

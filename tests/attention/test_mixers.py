@@ -1,0 +1,371 @@
+"""The mixer contract: every registered variant, its options, its structure and its cost."""
+
+import pytest
+import torch
+from torch import nn
+
+import attention
+from attention import Grid, Points, UserError
+
+DIM = 32
+GRID = Grid(4, 6)  # not square, so rows and columns cannot be confused
+N = len(GRID)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: intra-op threads only add spin-waiting on a busy 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def build(name, dim=DIM, **opts):
+    torch.manual_seed(0)
+    return attention.build(name, dim=dim, **opts).eval()
+
+
+def layouts(batch, n=N, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return {"grid": GRID, "points": Points(torch.rand(batch, n, 3, generator=gen)), "none": None}
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def point_variants():
+    return [n for n in attention.names() if "points" in attention.get(n).layouts]
+
+
+# --------------------------------------------------------------------------------------------
+# Every registered variant
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["grid", "points", "none"])
+@pytest.mark.parametrize("name", attention.names())
+def test_forward_shape_and_finite(name, kind):
+    mixer = build(name)
+    x = torch.randn(2, N, DIM, generator=torch.Generator().manual_seed(1))
+    layout = layouts(2)[kind]
+    if kind not in mixer.layouts:
+        with pytest.raises(ValueError, match=name):
+            mixer(x, layout)
+        return
+    y = mixer(x, layout)
+    assert y.shape == (2, N, DIM)
+    assert y.dtype == x.dtype
+    assert torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("name", attention.names())
+def test_registered_class_is_a_mixer(name):
+    cls = attention.get(name)
+    assert issubclass(cls, attention.Mixer)
+    assert cls.name == name
+    assert cls.layouts <= {"grid", "points", "none"} and cls.layouts
+    assert "heads" in attention.options(name)
+
+
+@pytest.mark.parametrize("name", attention.names())
+def test_gradients_reach_every_parameter(name):
+    mixer = build(name).train()
+    kind = sorted(mixer.layouts)[0]
+    x = torch.randn(2, N, DIM, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    mixer(x, layouts(2)[kind]).square().sum().backward()
+    assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+    for pname, p in mixer.named_parameters():
+        assert p.grad is not None, pname
+        assert torch.isfinite(p.grad).all(), pname
+
+
+@pytest.mark.parametrize("name", point_variants())
+def test_permutation_equivariance_on_points(name):
+    mixer = build(name)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, N, DIM, generator=gen)
+    xyz = torch.rand(2, N, 3, generator=gen)
+    perm = torch.randperm(N, generator=gen)
+    with torch.no_grad():
+        y = mixer(x, Points(xyz))
+        y_perm = mixer(x[:, perm], Points(xyz[:, perm]))
+    assert rel_err(y_perm, y[:, perm]) < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["grid", "points", "none"])
+@pytest.mark.parametrize("name", attention.names())
+def test_batch_independence(name, kind):
+    mixer = build(name)
+    if kind not in mixer.layouts:
+        pytest.skip(f"{name} does not serve {kind}")
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(3, N, DIM, generator=gen)
+    lay = layouts(3, seed=5)
+    with torch.no_grad():
+        y = mixer(x, lay[kind])
+        # sample 1 alone
+        single = {"grid": GRID, "points": Points(lay["points"].xyz[1:2]), "none": None}[kind]
+        y1 = mixer(x[1:2], single)
+        # the other samples changed: sample 1's output must not move
+        x2 = x.clone()
+        x2[0] = torch.randn(N, DIM, generator=gen) * 3
+        x2[2] = torch.randn(N, DIM, generator=gen) * 3
+        y2 = mixer(x2, lay[kind])
+    assert rel_err(y1[0], y[1]) < 1e-5
+    assert rel_err(y2[1], y[1]) < 1e-5
+    assert rel_err(y2[0], y[0]) > 1e-3  # the change did reach the mixer
+
+
+@pytest.mark.parametrize("name", attention.names())
+def test_layout_mismatch_raises(name):
+    mixer = build(name)
+    x = torch.randn(2, N, DIM)
+    if "grid" in mixer.layouts:
+        with pytest.raises(ValueError):
+            mixer(x, Grid(5, 5))
+    if "points" in mixer.layouts:
+        with pytest.raises(ValueError):
+            mixer(x, Points(torch.rand(2, N + 1, 3)))
+        with pytest.raises(ValueError):
+            mixer(x, Points(torch.rand(3, N, 3)))  # batch mismatch
+    with pytest.raises(ValueError):
+        mixer(torch.randn(2, N, DIM + 1), None if "none" in mixer.layouts else GRID)
+
+
+def test_layout_constructors_validate():
+    with pytest.raises(ValueError):
+        Grid(0, 3)
+    with pytest.raises(ValueError):
+        Points(torch.rand(2, 5, 2))
+    assert len(Grid(3, 5)) == 15
+    assert len(Points(torch.rand(2, 7, 3))) == 7
+
+
+# --------------------------------------------------------------------------------------------
+# Options, registry
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", attention.names())
+def test_heads_not_dividing_dim(name):
+    with pytest.raises(UserError, match="heads"):
+        attention.build(name, dim=DIM, heads=3)
+
+
+@pytest.mark.parametrize("name", attention.names())
+def test_heads_zero(name):
+    with pytest.raises(UserError, match="heads"):
+        attention.build(name, dim=DIM, heads=0)
+
+
+@pytest.mark.parametrize("name", attention.names())
+def test_unknown_option(name):
+    with pytest.raises(UserError, match="bogus_option"):
+        attention.build(name, dim=DIM, bogus_option=1)
+
+
+@pytest.mark.parametrize("memory", [0, -3, 2.5])
+def test_external_memory_invalid(memory):
+    with pytest.raises(UserError, match="memory"):
+        attention.build("external", dim=DIM, memory=memory)
+
+
+def test_offset_qk_ratio_not_dividing():
+    with pytest.raises(UserError, match="qk_ratio"):
+        attention.build("offset", dim=DIM, qk_ratio=3)
+    with pytest.raises(UserError, match="qk_ratio"):
+        attention.build("offset", dim=DIM, qk_ratio=0)
+    # heads must divide the query/key width dim / qk_ratio = 8
+    with pytest.raises(UserError, match="heads"):
+        attention.build("offset", dim=DIM, qk_ratio=4, heads=16)
+    attention.build("offset", dim=DIM, qk_ratio=4, heads=8)
+
+
+def test_unknown_variant_lists_available():
+    with pytest.raises(UserError) as info:
+        attention.build("no_such_variant", dim=DIM)
+    msg = str(info.value)
+    assert "no_such_variant" in msg
+    for name in attention.names():
+        assert name in msg
+
+
+def test_user_error_is_value_error():
+    assert issubclass(UserError, ValueError)
+
+
+def test_register_rejects_duplicate_name():
+    existing = attention.get("self")
+    before = attention.names()
+
+    class Impostor(attention.Mixer):
+        pass
+
+    with pytest.raises(KeyError, match="self"):
+        attention.register("self")(Impostor)
+    assert attention.get("self") is existing
+    assert attention.names() == before
+    assert Impostor.name != "self"
+    # re-registering the same class under its own name is harmless
+    assert attention.register("self")(existing) is existing
+    assert attention.get("self") is existing
+
+
+# --------------------------------------------------------------------------------------------
+# Published structure
+# --------------------------------------------------------------------------------------------
+
+def test_offset_structure_is_pct():
+    C = 64
+    mixer = build("offset", dim=C)
+    params = dict(mixer.named_parameters())
+    shapes = sorted(tuple(p.shape) for p in params.values())
+    # one (C/4, C) weight (shared Q/K, no bias), one (C, C) weight and its (C,) bias
+    assert shapes == sorted([(C // 4, C), (C, C), (C,)])
+    w_qk = next(p for p in params.values() if p.shape == (C // 4, C))
+    w_v = next(p for p in params.values() if p.shape == (C, C))
+    b_v = next(p for p in params.values() if p.shape == (C,))
+    linears = [m for m in mixer.modules() if isinstance(m, nn.Linear)]
+    assert len(linears) == 2
+    assert any(m.weight is w_qk and m.bias is None for m in linears)
+    assert any(m.weight is w_v and m.bias is b_v for m in linears)
+
+    # The module computes PCT's SA from these parameters, with Q = K = x W_qk^T.
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 10, C, generator=gen, dtype=torch.float64)
+    mixer = mixer.double()
+    with torch.no_grad():
+        y = mixer(x)
+        qk = x @ w_qk.double().T  # (B, N, C/4)
+        v = x @ w_v.double().T + b_v.double()  # (B, N, C)
+        energy = qk @ qk.transpose(1, 2)  # (B, N, N): queries x keys
+        a = torch.softmax(energy, dim=-1)
+        a = a / (1e-9 + a.sum(dim=1, keepdim=True))
+        expected = torch.einsum("bij,bic->bjc", a, v)  # output_j = sum_i A_ij v_i
+    assert rel_err(y, expected) < 1e-12
+
+
+def test_offset_params_at_256():
+    C = 256
+    hand = C * (C // 4) + C * C + C  # shared bias-free Q/K projection + V with bias
+    assert hand == 82176  # the issue's count
+    assert build("offset", dim=C).cost(2)["params"] == hand
+
+
+@pytest.mark.parametrize("heads", [1, 4])
+def test_external_structure(heads):
+    C = 128
+    mixer = build("external", dim=C, heads=heads)
+    mems = [p for p in mixer.parameters() if p.shape == (64, C // heads)]
+    assert len(mems) == 2
+    assert mems[0] is not mems[1]
+
+    # Memories shared by the heads: per-head loop with the same M_k, M_v.
+    gen = torch.Generator().manual_seed(7)
+    mixer = mixer.double()
+    x = torch.randn(2, 9, C, generator=gen, dtype=torch.float64)
+    d = C // heads
+    with torch.no_grad():
+        q = mixer.q(x)
+        outs = []
+        for h in range(heads):
+            a = q[..., h * d:(h + 1) * d] @ mixer.mem_k.T  # (B, N, S)
+            a = torch.softmax(a, dim=1)  # over tokens
+            a = a / (1e-9 + a.sum(dim=2, keepdim=True))  # over slots
+            outs.append(a @ mixer.mem_v)
+        expected = mixer.proj(torch.cat(outs, dim=-1))
+        y = mixer(x)
+    assert rel_err(y, expected) < 1e-12
+
+
+@pytest.mark.parametrize("heads", [1, 2, 4])
+def test_self_matches_plain_multihead_attention(heads):
+    C, n = DIM, 11
+    mixer = build("self", dim=C, heads=heads)
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(3, n, C, generator=gen)
+    W, b = mixer.qkv.weight.double(), mixer.qkv.bias.double()
+    d = C // heads
+    xd = x.double()
+    with torch.no_grad():
+        qkv = xd @ W.T + b
+        q, k, v = qkv[..., :C], qkv[..., C:2 * C], qkv[..., 2 * C:]
+        heads_out = []
+        for h in range(heads):
+            sl = slice(h * d, (h + 1) * d)
+            logits = q[..., sl] @ k[..., sl].transpose(1, 2) / d ** 0.5
+            e = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
+            heads_out.append((e / e.sum(dim=-1, keepdim=True)) @ v[..., sl])
+        expected = torch.cat(heads_out, dim=-1) @ mixer.proj.weight.double().T + mixer.proj.bias.double()
+        y = mixer(x)
+    assert rel_err(y, expected) < 1e-5
+
+
+# --------------------------------------------------------------------------------------------
+# Cost
+# --------------------------------------------------------------------------------------------
+
+def linear_params(i, o, bias=True):
+    return i * o + (o if bias else 0)
+
+
+@pytest.mark.parametrize("C,heads", [(32, 1), (64, 4)])
+def test_cost_params(C, heads):
+    qkv_mixer = linear_params(C, 3 * C) + linear_params(C, C)
+    expected = {
+        "self": qkv_mixer,
+        "linear_elu": qkv_mixer,
+        "linear_taylor": qkv_mixer,
+        "external": 2 * linear_params(C, C) + 2 * 64 * (C // heads),
+        "offset": linear_params(C, C // 4, bias=False) + linear_params(C, C),
+    }
+    for name, count in expected.items():
+        assert build(name, dim=C, heads=heads).cost(4)["params"] == count, name
+
+
+@pytest.mark.parametrize("B,n,C,heads", [(1, 9, 16, 1), (2, 12, 32, 4)])
+def test_cost_flops_self(B, n, C, heads):
+    macs = B * (n * C * 3 * C  # qkv
+                + n * n * C  # Q K^T over all heads
+                + n * n * C  # A V
+                + n * C * C)  # output projection
+    assert build("self", dim=C, heads=heads).cost(n, batch=B)["flops"] == 2 * macs
+
+
+@pytest.mark.parametrize("B,n,C,heads,S", [(1, 9, 16, 1, 64), (2, 12, 32, 4, 8)])
+def test_cost_flops_external(B, n, C, heads, S):
+    macs = B * (n * C * C  # query projection
+                + n * C * S  # Q M_k^T over all heads
+                + n * S * C  # A M_v
+                + n * C * C)  # output projection
+    assert build("external", dim=C, heads=heads, memory=S).cost(n, batch=B)["flops"] == 2 * macs
+
+
+def test_cost_flops_offset():
+    B, n, C = 2, 10, 32
+    macs = B * (n * C * C // 4 + n * C * C + n * n * C // 4 + n * n * C)
+    assert build("offset", dim=C).cost(n, batch=B)["flops"] == 2 * macs
+
+
+@pytest.mark.parametrize("name", ["linear_elu", "linear_taylor", "external"])
+def test_linear_variants_flops_linear_in_n(name):
+    mixer = build(name)
+    f1, f2, f4 = (mixer.cost(n)["flops"] for n in (64, 128, 256))
+    assert abs(f2 / f1 - 2) < 0.1
+    assert abs(f4 / f2 - 2) < 0.1
+
+
+@pytest.mark.parametrize("name", ["self", "offset"])
+def test_quadratic_variants_flops_superlinear(name):
+    mixer = build(name)
+    f1, f2 = mixer.cost(64)["flops"], mixer.cost(128)["flops"]
+    assert f2 / f1 > 2.5
+
+
+@pytest.mark.parametrize("name", attention.names())
+def test_cost_reports_ints_and_scales_with_batch(name):
+    mixer = build(name)
+    c1, c2 = mixer.cost(16), mixer.cost(16, batch=2)
+    assert isinstance(c1["params"], int) and isinstance(c1["flops"], int)
+    assert c1["params"] == sum(p.numel() for p in mixer.parameters()) > 0
+    assert c1["flops"] > 0 and c2["flops"] == 2 * c1["flops"]
