@@ -1,0 +1,249 @@
+"""Shared pieces of the point-cloud classification data modules.
+
+Every sample is a plain dict, so PyTorch's default collate batches it::
+
+    {"points": FloatTensor (N, 3), "label": LongTensor ()}
+    batch["points"]: (B, N, 3) float32, batch["label"]: (B,) int64
+
+Training augmentation follows the PCT / DGCNN ModelNet40 reference code
+(``random_point_dropout``, ``translate_pointcloud``, ``np.random.shuffle``),
+applied per sample to the train split only, on a copy (the reference code
+corrupts its cached array in place; we never do):
+
+1. point dropout: ratio ~ U(0, 0.875); each point whose U(0, 1) <= ratio is
+   replaced by the first point;
+2. per-axis scale ~ U(2/3, 3/2) and shift ~ U(-0.2, 0.2);
+3. shuffle the point order.
+
+Randomness comes from a numpy Generator seeded per sample from torch's default
+generator, which ``lightning.seed_everything(seed, workers=True)`` seeds in the
+main process and DataLoader seeds per worker; two identically seeded runs see
+identical batches, with or without workers.
+
+Validation protocol: with ``val_fraction == 0`` (the default) validation uses
+the *test* set, as the PCT/ModelNet reference code does (it reports the best
+test accuracy over training). With ``val_fraction > 0`` a seeded, stratified
+fraction of the train split is held out (unaugmented) for validation.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from attention.errors import UserError
+
+MAX_DROPOUT_RATIO = 0.875
+SCALE_RANGE = (2.0 / 3.0, 3.0 / 2.0)
+SHIFT_RANGE = (-0.2, 0.2)
+
+
+def augment_points(points: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Return an augmented float32 copy of ``points`` (N, 3); the input is never modified."""
+    pts = np.array(points, dtype=np.float32, copy=True)  # (N, 3)
+    ratio = rng.random() * MAX_DROPOUT_RATIO
+    drop = rng.random(len(pts)) <= ratio  # (N,)
+    pts[drop] = pts[0].copy()
+    scale = rng.uniform(*SCALE_RANGE, size=3)
+    shift = rng.uniform(*SHIFT_RANGE, size=3)
+    pts = (pts * scale + shift).astype(np.float32)
+    rng.shuffle(pts)  # permutes rows (points)
+    return pts
+
+
+def sample_rng() -> np.random.Generator:
+    """A fresh numpy Generator seeded from torch's default generator (per process / worker)."""
+    return np.random.default_rng(int(torch.randint(0, 2**62, ()).item()))
+
+
+class PointSource(Protocol):
+    """Indexable point clouds with known labels: what :class:`PointCloudDataset` reads."""
+
+    labels: np.ndarray  # (n,) int64
+
+    def points(self, index: int) -> np.ndarray:
+        """The stored points of sample ``index``, (P, 3); callers must not modify them."""
+
+
+class ArraySource:
+    """Point clouds held in memory: ``points`` (n, P, 3) float32 and ``labels`` (n,) int64."""
+
+    def __init__(self, points: np.ndarray, labels: np.ndarray):
+        if len(points) != len(labels):
+            raise ValueError(f"{len(points)} point clouds but {len(labels)} labels")
+        self._points = points
+        self.labels = labels
+
+    def points(self, index: int) -> np.ndarray:
+        return self._points[index]
+
+
+class PointCloudDataset(Dataset):
+    """Dict samples ``{"points": (npoints, 3) float32, "label": () int64}`` from a source.
+
+    Args:
+        source: where the point clouds and labels live.
+        npoints: keep the first ``npoints`` stored points of each sample.
+        augment: apply the training augmentation (see the module docstring).
+        indices: which source samples this dataset exposes (default: all).
+    """
+
+    def __init__(self, source: PointSource, npoints: int, augment: bool, indices: np.ndarray | None = None):
+        self.source = source
+        self.npoints = npoints
+        self.augment = augment
+        self.indices = np.arange(len(source.labels)) if indices is None else np.asarray(indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    @property
+    def labels(self) -> np.ndarray:
+        """Labels of the exposed samples, (len(self),) int64."""
+        return self.source.labels[self.indices]
+
+    def __getitem__(self, item: int) -> dict[str, torch.Tensor]:
+        index = int(self.indices[item])
+        points = self.source.points(index)[: self.npoints]  # (npoints, 3), a view of the source
+        if self.augment:
+            points = augment_points(points, sample_rng())
+        return {
+            "points": torch.tensor(points, dtype=torch.float32),  # copies: the source stays intact
+            "label": torch.tensor(int(self.source.labels[index]), dtype=torch.long),
+        }
+
+
+def split_train_val(labels: np.ndarray, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Seeded stratified split of ``range(len(labels))`` into sorted (train, val) index arrays.
+
+    The validation set gets ``max(1, round(val_fraction * n))`` samples, spread over
+    the classes in proportion to their sizes (largest remainders first).
+    """
+    n = len(labels)
+    n_val = max(1, round(val_fraction * n))
+    if n_val >= n:
+        raise UserError(
+            f"val_fraction={val_fraction} leaves no training samples out of {n}; "
+            f"use a smaller data.val_fraction (or 0 to validate on the test set)."
+        )
+    rng = np.random.default_rng(seed)
+    classes, counts = np.unique(labels, return_counts=True)
+    quota = counts * (n_val / n)  # (C,) ideal per-class validation sizes
+    take = np.floor(quota).astype(int)
+    remainder_order = np.argsort(-(quota - take), kind="stable")
+    take[remainder_order[: n_val - take.sum()]] += 1
+    val = [rng.permutation(np.flatnonzero(labels == c))[:k] for c, k in zip(classes, take)]
+    val_idx = np.sort(np.concatenate(val))
+    train_idx = np.setdiff1d(np.arange(n), val_idx)
+    return train_idx, val_idx
+
+
+class PointCloudDataModule(L.LightningDataModule):
+    """Base data module for point-cloud classification (see the module docstring).
+
+    Subclasses set ``num_classes`` and ``class_names`` and implement
+    :meth:`_load`, which returns ``(train, val_or_None, test)`` sources.
+    :meth:`setup` loads once; the datasets are then ``train_set``, ``val_set``
+    and ``test_set``.
+
+    Args:
+        root: dataset folder (meaning depends on the subclass).
+        npoints: points per sample (the first ``npoints`` stored points).
+        batch_size: training batch size.
+        eval_batch_size: validation/test batch size; defaults to ``batch_size``.
+        num_workers: DataLoader workers (persistent when > 0).
+        augment: apply the training augmentation to the train split.
+        val_fraction: 0 validates on the test set; in (0, 1) holds out that
+            seeded, stratified fraction of the train split.
+        seed: seed of the validation split (and of generated data, if any).
+    """
+
+    num_classes: int
+    class_names: list[str]
+
+    def __init__(
+        self,
+        root: str | None,
+        npoints: int = 1024,
+        batch_size: int = 32,
+        eval_batch_size: int | None = None,
+        num_workers: int = 0,
+        augment: bool = True,
+        val_fraction: float = 0.0,
+        seed: int = 0,
+    ):
+        super().__init__()
+        for name, value in [("npoints", npoints), ("batch_size", batch_size)]:
+            if int(value) < 1:
+                raise UserError(f"data.{name} must be a positive integer, got {value}.")
+        if eval_batch_size is not None and int(eval_batch_size) < 1:
+            raise UserError(f"data.eval_batch_size must be a positive integer or null, got {eval_batch_size}.")
+        if int(num_workers) < 0:
+            raise UserError(f"data.num_workers must be >= 0, got {num_workers}.")
+        if not 0.0 <= float(val_fraction) < 1.0:
+            raise UserError(f"data.val_fraction must be in [0, 1) (0 validates on the test set), got {val_fraction}.")
+        if int(seed) < 0:
+            raise UserError(f"data.seed must be >= 0, got {seed}.")
+        self.root = root
+        self.npoints = int(npoints)
+        self.batch_size = int(batch_size)
+        self.eval_batch_size = int(eval_batch_size) if eval_batch_size is not None else self.batch_size
+        self.num_workers = int(num_workers)
+        self.augment = bool(augment)
+        self.val_fraction = float(val_fraction)
+        self.seed = int(seed)
+        self.train_set: PointCloudDataset | None = None
+        self.val_set: PointCloudDataset | None = None
+        self.test_set: PointCloudDataset | None = None
+
+    def _load(self) -> tuple[PointSource, PointSource | None, PointSource]:
+        """Return the (train, val or None, test) sources; called once by :meth:`setup`."""
+        raise NotImplementedError
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        train, val, test = self._load()
+        self.test_set = PointCloudDataset(test, self.npoints, augment=False)
+        if val is not None:
+            self.train_set = PointCloudDataset(train, self.npoints, self.augment)
+            self.val_set = PointCloudDataset(val, self.npoints, augment=False)
+        elif self.val_fraction > 0:
+            train_idx, val_idx = split_train_val(train.labels, self.val_fraction, self.seed)
+            self.train_set = PointCloudDataset(train, self.npoints, self.augment, train_idx)
+            self.val_set = PointCloudDataset(train, self.npoints, augment=False, indices=val_idx)
+        else:
+            self.train_set = PointCloudDataset(train, self.npoints, self.augment)
+            self.val_set = self.test_set
+
+    def _loader(self, split: str) -> DataLoader:
+        if self.train_set is None:
+            self.setup()
+        dataset = getattr(self, f"{split}_set")
+        train = split == "train"
+        batch_size = self.batch_size if train else self.eval_batch_size
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            shuffle=train,
+            drop_last=train and len(dataset) > batch_size,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            pin_memory=torch.cuda.is_available(),
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled; drops the last partial batch only when the train set exceeds one batch."""
+        return self._loader("train")
+
+    def val_dataloader(self) -> DataLoader:
+        """In order, every sample exactly once (the test set when ``val_fraction == 0``)."""
+        return self._loader("val")
+
+    def test_dataloader(self) -> DataLoader:
+        """In order, every sample exactly once."""
+        return self._loader("test")

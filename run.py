@@ -1,0 +1,140 @@
+#!/usr/bin/env python
+"""The suite's one command: ``python run.py task=modelnet attn=external``.
+
+Composes ``configs/config.yaml`` with the groups task, attn, data, trainer,
+logger and experiment, then runs ``mode``:
+
+- ``train`` (default): fit, then test the best checkpoint;
+- ``test``: test ``ckpt_path``;
+- ``summary``: per-module parameters and FLOPs, ending ``params=<int> flops=<int>``.
+
+Train and test print their metrics and write ``metrics.json`` to Hydra's run
+directory. User errors print one message and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from attention.errors import UserError
+
+CONFIGS = Path(__file__).resolve().parent / "configs"
+GROUPS = ("task", "attn", "data", "trainer", "logger", "experiment")
+MODES = ("train", "test", "summary")
+log = logging.getLogger("run")
+
+
+def user_error(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_group_choices(argv: list[str]) -> None:
+    """Reject ``group=unknown`` before Hydra does, listing the choices, with exit code 2."""
+    for arg in argv:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        key, value = arg.split("=", 1)
+        key = key.lstrip("+~").removeprefix("override ").strip()
+        if key not in GROUPS:
+            continue
+        for choice in value.split(","):  # multirun sweeps list choices with commas
+            if choice and choice != "null" and not (CONFIGS / key / f"{choice}.yaml").is_file():
+                available = sorted(p.stem for p in (CONFIGS / key).glob("*.yaml"))
+                user_error(f"unknown {key} {choice!r}. Available {key} choices: {', '.join(available)} "
+                           f"(configs/{key}/). Example: `python run.py {key}={available[0]}`.")
+
+
+def run(cfg: DictConfig) -> dict:
+    import lightning as L
+    import torch
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.utils import instantiate
+
+    from tasks.loggers import build_loggers
+
+    if cfg.mode not in MODES:
+        raise UserError(f"mode={cfg.mode!r} is not known: use one of {', '.join(MODES)}.")
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    for name in ("lightning.pytorch", "lightning.fabric"):  # Lightning has its own handler; Hydra's root one
+        logging.getLogger(name).propagate = False       # would print every line twice
+    L.seed_everything(cfg.seed, workers=True)
+    container = OmegaConf.to_container(cfg, resolve=True)
+
+    datamodule = instantiate(cfg.data, _convert_="all")
+    task_kwargs = {k: v for k, v in container["task"].items() if k != "name"}
+    module = instantiate(task_kwargs, num_classes=datamodule.num_classes, class_names=datamodule.class_names,
+                         model=container["model"], attn=container["attn"], optim=container["optim"],
+                         _convert_="all", _recursive_=False)  # optim's factories are built in the module
+
+    if cfg.mode == "summary":
+        from tasks.summary import summarize
+
+        table, params, flops = summarize(module.net, module.example_input_array)
+        print(table)
+        print(f"params={params} flops={flops}")
+        return {"params": params, "flops": flops}
+
+    loggers = build_loggers(cfg.logger, out_dir, container)
+    callbacks = [instantiate(c) for c in (container.get("callbacks") or {}).values() if c]
+    checkpoint = L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=out_dir / "checkpoints", filename="best-epoch{epoch:03d}", monitor=cfg.monitor.metric,
+        mode=cfg.monitor.mode, save_last=True, auto_insert_metric_name=False)
+    callbacks.append(checkpoint)
+    if loggers:
+        callbacks.append(L.pytorch.callbacks.LearningRateMonitor(logging_interval="epoch"))
+    trainer = L.Trainer(**container["trainer"], callbacks=callbacks, logger=loggers or False,
+                        default_root_dir=str(out_dir))
+
+    metrics: dict[str, float] = {}
+    if cfg.mode == "train":
+        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+        metrics.update(_floats(trainer.callback_metrics))
+        best = checkpoint.best_model_path or None
+        results = trainer.test(module, datamodule=datamodule, ckpt_path=best, weights_only=True)
+        if best:
+            log.info("tested best checkpoint %s", best)
+    else:
+        ckpt = cfg.get("ckpt_path")
+        if not ckpt or not Path(ckpt).is_file():
+            raise UserError(f"mode=test needs an existing checkpoint: ckpt_path={ckpt!r} is "
+                            f"{'not set' if not ckpt else 'not a file'}. Pass e.g. "
+                            "`ckpt_path=outputs/.../checkpoints/last.ckpt`.")
+        results = trainer.test(module, datamodule=datamodule, ckpt_path=ckpt, weights_only=True)
+    for result in results:
+        metrics.update(_floats(result))
+    metrics = dict(sorted(metrics.items()))
+    if trainer.is_global_zero:
+        (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        print("\n".join(f"{k:>24} {v:.4f}" for k, v in metrics.items()))
+        print(f"metrics written to {out_dir / 'metrics.json'}")
+    torch.distributed.is_initialized() and torch.distributed.barrier()
+    return metrics
+
+
+def _floats(metrics) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items()}
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="config")
+def main(cfg: DictConfig) -> None:
+    try:
+        run(cfg)
+    except Exception as err:  # Hydra's instantiate wraps what constructors raise: look down the chain
+        cause = err
+        while cause is not None and not isinstance(cause, UserError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        user_error(str(cause))
+
+
+if __name__ == "__main__":
+    check_group_choices(sys.argv[1:])
+    main()

@@ -1,0 +1,123 @@
+"""PCT: Point Cloud Transformer (Guo et al., 2021) for shape classification.
+
+Follows the reference PyTorch port (PCT_Pytorch, model.py ``Pct``) layer for
+layer, with every attention layer's mixer built from the ``attn`` config:
+
+    xyz (B, N, 3)
+    point embedding   conv 3->64->64 + BN + ReLU
+    neighbour embed.  2 x sample-and-group (FPS to 512 then 256 points, 32-NN,
+                      [neighbour - centre, centre]) -> 2 x (conv + BN + ReLU) -> max
+                      over neighbours: 128 then 256 channels
+    transformer       conv 256->256 x 2 + BN + ReLU, then 4 offset blocks
+                      x + ReLU(BN(conv(x - mixer(x)))), outputs concatenated (1024)
+    head              [1024, 256 skip] -> conv 1280->1024 + BN + LeakyReLU(0.2) -> max
+                      pool -> 1024->512->256->classes, BN, LeakyReLU(0.2), dropout
+
+``embedding="point"`` is SPCT: a point embedding 3->128->128 and attention over
+all input points at 128 channels, no neighbour embedding.
+With ``attn=offset`` and the defaults the network has 2,876,136 trainable
+parameters, the paper's 2.88M.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import attention
+from attention.errors import UserError
+from attention.pointops import farthest_point_sample, gather, knn
+
+
+def conv_bn(cin: int, cout: int, act: nn.Module | None = None) -> nn.Sequential:
+    """1x1 conv (no bias) + BN + activation (ReLU by default), on (B, C, N)."""
+    return nn.Sequential(nn.Conv1d(cin, cout, 1, bias=False), nn.BatchNorm1d(cout), act or nn.ReLU())
+
+
+class SampleAndGroup(nn.Module):
+    """PCT's ``sample_and_group`` + ``Local_op``: FPS centres, kNN groups, shared MLP, max over neighbours."""
+
+    def __init__(self, cin: int, cout: int, samples: int, neighbours: int):
+        super().__init__()
+        self.samples, self.neighbours = samples, neighbours
+        self.mlp = nn.Sequential(conv_bn(2 * cin, cout), conv_bn(cout, cout))
+
+    def forward(self, xyz: torch.Tensor, feats: torch.Tensor):
+        # xyz (B, N, 3), feats (B, N, C) -> new_xyz (B, S, 3), out (B, S, C_out)
+        centres = farthest_point_sample(xyz, self.samples)  # (B, S)
+        new_xyz = gather(xyz, centres)  # (B, S, 3)
+        centre_feats = gather(feats, centres)  # (B, S, C)
+        groups = gather(feats, knn(new_xyz, xyz, self.neighbours))  # (B, S, K, C)
+        centre = centre_feats.unsqueeze(2).expand_as(groups)  # (B, S, K, C)
+        x = torch.cat([groups - centre, centre], dim=-1)  # (B, S, K, 2C)
+        b, s, k, c = x.shape
+        x = self.mlp(x.reshape(b * s, k, c).transpose(1, 2))  # (B*S, C_out, K)
+        x = x.amax(dim=-1).reshape(b, s, -1)  # (B, S, C_out)
+        return new_xyz, x
+
+
+class OffsetBlock(nn.Module):
+    """PCT's offset-attention block ``x + ReLU(BN(conv(x - mixer(x))))`` around any mixer."""
+
+    def __init__(self, channels: int, attn: Mapping):
+        super().__init__()
+        self.mixer = attention.build(**attn, dim=channels)
+        self.conv = nn.Conv1d(channels, channels, 1)
+        self.norm = nn.BatchNorm1d(channels)
+
+    def forward(self, x: torch.Tensor, layout) -> torch.Tensor:
+        # x (B, C, N)
+        mixed = self.mixer(x.transpose(1, 2), layout).transpose(1, 2)  # (B, C, N)
+        return x + F.relu(self.norm(self.conv(x - mixed)))
+
+
+class PCT(nn.Module):
+    def __init__(self, num_classes: int, attn: Mapping, embedding: str = "neighbor",
+                 samples: Sequence[int] = (512, 256), neighbours: int = 32, dropout: float = 0.5,
+                 layers: int = 4):
+        super().__init__()
+        if embedding not in ("neighbor", "point"):
+            raise UserError(f"model.embedding={embedding!r} is not known: use `neighbor` (PCT) or `point` (SPCT).")
+        if len(samples) != 2 or any(int(s) < 1 for s in samples):
+            raise UserError(f"model.samples={list(samples)} must be two positive point counts, e.g. [512, 256].")
+        self.embedding = embedding
+        if embedding == "neighbor":
+            self.embed = nn.Sequential(conv_bn(3, 64), conv_bn(64, 64))
+            self.groups = nn.ModuleList([SampleAndGroup(64, 128, samples[0], neighbours),
+                                         SampleAndGroup(128, 256, samples[1], neighbours)])
+            width = 256
+        else:
+            self.embed = nn.Sequential(conv_bn(3, 128), conv_bn(128, 128))
+            self.groups = nn.ModuleList()
+            width = 128
+        self.pre = nn.Sequential(conv_bn(width, width), conv_bn(width, width))
+        self.blocks = nn.ModuleList([OffsetBlock(width, attn) for _ in range(layers)])
+        self.fuse = conv_bn(width * (layers + 1), 1024, nn.LeakyReLU(0.2))
+        self.head = nn.Sequential(
+            nn.Linear(1024, 512, bias=False), nn.BatchNorm1d(512), nn.LeakyReLU(0.2), nn.Dropout(dropout),
+            nn.Linear(512, 256), nn.BatchNorm1d(256), nn.LeakyReLU(0.2), nn.Dropout(dropout),
+            nn.Linear(256, num_classes),
+        )
+        self.min_points = max(samples) if embedding == "neighbor" else 1
+        self.neighbours = neighbours
+
+    def forward(self, xyz: torch.Tensor) -> torch.Tensor:
+        # xyz (B, N, 3) -> logits (B, classes)
+        if xyz.shape[1] < self.min_points or xyz.shape[1] < self.neighbours:
+            raise UserError(f"PCT got {xyz.shape[1]} points per shape but samples {self.min_points} centres with "
+                            f"{self.neighbours} neighbours; raise data.npoints or lower model.samples/model.neighbours.")
+        feats = self.embed(xyz.transpose(1, 2)).transpose(1, 2)  # (B, N, C)
+        for group in self.groups:
+            xyz, feats = group(xyz, feats)  # (B, S, 3), (B, S, C)
+        layout = attention.Points(xyz)
+        skip = feats.transpose(1, 2)  # (B, C, S)
+        x = self.pre(skip)
+        outs = []
+        for block in self.blocks:
+            x = block(x, layout)
+            outs.append(x)
+        x = self.fuse(torch.cat(outs + [skip], dim=1))  # (B, 1024, S)
+        return self.head(x.amax(dim=-1))  # (B, classes)

@@ -1,0 +1,204 @@
+"""``run.py`` end to end, as a user runs it: subprocesses, exit codes, files written and read back."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+# A small but real PCT run on generated shapes: a few seconds per run on 2 CPU cores.
+TINY = ["experiment=demo", "trainer.max_epochs=1", "data.train_per_class=4", "data.val_per_class=2",
+        "data.test_per_class=2", "data.batch_size=4", "data.eval_batch_size=8", "trainer.enable_progress_bar=false"]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """No W&B credentials anywhere: runs must go offline by themselves and never prompt."""
+    home = tmp_path_factory.mktemp("home")
+    e = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    e.update(HOME=str(home), NETRC=str(home / "netrc-missing"), PYTHONUNBUFFERED="1")
+    return e
+
+
+def run(args, env, cwd=None, check=True):
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd or ROOT, env=env,
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"run.py {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-3000:]}")
+    return proc
+
+
+def user_error(args, env, *needles):
+    proc = run(args, env, check=False)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in proc.stderr, (needle, proc.stderr)
+    return proc.stderr
+
+
+# --- W&B transaction log reader -------------------------------------------------------------------------------
+# Offline runs keep everything in run-<id>.wandb: a 7-byte header (":W&B", magic, version) then LevelDB's log
+# format (32 KiB blocks of chunks with crc32, length, type) holding wandb's protobuf Records.
+def wandb_records(path: Path):
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, pos, block, pending, out = path.read_bytes(), 7, 32768, b"", []
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        space = block - pos % block
+        if space < 7:
+            pos += space
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0:  # zero padding to the block's end
+            pos += space
+            continue
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(pending)
+            out.append(record)
+    return out
+
+
+# --- bad input ------------------------------------------------------------------------------------------------
+def test_unknown_attention_lists_choices(env):
+    err = user_error(["attn=softmaxx"], env, "softmaxx", "external", "linear_taylor", "offset", "self")
+    assert "attn" in err
+
+
+def test_unknown_task_lists_choices(env):
+    user_error(["task=detection"], env, "detection", "modelnet")
+
+
+def test_missing_dataset_says_how_to_get_it(env, tmp_path):
+    missing = tmp_path / "nowhere"
+    user_error(["task=modelnet", f"data_dir={missing}", "logger=none"], env,
+               str(missing), "data.download=true", "data=shapes")
+
+
+def test_invalid_attention_option_names_it(env):
+    user_error([*TINY, "attn=self", "attn.heads=3", "logger=none"], env, "attn.heads")
+
+
+def test_test_mode_needs_a_checkpoint(env, tmp_path):
+    user_error([*TINY, "mode=test", f"ckpt_path={tmp_path / 'none.ckpt'}", "logger=none"], env, "ckpt_path")
+
+
+def test_unknown_mode(env):
+    user_error([*TINY, "mode=fly", "logger=none"], env, "mode", "summary")
+
+
+# --- modes ----------------------------------------------------------------------------------------------------
+def test_summary_reports_published_pct_size(env):
+    out = run(["task=modelnet", "attn=offset", "mode=summary", "logger=none"], env).stdout
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("params=2876136 flops=")
+    flops = int(last.split("flops=")[1])
+    assert 4.3e9 < flops < 4.6e9  # the paper's ~4.5 GFLOPs for one 1024-point sample
+    assert "blocks" in out and "mixer" in out and "groups" in out  # a per-module table precedes it
+
+
+@pytest.mark.parametrize("variant", ["self", "offset", "external", "linear_taylor", "linear_elu"])
+def test_fast_dev_run_every_variant(env, tmp_path, variant):
+    # The issue's exact command; a batch of 4 keeps the full-size network quick on CPU.
+    run(["task=modelnet", f"attn={variant}", "data=shapes", "trainer.fast_dev_run=true", "data.batch_size=4",
+         "data.eval_batch_size=4", "logger=none", f"hydra.run.dir={tmp_path}"], env)
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert 0.0 <= metrics["test/oa"] <= 1.0 and "test/macc" in metrics
+
+
+@pytest.fixture(scope="module")
+def wandb_run(env, tmp_path_factory):
+    out = tmp_path_factory.mktemp("wandb-run")
+    proc = run([*TINY, "data.batch_size=2", "trainer.log_every_n_steps=5", f"hydra.run.dir={out}"], env)
+    return out, proc
+
+
+def test_train_writes_metrics_and_checkpoints(wandb_run):
+    out, proc = wandb_run
+    metrics = json.loads((out / "metrics.json").read_text())
+    for key in ("train/loss_epoch", "val/oa", "val/oa_best", "val/macc", "val/macc_best", "test/oa", "test/macc"):
+        assert key in metrics and metrics[key] == metrics[key], key  # present and not NaN
+    assert metrics["val/oa_best"] >= metrics["val/oa"] - 1e-6
+    assert (out / "checkpoints" / "last.ckpt").is_file()
+    assert "test/oa" in proc.stdout and "metrics.json" in proc.stdout
+
+
+def test_wandb_offline_without_credentials_and_readable(wandb_run):
+    out, proc = wandb_run
+    assert "wandb sync" in proc.stdout + proc.stderr  # says how to upload
+    (run_dir,) = (out / "wandb").glob("offline-run-*")
+    records = wandb_records(next(run_dir.glob("run-*.wandb")))
+    kinds = [r.WhichOneof("record_type") for r in records]
+    run_rec = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+    assert run_rec.run_group == "modelnet" and "attn:external" in run_rec.tags and run_rec.project == "attention-suite"
+    config = {}
+    for r in records:
+        if r.WhichOneof("record_type") == "config":
+            config.update({i.key: json.loads(i.value_json) for i in r.config.update})
+    assert config["attn"]["name"] == "external" and config["model"]["neighbours"] == 16
+    assert config["optim"]["optimizer"]["lr"] == 0.01  # the whole resolved config
+    history = {}
+    for r in records:
+        if r.WhichOneof("record_type") == "history":
+            for item in r.history.item:
+                key = item.key or item.nested_key[0]  # media are logged as nested fields
+                history.setdefault(key, []).append(json.loads(item.value_json))
+    for key in ("train/loss_step", "val/oa", "test/oa", "lr-SGD", "train/device/samples_per_sec"):
+        assert key in history, (key, sorted(history))
+    assert history["lr-SGD"][0] == pytest.approx(0.01)
+    assert all(v > 0 for v in history["train/device/samples_per_sec"])
+    assert "test/confusion_matrix_table" in history and "test/samples" in history
+    table = json.loads(next((run_dir / "files" / "media" / "table").rglob("*.table.json")).read_text())
+    assert table["columns"] == ["Actual", "Predicted", "nPredictions"]
+    assert sum(row[2] for row in table["data"]) == 20  # every test sample counted once (10 classes x 2)
+    clouds = list((run_dir / "files" / "media" / "object3D").rglob("*.pts.json"))
+    assert len(clouds) == 8
+    assert "history" in kinds
+
+
+def test_test_mode_reproduces_the_tested_checkpoint(wandb_run, env, tmp_path):
+    out, _ = wandb_run
+    trained = json.loads((out / "metrics.json").read_text())
+    # One epoch: the best checkpoint is the last one, so testing last.ckpt must give the same numbers.
+    run([*TINY, "mode=test", f"ckpt_path={out / 'checkpoints' / 'last.ckpt'}", "logger=none",
+         f"hydra.run.dir={tmp_path}"], env)
+    tested = json.loads((tmp_path / "metrics.json").read_text())
+    assert tested["test/oa"] == pytest.approx(trained["test/oa"])
+    assert tested["test/loss"] == pytest.approx(trained["test/loss"], rel=1e-5)
+
+
+def test_seed_makes_cpu_runs_reproducible(env, tmp_path):
+    results = []
+    for name in ("a", "b", "c"):
+        seed = "seed=7" if name != "c" else "seed=8"
+        run([*TINY, seed, "logger=csv", f"hydra.run.dir={tmp_path / name}"], env)
+        results.append(json.loads((tmp_path / name / "metrics.json").read_text()))
+    assert results[0] == results[1]
+    assert results[0] != results[2]
+
+
+def test_hydra_config_saved_for_the_run(wandb_run):
+    out, _ = wandb_run
+    saved = yaml.safe_load((out / ".hydra" / "config.yaml").read_text())
+    assert saved["attn"]["name"] == "external" and saved["task"]["name"] == "modelnet"
+
+
+@pytest.mark.slow
+def test_demo_reaches_target_accuracy(env, tmp_path):
+    """What `make demo` runs (W&B offline by itself): PCT + external attention on shapes, test OA >= 0.85."""
+    run(["experiment=demo", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path}"], env)
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["test/oa"] >= 0.85, metrics
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
