@@ -53,7 +53,6 @@ def check_group_choices(argv: list[str]) -> None:
 
 def run(cfg: DictConfig) -> dict:
     import lightning as L
-    import torch
     from hydra.core.hydra_config import HydraConfig
     from hydra.utils import instantiate
 
@@ -81,6 +80,11 @@ def run(cfg: DictConfig) -> dict:
         print(f"params={params} flops={flops}")
         return {"params": params, "flops": flops}
 
+    ckpt = cfg.get("ckpt_path")
+    if (cfg.mode == "test" or ckpt) and not (ckpt and Path(ckpt).is_file()):
+        raise UserError(f"mode={cfg.mode} needs an existing checkpoint: ckpt_path={ckpt!r} is "
+                        f"{'not set' if not ckpt else 'not a file'}. Pass e.g. "
+                        "`ckpt_path=outputs/.../checkpoints/last.ckpt`.")
     loggers = build_loggers(cfg.logger, out_dir, container)
     callbacks = [instantiate(c) for c in (container.get("callbacks") or {}).values() if c]
     checkpoint = L.pytorch.callbacks.ModelCheckpoint(
@@ -94,18 +98,13 @@ def run(cfg: DictConfig) -> dict:
 
     metrics: dict[str, float] = {}
     if cfg.mode == "train":
-        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)  # resumes when ckpt_path is given
         metrics.update(_floats(trainer.callback_metrics))
         best = checkpoint.best_model_path or None
         results = trainer.test(module, datamodule=datamodule, ckpt_path=best, weights_only=True)
         if best:
             log.info("tested best checkpoint %s", best)
     else:
-        ckpt = cfg.get("ckpt_path")
-        if not ckpt or not Path(ckpt).is_file():
-            raise UserError(f"mode=test needs an existing checkpoint: ckpt_path={ckpt!r} is "
-                            f"{'not set' if not ckpt else 'not a file'}. Pass e.g. "
-                            "`ckpt_path=outputs/.../checkpoints/last.ckpt`.")
         results = trainer.test(module, datamodule=datamodule, ckpt_path=ckpt, weights_only=True)
     for result in results:
         metrics.update(_floats(result))
@@ -114,7 +113,6 @@ def run(cfg: DictConfig) -> dict:
         (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
         print("\n".join(f"{k:>24} {v:.4f}" for k, v in metrics.items()))
         print(f"metrics written to {out_dir / 'metrics.json'}")
-    torch.distributed.is_initialized() and torch.distributed.barrier()
     return metrics
 
 

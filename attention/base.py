@@ -68,13 +68,25 @@ class Mixer(nn.Module):
         if isinstance(layout, Points) and layout.xyz.shape[0] != x.shape[0]:
             raise ValueError(f"{self.name!r} mixer: Points batch {layout.xyz.shape[0]} != x batch {x.shape[0]}.")
 
-    def example_layout(self, n: int, batch: int = 1):
-        """A layout of n tokens this mixer serves: a square grid if possible, else a random point set."""
-        side = math.isqrt(n)
-        if "grid" in self.layouts and side * side == n:
+    def example_layout(self, n: int, batch: int = 1, kind: str | None = None,
+                       generator: torch.Generator | None = None):
+        """A layout of n tokens of ``kind`` ('points', 'grid' or 'none').
+
+        By default the first this mixer serves of points, grid, none, so costs
+        at different N are always measured on the same kind of layout. A grid
+        needs a square n.
+        """
+        kind = kind or next(k for k in ("points", "grid", "none") if k in self.layouts)
+        if kind not in self.layouts:
+            raise ValueError(f"Attention variant {self.name!r} cannot serve layout {kind!r}; "
+                             f"it serves {sorted(self.layouts)}.")
+        if kind == "points":
+            return Points(torch.rand(batch, n, 3, generator=generator))
+        if kind == "grid":
+            side = math.isqrt(n)
+            if side * side != n:
+                raise ValueError(f"a square grid of {n} tokens does not exist; use a square n or kind='points'.")
             return Grid(side, side)
-        if "points" in self.layouts:
-            return Points(torch.rand(batch, n, 3))
         return None
 
     def num_params(self) -> int:
@@ -82,13 +94,18 @@ class Mixer(nn.Module):
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
 
     @torch.no_grad()
-    def cost(self, n: int, batch: int = 1) -> dict[str, int]:
+    def cost(self, n: int, batch: int = 1, layout: str | None = None) -> dict[str, int]:
         """Parameters and forward FLOPs for ``batch`` x ``n`` tokens of ``dim`` channels.
 
-        FLOPs as counted by ``torch.utils.flop_counter`` (a multiply-add is 2 FLOPs).
+        FLOPs as counted by ``torch.utils.flop_counter`` (a multiply-add is 2 FLOPs),
+        on a layout of kind ``layout`` (see :meth:`example_layout`). Inputs come from
+        a private generator, so a seeded run's random stream is left untouched.
         """
-        x = torch.randn(batch, n, self.dim, device=next(self.parameters()).device)
-        layout = self.example_layout(n, batch)
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(batch, n, self.dim, generator=generator).to(next(self.parameters()).device)
+        layout = self.example_layout(n, batch, layout, generator)
+        if isinstance(layout, Points):
+            layout = Points(layout.xyz.to(x.device))
         with FlopCounterMode(display=False) as counter:
             self(x, layout)
         return {"params": self.num_params(), "flops": int(counter.get_total_flops())}

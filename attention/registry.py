@@ -42,7 +42,7 @@ def options(name: str) -> dict[str, object]:
     """The options a variant accepts, with their defaults (dim excluded)."""
     sig = inspect.signature(get(name).__init__)
     return {p.name: p.default for p in list(sig.parameters.values())[1:]
-            if p.name != "dim" and p.kind is p.POSITIONAL_OR_KEYWORD}
+            if p.name != "dim" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
 def build(name: str, dim: int, **opts):

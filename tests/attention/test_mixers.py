@@ -369,3 +369,18 @@ def test_cost_reports_ints_and_scales_with_batch(name):
     assert isinstance(c1["params"], int) and isinstance(c1["flops"], int)
     assert c1["params"] == sum(p.numel() for p in mixer.parameters()) > 0
     assert c1["flops"] > 0 and c2["flops"] == 2 * c1["flops"]
+
+
+def test_cost_uses_one_layout_kind_and_leaves_global_rng_alone():
+    mixer = attention.build("external", dim=16)
+    assert isinstance(mixer.example_layout(64), attention.Points)
+    assert isinstance(mixer.example_layout(63), attention.Points)  # same kind at square and non-square N
+    assert isinstance(mixer.example_layout(64, kind="grid"), attention.Grid)
+    with pytest.raises(ValueError, match="square"):
+        mixer.example_layout(63, kind="grid")
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    mixer.cost(64)
+    assert torch.equal(torch.rand(3), expected)
+    assert mixer.cost(64, layout="grid") == mixer.cost(64, layout="points")  # external ignores positions
