@@ -14,9 +14,11 @@ directory. User errors print one message and exit with code 2.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import sys
+import warnings
 from pathlib import Path
 
 import hydra
@@ -54,13 +56,18 @@ def check_group_choices(argv: list[str]) -> None:
 def run(cfg: DictConfig) -> dict:
     import lightning as L
     from hydra.core.hydra_config import HydraConfig
-    from hydra.utils import instantiate
+    from hydra.utils import get_class, instantiate
 
     from tasks.loggers import build_loggers
 
     if cfg.mode not in MODES:
         raise UserError(f"mode={cfg.mode!r} is not known: use one of {', '.join(MODES)}.")
     out_dir = Path(HydraConfig.get().runtime.output_dir)
+    # Library chatter a user cannot act on: Lightning's own pytree deprecation, ThroughputMonitor's request
+    # for a FLOP count (samples/s is what we log), and the litlogger advertisement.
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+    warnings.filterwarnings("ignore", message=r".*you need to define a `flops_per_batch`.*")
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda r: "litlogger" not in r.getMessage())
     for name in ("lightning.pytorch", "lightning.fabric"):  # Lightning has its own handler; Hydra's root one
         logging.getLogger(name).propagate = False       # would print every line twice
     L.seed_everything(cfg.seed, workers=True)
@@ -68,9 +75,11 @@ def run(cfg: DictConfig) -> dict:
 
     datamodule = instantiate(cfg.data, _convert_="all")
     task_kwargs = {k: v for k, v in container["task"].items() if k != "name"}
-    module = instantiate(task_kwargs, num_classes=datamodule.num_classes, class_names=datamodule.class_names,
-                         model=container["model"], attn=container["attn"], optim=container["optim"],
-                         _convert_="all", _recursive_=False)  # optim's factories are built in the module
+    # The task gets what it asks for by name from the data module (num_classes, category_parts, ...).
+    wanted = inspect.signature(get_class(task_kwargs["_target_"])).parameters
+    from_data = {k: getattr(datamodule, k) for k in wanted if k not in task_kwargs and hasattr(datamodule, k)}
+    module = instantiate(task_kwargs, **from_data, model=container["model"], attn=container["attn"],
+                         optim=container["optim"], _convert_="all", _recursive_=False)  # optim built in the module
 
     if cfg.mode == "summary":
         from tasks.summary import summarize

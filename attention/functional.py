@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils.flop_counter import register_flop_formula
 
 
 def softmax_attention(q, k, v, scale: float | None = None):
@@ -70,3 +71,187 @@ def elu_linear_attention(q, k, v, eps: float = 1e-6):
     kv = k.transpose(-2, -1) @ v  # (B, h, d, d_v)
     den = q @ k.sum(dim=-2).unsqueeze(-1) + eps  # (B, h, N, 1)
     return (q @ kv) / den  # (B, h, N, d_v)
+
+
+def focal_attention(q, k, v, mask=None, bias=None, scale: float | None = None):
+    """Focal self-attention's kernel (Yang et al., 2021): softmax attention of a group of queries
+    over the keys gathered for that group (fine tokens and pooled tokens of every level).
+
+    softmax(q k^T * scale + bias) v, scale = d^-0.5 by default, one softmax over all M keys;
+    entries where ``mask`` is False are left out of the softmax (every row must keep one).
+    Leading dimensions are free: q (..., Q, d), k (..., M, d), v (..., M, d_v) -> (..., Q, d_v),
+    e.g. (B, heads, windows, window area, d) queries against (B, heads, windows, M, d) keys;
+    ``bias`` (float) and ``mask`` (bool) broadcast to (..., Q, M).
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    logits = (q * scale) @ k.transpose(-2, -1)  # (..., Q, M)
+    if bias is not None:
+        logits = logits + bias
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    return torch.softmax(logits, dim=-1) @ v  # (..., Q, d_v)
+
+
+# --------------------------------------------------------------------------------------------
+# Multi-scale dilated attention (DilateFormer, Jiao et al., 2023)
+# --------------------------------------------------------------------------------------------
+
+DILATED_BORDERS = ("zeros", "mask")
+
+
+def dilated_attention(q, k, v, grid: tuple[int, int], kernel_size: int = 3, dilation: int = 1,
+                      border: str = "zeros", scale: float | None = None):
+    """DilateFormer's sliding-window dilated attention (DilateAttention) on a grid.
+
+    q, k (B, heads, N, d) and v (B, heads, N, d_v) hold the pixels of an
+    h x w ``grid = (h, w)`` in row-major order (N = h * w). The query at (i, j)
+    attends to the k x k keys at (i + p*r, j + q*r), |p|, |q| <= k // 2
+    (k = ``kernel_size``, odd; r = ``dilation``), with logits q.k * scale
+    (scale = d^-0.5 by default) and a softmax over those k*k keys.
+
+    ``border`` says what a key outside the grid is: "zeros" (the paper's zero
+    padding, as ``nn.Unfold`` does it: a zero key and value with logit 0 that
+    still takes part in the softmax) or "mask" (left out of the softmax).
+    Returns (B, heads, N, d_v).
+
+    Unlike the reference's ``nn.Unfold``, which copies K and V k*k times, the
+    kernel multiplies shifted views of K and V; its custom backward saves only
+    q, k, v and the (k*k)-wide attention map. It is a ``torch.library`` op with
+    a FLOP formula, so ``torch.utils.flop_counter`` counts it (2 FLOPs per
+    multiply-add over all k*k window positions, as the unfold form computes them).
+    """
+    if border not in DILATED_BORDERS:
+        raise ValueError(f"dilated_attention: border={border!r}, expected one of {DILATED_BORDERS}.")
+    if kernel_size < 1 or kernel_size % 2 == 0:
+        raise ValueError(f"dilated_attention: kernel_size={kernel_size}, expected an odd integer >= 1.")
+    if dilation < 1:
+        raise ValueError(f"dilated_attention: dilation={dilation}, expected an integer >= 1.")
+    h, w = grid
+    n = q.shape[-2]
+    if h * w != n or k.shape[-2] != n or v.shape[-2] != n:
+        raise ValueError(f"dilated_attention: grid {h}x{w} holds {h * w} tokens; q, k, v hold "
+                         f"{n}, {k.shape[-2]}, {v.shape[-2]}.")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    out, _ = _dilated_op(q, k, v, h, w, kernel_size, dilation, border == "mask", scale)
+    return out  # (B, heads, N, d_v)
+
+
+def dilated_point_attention(q, k, v, scale: float | None = None):
+    """Softmax attention of each token over its own gathered neighbours (dilated kNN on point sets).
+
+    q (B, heads, N, d); k (B, heads, N, K, d) and v (B, heads, N, K, d_v) are the
+    keys and values of each query's K neighbours. softmax(q.k * scale) over the
+    K neighbours, scale = d^-0.5 by default -> (B, heads, N, d_v).
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    logits = torch.einsum("bhnd,bhnkd->bhnk", q, k) * scale  # (B, heads, N, K)
+    return torch.einsum("bhnk,bhnkd->bhnd", logits.softmax(dim=-1), v)  # (B, heads, N, d_v)
+
+
+def _dilated_windows(h: int, w: int, kernel_size: int, dilation: int):
+    """The k*k window offsets of a dilated window, as (o, query slices, key slices).
+
+    Offset o = (p + k//2) * k + (q + k//2) pairs the query at (i, j) with the
+    key at (i + p*r, j + q*r). The query slices select the queries whose key
+    lies inside the grid, the key slices those keys: two same-shaped views, no
+    copy. Offsets with no key inside the grid are skipped.
+    """
+    half = kernel_size // 2
+    for a in range(kernel_size):
+        dy = (a - half) * dilation
+        rows = slice(max(0, -dy), min(h, h - dy))
+        if rows.start >= rows.stop:
+            continue
+        for b in range(kernel_size):
+            dx = (b - half) * dilation
+            cols = slice(max(0, -dx), min(w, w - dx))
+            if cols.start >= cols.stop:
+                continue
+            yield (a * kernel_size + b, (rows, cols),
+                   (slice(rows.start + dy, rows.stop + dy), slice(cols.start + dx, cols.stop + dx)))
+
+
+@torch.library.custom_op("attention_suite::dilated_attention", mutates_args=())
+def _dilated_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: int, w: int, kernel_size: int,
+                dilation: int, mask: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward of :func:`dilated_attention`: the output and the attention map (k*k, B, heads, h, w)."""
+    B, H = q.shape[:2]
+    qg, kg, vg = (t.reshape(B, H, h, w, t.shape[-1]) for t in (q, k, v))  # (B, H, h, w, d): views
+    logits = q.new_zeros(kernel_size ** 2, B, H, h, w)  # a key outside the grid is a zero vector: logit 0
+    inside = torch.zeros(kernel_size ** 2, 1, 1, h, w, dtype=torch.bool, device=q.device)
+    for o, (qi, qj), (ki, kj) in _dilated_windows(h, w, kernel_size, dilation):
+        logits[o, :, :, qi, qj] = torch.linalg.vecdot(qg[:, :, qi, qj], kg[:, :, ki, kj])  # (B, H, rows, cols)
+        inside[o, :, :, qi, qj] = True
+    logits.mul_(scale)
+    if mask:  # keys outside the grid leave the softmax; the centre key is always inside
+        logits.masked_fill_(~inside, float("-inf"))
+    attn = torch.softmax(logits, dim=0)  # (k*k, B, H, h, w)
+    out = v.new_zeros(B, H, h, w, v.shape[-1])  # (B, H, h, w, d_v); zero values outside add nothing
+    for o, (qi, qj), (ki, kj) in _dilated_windows(h, w, kernel_size, dilation):
+        out[:, :, qi, qj].addcmul_(attn[o, :, :, qi, qj].unsqueeze(-1), vg[:, :, ki, kj])
+    return out.view(B, H, h * w, v.shape[-1]), attn
+
+
+@_dilated_op.register_fake
+def _(q, k, v, h, w, kernel_size, dilation, mask, scale):
+    B, H, N, _ = q.shape
+    return v.new_empty(B, H, N, v.shape[-1]), q.new_empty(kernel_size ** 2, B, H, h, w)
+
+
+@torch.library.custom_op("attention_suite::dilated_attention_backward", mutates_args=())
+def _dilated_backward_op(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         attn: torch.Tensor, h: int, w: int, kernel_size: int, dilation: int,
+                         scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`dilated_attention` w.r.t. q, k, v, recomputing the shifted products."""
+    B, H = q.shape[:2]
+    qg, kg, vg, gg = (t.reshape(B, H, h, w, t.shape[-1]) for t in (q, k, v, grad))  # (B, H, h, w, .)
+    dattn = torch.zeros_like(attn)  # (k*k, B, H, h, w); keys outside the grid have zero values
+    dv = torch.zeros_like(vg)
+    for o, (qi, qj), (ki, kj) in _dilated_windows(h, w, kernel_size, dilation):
+        dattn[o, :, :, qi, qj] = torch.linalg.vecdot(gg[:, :, qi, qj], vg[:, :, ki, kj])
+        dv[:, :, ki, kj].addcmul_(attn[o, :, :, qi, qj].unsqueeze(-1), gg[:, :, qi, qj])
+    # softmax backward in place: dlogits = attn * (dattn - sum_o attn * dattn), times the scale
+    dlogits = dattn.sub_((attn * dattn).sum(0, keepdim=True)).mul_(attn).mul_(scale)  # (k*k, B, H, h, w)
+    dq, dk = torch.zeros_like(qg), torch.zeros_like(kg)
+    for o, (qi, qj), (ki, kj) in _dilated_windows(h, w, kernel_size, dilation):
+        g = dlogits[o, :, :, qi, qj].unsqueeze(-1)  # (B, H, rows, cols, 1)
+        dq[:, :, qi, qj].addcmul_(g, kg[:, :, ki, kj])
+        dk[:, :, ki, kj].addcmul_(g, qg[:, :, qi, qj])
+    return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
+
+
+@_dilated_backward_op.register_fake
+def _(grad, q, k, v, attn, h, w, kernel_size, dilation, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _dilated_setup_context(ctx, inputs, output):
+    q, k, v, h, w, kernel_size, dilation, mask, scale = inputs
+    ctx.save_for_backward(q, k, v, output[1])  # the attention map, not the k*k shifted products
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)  # no zero-filled gradient for the attention map
+    ctx.args = (h, w, kernel_size, dilation, scale)
+
+
+def _dilated_grad(ctx, grad, grad_attn):
+    if grad is None:
+        return (None,) * 9
+    q, k, v, attn = ctx.saved_tensors
+    dq, dk, dv = _dilated_backward_op(grad, q, k, v, attn, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_dilated_op.register_autograd(_dilated_grad, setup_context=_dilated_setup_context)
+
+
+@register_flop_formula(torch.ops.attention_suite.dilated_attention)
+def _dilated_flops(q_shape, k_shape, v_shape, h, w, kernel_size, *args, out_shape=None, **kwargs):
+    B, H, N, d = q_shape
+    return 2 * B * H * N * kernel_size ** 2 * (d + v_shape[-1])  # q.k and attn * v per window position
+
+
+@register_flop_formula(torch.ops.attention_suite.dilated_attention_backward)
+def _dilated_backward_flops(grad_shape, q_shape, k_shape, v_shape, attn_shape, h, w, kernel_size, *args,
+                            out_shape=None, **kwargs):
+    B, H, N, d = q_shape
+    return 4 * B * H * N * kernel_size ** 2 * (d + v_shape[-1])  # dattn, dv, dq, dk

@@ -12,11 +12,14 @@ import torch
 
 
 @torch.no_grad()
-def farthest_point_sample(xyz: torch.Tensor, m: int, start: int = 0) -> torch.Tensor:
+def farthest_point_sample(xyz: torch.Tensor, m: int, start: int | torch.Tensor = 0) -> torch.Tensor:
     """Indices (B, m) of m points picked by farthest point sampling, from point ``start``.
 
-    A deterministic start (the reference code draws it at random) keeps
-    evaluation reproducible; the data pipeline shuffles points during training.
+    ``start`` is one index for every sample, or a (B,) LongTensor of one start
+    per sample (e.g. a point chosen by geometry, so that the result does not
+    depend on the order of the points). A deterministic start (the reference
+    code draws it at random) keeps evaluation reproducible; the data pipeline
+    shuffles points during training.
     """
     b, n, _ = xyz.shape
     if not 1 <= m <= n:
@@ -24,7 +27,13 @@ def farthest_point_sample(xyz: torch.Tensor, m: int, start: int = 0) -> torch.Te
     idx = torch.empty(b, m, dtype=torch.long, device=xyz.device)
     dist = torch.full((b, n), float("inf"), dtype=xyz.dtype, device=xyz.device)
     batch = torch.arange(b, device=xyz.device)
-    farthest = torch.full((b,), start, dtype=torch.long, device=xyz.device)
+    if isinstance(start, torch.Tensor):
+        if start.shape != (b,) or start.dtype != torch.long:
+            raise ValueError(f"farthest_point_sample: start must be an int or a ({b},) LongTensor, "
+                             f"got {start.dtype} of shape {tuple(start.shape)}.")
+        farthest = start.to(xyz.device)
+    else:
+        farthest = torch.full((b,), start, dtype=torch.long, device=xyz.device)
     for i in range(m):
         idx[:, i] = farthest
         centre = xyz[batch, farthest].unsqueeze(1)  # (B, 1, 3)

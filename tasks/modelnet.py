@@ -18,7 +18,7 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionM
 
 from .nets.pct import PCT
 from .optim import build_optimizers
-from .wandb_media import log_confusion_matrix, log_point_clouds
+from .wandb_media import log_confusion_matrix, log_point_clouds, palette
 
 
 def reference_smoothing(eps: float, num_classes: int) -> float:
@@ -105,7 +105,11 @@ class PointCloudClassification(L.LightningModule):
         confusion = self.test_confusion.compute().cpu()
         self.test_confusion.reset()
         log_confusion_matrix(self.loggers, "test/confusion_matrix", confusion, self.class_names)
-        log_point_clouds(self.loggers, "test/samples", self._samples, self.class_names)
+        names = self.class_names
+        clouds = [(points.float().numpy(), palette(pred),
+                   f"true: {names[true]} | pred: {names[pred]}" + ("" if true == pred else " (wrong)"))
+                  for points, true, pred in self._samples]
+        log_point_clouds(self.loggers, "test/samples", clouds)
 
     def configure_optimizers(self):
         return build_optimizers(self.parameters(), self.hparams.optim)

@@ -7,16 +7,17 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 
-def summarize(model: nn.Module, example: torch.Tensor, depth: int = 3) -> tuple[str, int, int]:
+def summarize(model: nn.Module, example: torch.Tensor | tuple, depth: int = 3) -> tuple[str, int, int]:
     """Table of trainable parameters and forward FLOPs per module down to ``depth``.
 
     FLOPs are ``torch.utils.flop_counter``'s (a multiply-add is 2 FLOPs) for
-    ``example`` in eval mode. Returns (table, total params, total FLOPs).
+    ``example`` (a tensor or a tuple of positional inputs) in eval mode.
+    Returns (table, total params, total FLOPs).
     """
     was_training = model.training
     model.eval()
     with FlopCounterMode(display=False) as counter, torch.no_grad():
-        model(example)
+        model(*example) if isinstance(example, tuple) else model(example)
     model.train(was_training)
     by_module = counter.get_flop_counts()
     root = type(model).__name__

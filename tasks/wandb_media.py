@@ -34,18 +34,33 @@ def log_confusion_matrix(loggers, key: str, confusion: torch.Tensor, class_names
         run.log({key: chart})
 
 
-def log_point_clouds(loggers, key: str, samples, class_names):
-    """Log (points (N, 3), true, pred) samples as coloured ``wandb.Object3D`` with a caption."""
+def palette(ids) -> np.ndarray:
+    """RGB colours (..., 3) for integer ids (class or part), cycling through tab10."""
+    return _PALETTE[np.asarray(ids) % len(_PALETTE)]
+
+
+def log_point_clouds(loggers, key: str, clouds):
+    """Log (xyz (N, 3), rgb (N, 3) or (3,), caption) triples as ``wandb.Object3D`` point clouds."""
     runs = _wandb_runs(loggers)
-    if not runs or not samples:
+    if not runs or not clouds:
         return
     import wandb
 
     objects = []
-    for points, true, pred in samples:
-        xyz = points.float().numpy()
-        rgb = np.broadcast_to(_PALETTE[pred % len(_PALETTE)], xyz.shape)
-        caption = f"true: {class_names[true]} | pred: {class_names[pred]}" + ("" if true == pred else " (wrong)")
+    for xyz, rgb, caption in clouds:
+        xyz = np.asarray(xyz, dtype=np.float32)
+        rgb = np.broadcast_to(rgb, xyz.shape)
         objects.append(wandb.Object3D(np.concatenate([xyz, rgb], axis=1), caption=caption))
     for run in runs:
         run.log({key: objects})
+
+
+def log_table(loggers, key: str, columns, rows):
+    """Log a ``wandb.Table`` (e.g. per-category IoU)."""
+    runs = _wandb_runs(loggers)
+    if not runs:
+        return
+    import wandb
+
+    for run in runs:
+        run.log({key: wandb.Table(columns=list(columns), data=[list(r) for r in rows])})

@@ -112,13 +112,17 @@ def test_summary_reports_published_pct_size(env):
     assert "blocks" in out and "mixer" in out and "groups" in out  # a per-module table precedes it
 
 
-@pytest.mark.parametrize("variant", attention.names())
-def test_fast_dev_run_every_variant(env, tmp_path, variant):
-    # The issue's exact command; a batch of 4 keeps the full-size network quick on CPU.
-    run(["task=modelnet", f"attn={variant}", "data=shapes", "trainer.fast_dev_run=true", "data.batch_size=4",
-         "data.eval_batch_size=4", "logger=none", f"hydra.run.dir={tmp_path}"], env)
-    metrics = json.loads((tmp_path / "metrics.json").read_text())
-    assert 0.0 <= metrics["test/oa"] <= 1.0 and "test/macc" in metrics
+def test_fast_dev_run_every_variant(env, tmp_path):
+    """`task=modelnet attn=X data=shapes trainer.fast_dev_run=true` for every registered X, as one Hydra
+    multirun (one process start for all); a batch of 4 keeps the full-size network quick on CPU."""
+    variants = attention.names()
+    run(["-m", "task=modelnet", f"attn={','.join(variants)}", "data=shapes", "trainer.fast_dev_run=true",
+         "data.batch_size=4", "data.eval_batch_size=4", "logger=none", f"hydra.sweep.dir={tmp_path}"], env)
+    for i, variant in enumerate(variants):
+        job = tmp_path / f"{i}_modelnet_{variant}"
+        assert yaml.safe_load((job / ".hydra" / "config.yaml").read_text())["attn"]["name"] == variant
+        metrics = json.loads((job / "metrics.json").read_text())
+        assert 0.0 <= metrics["test/oa"] <= 1.0 and "test/macc" in metrics, variant
 
 
 @pytest.fixture(scope="module")

@@ -56,3 +56,18 @@ def test_gather_multi_index():
         for i in range(2):
             for j in range(2):
                 assert torch.equal(out[b, i, j], x[b, idx[b, i, j]])
+
+
+def test_fps_per_sample_start():
+    g = torch.Generator().manual_seed(7)
+    xyz = torch.rand(3, 30, 3, generator=g, dtype=torch.float64)
+    start = torch.tensor([4, 0, 29])
+    idx = farthest_point_sample(xyz, 8, start)
+    for b in range(3):
+        assert idx[b].tolist() == fps_reference(xyz[b].numpy(), 8, start=int(start[b]))
+    # an int start is shared by the batch, as before
+    assert torch.equal(farthest_point_sample(xyz, 8, 5), farthest_point_sample(xyz, 8, torch.full((3,), 5)))
+    with pytest.raises(ValueError, match="start"):
+        farthest_point_sample(xyz, 8, torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="start"):
+        farthest_point_sample(xyz, 8, torch.tensor([1.0, 2.0, 3.0]))

@@ -24,8 +24,10 @@ def test_every_variant_plugs_in_and_trains():
         logits = net(xyz)
         assert logits.shape == (2, 5) and torch.isfinite(logits).all()
         logits.sum().backward()
-        mixer_grads = [p.grad for p in net.blocks[0].mixer.parameters()]
-        assert all(g is not None and torch.isfinite(g).all() for g in mixer_grads), name
+        # Grid-only parameters (e.g. focal's relative position biases) get no gradient on point sets.
+        grads = {n: p.grad for n, p in net.blocks[0].mixer.named_parameters() if p.grad is not None}
+        assert grads and all(torch.isfinite(g).all() for g in grads.values()), name
+        assert net.embed[0][0].weight.grad is not None and net.head[-1].weight.grad.abs().sum() > 0
 
 
 def test_spct_point_embedding_has_no_grouping():
@@ -68,3 +70,24 @@ def test_label_smoothing_matches_reference_cal_loss():
     reference = -(F.log_softmax(logits, dim=1) * target).sum(1).mean()
     ours = F.cross_entropy(logits, label, label_smoothing=reference_smoothing(eps, k))
     torch.testing.assert_close(ours, reference)
+
+
+def test_partseg_published_parameter_count_and_shapes():
+    from tasks.nets.pct import PCTPartSeg
+
+    net = PCTPartSeg(50, 16, {"name": "offset"})
+    assert trainable(net) == 2_446_130
+    logits = net.eval()(torch.rand(2, 64, 3), torch.tensor([0, 15]))
+    assert logits.shape == (2, 50, 64)
+
+
+def test_partseg_category_changes_the_prediction_and_normals_widen_the_input():
+    from tasks.nets.pct import PCTPartSeg
+
+    torch.manual_seed(0)
+    net = PCTPartSeg(6, 3, {"name": "external"}, in_channels=6).eval()
+    x = torch.rand(1, 32, 6)
+    a, b = net(x, torch.tensor([0])), net(x, torch.tensor([2]))
+    assert not torch.allclose(a, b)  # the category one-hot feeds every point
+    torch.testing.assert_close(net(x[:, torch.arange(31, -1, -1)], torch.tensor([0])), a.flip(-1),
+                               rtol=1e-4, atol=1e-5)  # per-point outputs follow the points

@@ -1,0 +1,108 @@
+"""``dilated``: multi-scale dilated attention, MSDA (Jiao et al., 2023, "DilateFormer").
+
+The heads are split into as many groups as there are dilation rates; group g
+attends, around each query, to a k x k window of keys dilated by rate r_g
+(``functional.dilated_attention``); the groups are concatenated and projected,
+as in DilateFormer's ``MultiDilatelocalAttention``: one qkv projection C -> 3C
+whose channels are (q|k|v, head, d) with consecutive heads forming a group, a
+kernel per group, an output projection C -> C. The paper's block is
+``heads=3, dilations=[1, 2, 3]`` (3, 6 or 12 heads at widths 72, 144, 288);
+the defaults here, 8 heads over dilations [1, 2, 3, 4] (two heads per rate),
+divide the widths 32 to 256 that the suite's networks use (see
+``configs/attn/dilated.yaml``).
+
+On point sets the k x k window becomes a dilated k-nearest neighbourhood:
+each point attends to every r-th of its K*r nearest points (K = kernel_size**2
+unless ``neighbours`` says otherwise; the nearest is the point itself). Where a
+set has fewer than K*r points, a point takes every r-th of all of them, so
+ceil(N / r) neighbours.
+
+Options:
+    heads: heads in all; a multiple of the number of dilation rates, dividing dim.
+    dilations: one rate per head group, each >= 1 (a bare integer is one rate).
+    kernel_size: odd window side k >= 1 on grids; K = k*k neighbours on points.
+    border: "zeros" (the paper's zero padding: a key outside the grid is a zero
+        vector that still takes part in the softmax) or "mask" (left out of it).
+    neighbours: K on point sets; None for kernel_size**2.
+    qkv_bias: bias of the qkv projection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from einops import rearrange
+from torch import nn
+
+from .. import functional
+from ..base import Mixer, check_positive
+from ..errors import UserError
+from ..layout import Grid
+from ..pointops import gather, knn
+from ..registry import register
+
+
+@register("dilated")
+class DilatedAttention(Mixer):
+    layouts = frozenset({"grid", "points"})
+
+    def __init__(self, dim: int, heads: int = 8, dilations: Sequence[int] = (1, 2, 3, 4), kernel_size: int = 3,
+                 border: str = "zeros", neighbours: int | None = None, qkv_bias: bool = True):
+        super().__init__(dim, heads)
+        self.dilations = self._check_dilations(dilations)
+        if heads % len(self.dilations):
+            raise UserError(f"attn.heads={heads} is invalid for attention variant {self.name!r}: the heads are "
+                            f"split into one group per dilation rate (attn.dilations={list(self.dilations)}), so "
+                            f"heads must be a multiple of {len(self.dilations)} that divides the channel count {dim}.")
+        check_positive("kernel_size", kernel_size, self.name)
+        if kernel_size % 2 == 0:
+            raise UserError(f"attn.kernel_size={kernel_size} is invalid for attention variant {self.name!r}: "
+                            f"the window is centred on its query, so expected an odd integer >= 1 (e.g. 3).")
+        if border not in functional.DILATED_BORDERS:
+            raise UserError(f"attn.border={border!r} is invalid for attention variant {self.name!r}: expected one "
+                            f"of {', '.join(repr(b) for b in functional.DILATED_BORDERS)}.")
+        if neighbours is not None:
+            check_positive("neighbours", neighbours, self.name)
+        self.kernel_size = kernel_size
+        self.border = border
+        self.neighbours = kernel_size ** 2 if neighbours is None else neighbours
+        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim)
+
+    def _check_dilations(self, dilations) -> tuple[int, ...]:
+        rates = (dilations,) if isinstance(dilations, int) and not isinstance(dilations, bool) else dilations
+        ok = (isinstance(rates, Sequence) and not isinstance(rates, str) and len(rates) > 0
+              and all(isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in rates))
+        if not ok:
+            raise UserError(f"attn.dilations={dilations!r} is invalid for attention variant {self.name!r}: "
+                            f"expected a non-empty list of integers >= 1, one rate per head group, e.g. [1, 2, 3].")
+        return tuple(int(r) for r in rates)
+
+    def mix(self, x, layout):
+        q, k, v = rearrange(self.qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.heads)
+        per_group = self.heads // len(self.dilations)
+        groups = [slice(g * per_group, (g + 1) * per_group) for g in range(len(self.dilations))]
+        if isinstance(layout, Grid):
+            out = [functional.dilated_attention(q[:, g], k[:, g], v[:, g], (layout.h, layout.w), self.kernel_size,
+                                                r, self.border)  # (B, heads / groups, N, d)
+                   for g, r in zip(groups, self.dilations)]
+        else:
+            out = self._mix_points(q, k, v, layout.xyz, groups)
+        return self.proj(rearrange(torch.cat(out, dim=1), "b h n d -> b n (h d)"))
+
+    def _mix_points(self, q, k, v, xyz, groups):
+        n = xyz.shape[1]
+        nearest = knn(xyz, xyz, min(self.neighbours * max(self.dilations), n))  # (B, N, K * r_max), nearest first
+        out = []
+        for g, r in zip(groups, self.dilations):
+            idx = nearest[:, :, :self.neighbours * r:r]  # (B, N, K): every r-th of the K*r nearest
+            kv = [rearrange(gather(rearrange(t[:, g], "b h n d -> b n (h d)"), idx),  # (B, N, K, h*d)
+                            "b n k (h d) -> b h n k d", d=t.shape[-1])  # (B, heads / groups, N, K, d)
+                  for t in (k, v)]
+            out.append(functional.dilated_point_attention(q[:, g], *kv))  # (B, heads / groups, N, d)
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, dilations={list(self.dilations)}, kernel_size={self.kernel_size}, "
+                f"border={self.border!r}, neighbours={self.neighbours}")

@@ -1,0 +1,313 @@
+"""``focal``: focal self-attention (Yang et al., 2021, "Focal Self-attention for
+Local-Global Interactions in Vision Transformers").
+
+On grids this follows the official code (microsoft/Focal-Transformer,
+``classification/focal_transformer.py``: ``WindowAttention`` and the pooling of
+``FocalTransformerBlock`` with ``pool_method="fc"``), with ws = ``window_size``,
+e = ``expand_size``, fw = ``focal_window``, L = ``focal_level``:
+
+- The map is cut into ws x ws windows, padded at the bottom and right to a
+  multiple of ws. The ws*ws queries of a window attend, through one softmax
+  over all keys of all levels, to:
+- level 0, fine: the window's own ws*ws tokens, then the tokens of four copies
+  of the window shifted diagonally by (+e, +e), (+e, -e), (-e, +e), (-e, -e)
+  (the official rolls tl, tr, bl, br) minus those inside the window (the
+  official ``valid_ind_rolled``): 4*ws^2 - 4*(ws - e)^2 key slots that cover
+  the ring of width e around the window (hence e <= ws // 2). Where two copies
+  overlap (bands ws - 2e wide in the middle of each side) a token fills two
+  slots, each with its own bias, exactly as in the official code.
+- levels l = 1 .. L-1, coarse (k = l - 1 below, as in the official loops): the
+  padded map is pooled over sub-windows of g = floor(ws / 2^k) pixels a side
+  by 'fc' pooling, a learned Linear(g*g, 1) over a sub-window's positions
+  shared by the channels (initialised to the mean, as the official block
+  does). The pooled map has 2^k tokens per window a side and covers the centre
+  of the padded map (the official trim when 2^k * g < ws, e.g. ws = 7, k = 1).
+  A window attends to the K x K pooled tokens around it, K = fw + 2^k - 1:
+  its own 2^k x 2^k sub-windows and (fw - 1) / 2 more on each side (the
+  official ``nn.Unfold`` plus ``valid_ind_unfold``; fw odd, as there).
+- Keys and values of pooled tokens come from the same qkv projection as those
+  of pixels (only its k and v rows are applied to them); scale d^-0.5; output
+  projection Linear(C, C).
+- Relative position biases, one kind per key kind, with the official names
+  and shapes: ``relative_position_bias_table`` (the Swin table, zeros at
+  start) inside the window; ``relative_position_bias_table_to_neighbors``, a
+  free bias per (query slot, expand slot); per coarse level a table in
+  ``relative_position_bias_table_to_windows`` indexed by the query's position
+  in its window minus the pooled token's position in its K x K neighbourhood.
+
+Where this deviates from the official code, on purpose:
+
+- Borders are masked, not wrapped: the official code rolls the map
+  cyclically, so windows at one edge take expand tokens from the opposite
+  edge, and its zero padding pixels are keys. Here out-of-map expand tokens and
+  padding pixels are excluded from the softmax. A pooled token is a key iff its
+  sub-window holds at least one pixel of the map (padding pixels enter the
+  'fc' sum as zeros, as the official F.pad); pooled tokens beyond the pooled
+  map are masked as there (there with -100, here exactly).
+- A map smaller than a window is one padded, masked window with the module's
+  own ws and e; the official block instead shrinks the window to the map's
+  shorter side and drops the expansion, so its parameters depend on the map.
+
+On point sets (no official counterpart), in place of windows:
+
+- fine: each point attends to its ``neighbours`` nearest points, itself
+  included (default ws^2, at most N);
+- coarse: level l pools regions of s = floor(ws / 2^(l-1))^2 points (the area
+  of that level's sub-window) around m = ceil(N / s) centres picked by
+  farthest point sampling; a region is its centre's s nearest points, pooled
+  by their mean (the 'fc' pool's initial value: a learned pool would need an
+  order of the region's points). Every point of a sample attends to the same
+  coarse tokens. Sampling starts at the point farthest from the centroid, so
+  the result does not depend on the order of the points.
+- no position bias (the tables above are grid offsets), so ``expand_size``
+  and ``focal_window`` act on grids only, ``neighbours`` on point sets only.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from .. import functional
+from ..base import Mixer, check_positive
+from ..errors import UserError
+from ..pointops import farthest_point_sample, gather, knn
+from ..registry import register
+
+
+# --------------------------------------------------------------------------------------------
+# Grid geometry: which token each key slot of each window reads (pure functions of the sizes)
+# --------------------------------------------------------------------------------------------
+
+def window_offsets(ws: int) -> torch.Tensor:
+    """(ws*ws, 2) row/column offsets of a window's pixels from its top-left one, row-major."""
+    return torch.cartesian_prod(torch.arange(ws), torch.arange(ws))
+
+
+def expand_offsets(ws: int, e: int) -> torch.Tensor:
+    """(4*ws^2 - 4*(ws - e)^2, 2) offsets of the expand slots, in the official order.
+
+    The window shifted by (+e, +e), (+e, -e), (-e, +e), (-e, -e) (the official
+    rolls tl, tr, bl, br), each row-major, without the offsets inside the window.
+    """
+    copies = []
+    for shift in ((e, e), (e, -e), (-e, e), (-e, -e)):
+        o = window_offsets(ws) + torch.tensor(shift)  # (ws*ws, 2)
+        inside = ((o >= 0) & (o < ws)).all(dim=1)
+        copies.append(o[~inside])
+    return torch.cat(copies)
+
+
+def relative_position_index(ws: int, k: int) -> torch.Tensor:
+    """(ws*ws, k*k) index into a ((ws + k - 1)^2)-entry table, as the official ``get_relative_position_index``.
+
+    Entry (i, j): query at (a, b) in a ws x ws window, key at (u, v) in a k x k
+    grid; index (a - u + k - 1) * (ws + k - 1) + (b - v + k - 1). For k = ws
+    this is the Swin index.
+    """
+    q, kv = window_offsets(ws), window_offsets(k)
+    rel = q[:, None, :] - kv[None, :, :] + (k - 1)  # (ws*ws, k*k, 2), both >= 0
+    return rel[..., 0] * (ws + k - 1) + rel[..., 1]
+
+
+def pooled_geometry(h: int, w: int, ws: int, k: int) -> tuple[int, int, int, int, int]:
+    """Sub-window side g, pooled map size (ph, pw) and its top-left pixel (top, left) at coarse level k.
+
+    As the official block: g = floor(ws / 2^k), 2^k sub-windows per window a
+    side, centred on the padded map (trimmed when 2^k * g < ws).
+    """
+    nh, nw = math.ceil(h / ws), math.ceil(w / ws)
+    g = ws // 2 ** k
+    ph, pw = nh * 2 ** k, nw * 2 ** k
+    return g, ph, pw, (nh * ws - ph * g) // 2, (nw * ws - pw * g) // 2
+
+
+@functools.lru_cache(maxsize=64)
+def grid_plan(h: int, w: int, ws: int, e: int, focal_level: int, focal_window: int, device: torch.device):
+    """The keys of every window of an h x w map, as indices into its key sources.
+
+    Sources: the h*w pixels, then the pooled tokens of each coarse level
+    (row-major), then one null token read by masked slots. Returns ``keys``
+    (nW, M) and ``valid`` (nW, M), windows row-major, slots in the order:
+    window, expand (see :func:`expand_offsets`), then each level's K x K
+    neighbourhood row-major.
+    """
+    nh, nw = math.ceil(h / ws), math.ceil(w / ws)
+    win_r = torch.arange(nh).repeat_interleave(nw)  # (nW,) window row, column
+    win_c = torch.arange(nw).repeat(nh)
+
+    # level 0: pixels at fixed offsets from the window's top-left pixel
+    offsets = torch.cat([window_offsets(ws), expand_offsets(ws, e)])  # (F, 2)
+    r = win_r[:, None] * ws + offsets[:, 0]  # (nW, F)
+    c = win_c[:, None] * ws + offsets[:, 1]
+    keys, valid = [r * w + c], [(r >= 0) & (r < h) & (c >= 0) & (c < w)]
+
+    # coarse levels: the K x K pooled tokens around the window's own 2^k x 2^k
+    first = h * w
+    for k in range(focal_level - 1):
+        g, ph, pw, top, left = pooled_geometry(h, w, ws, k)
+        span = torch.arange(focal_window + 2 ** k - 1) - (focal_window - 1) // 2  # (K,)
+        pr = (win_r * 2 ** k)[:, None, None] + span[None, :, None]  # (nW, K, 1)
+        pc = (win_c * 2 ** k)[:, None, None] + span[None, None, :]  # (nW, 1, K)
+        exists = (pr >= 0) & (pr < ph) & (pc >= 0) & (pc < pw)  # (nW, K, K)
+        touches_map = (top + pr * g < h) & (left + pc * g < w)  # sub-window holds a pixel of the map
+        keys.append((first + pr * pw + pc).flatten(1))  # (nW, K*K)
+        valid.append((exists & touches_map).flatten(1))
+        first += ph * pw
+
+    valid = torch.cat(valid, dim=1)  # (nW, M)
+    keys = torch.cat(keys, dim=1).masked_fill(~valid, first)  # (nW, M), masked slots read the null token
+    return keys.to(device), valid.to(device)
+
+
+# --------------------------------------------------------------------------------------------
+# The mixer
+# --------------------------------------------------------------------------------------------
+
+@register("focal")
+class FocalAttention(Mixer):
+    layouts = frozenset({"grid", "points"})
+
+    def __init__(self, dim: int, heads: int = 4, window_size: int = 7, expand_size: int = 3,
+                 focal_level: int = 2, focal_window: int = 7, neighbours: int | None = None,
+                 qkv_bias: bool = True):
+        super().__init__(dim, heads)
+        self._check_options(window_size, expand_size, focal_level, focal_window, neighbours)
+        ws, e = window_size, expand_size
+        self.window_size, self.expand_size = ws, e
+        self.focal_level, self.focal_window = focal_level, focal_window
+        self.neighbours = ws * ws if neighbours is None else neighbours
+        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim)
+
+        # level 0: bias inside the window (Swin table, zeros as in the official code) and to the expand slots
+        self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * ws - 1) ** 2, heads))  # (entries, heads)
+        self.register_buffer("relative_position_index", relative_position_index(ws, ws), persistent=False)
+        self.relative_position_bias_table_to_neighbors = None
+        if e > 0:
+            slots = len(expand_offsets(ws, e))  # 4*ws^2 - 4*(ws - e)^2
+            self.relative_position_bias_table_to_neighbors = nn.Parameter(
+                nn.init.trunc_normal_(torch.empty(1, heads, ws * ws, slots), std=0.02))
+
+        # coarse levels: an 'fc' pool over each sub-window and a bias table to the pooled tokens
+        self.pool_layers = nn.ModuleList()
+        self.relative_position_bias_table_to_windows = nn.ParameterList()
+        for k in range(focal_level - 1):
+            g = ws // 2 ** k
+            pool = nn.Linear(g * g, 1)
+            nn.init.constant_(pool.weight, 1 / (g * g))
+            nn.init.zeros_(pool.bias)
+            self.pool_layers.append(pool)
+            side = focal_window + 2 ** k - 1  # K
+            table = torch.empty(heads, (ws + side - 1) ** 2)
+            self.relative_position_bias_table_to_windows.append(nn.Parameter(nn.init.trunc_normal_(table, std=0.02)))
+            self.register_buffer(f"relative_position_index_{k}", relative_position_index(ws, side), persistent=False)
+
+    def _check_options(self, ws, e, focal_level, focal_window, neighbours):
+        check_positive("window_size", ws, self.name)
+        check_positive("expand_size", e, self.name, minimum=0)
+        if e > ws // 2:
+            raise UserError(f"attn.expand_size={e} is too large for attn.window_size={ws} in attention variant "
+                            f"{self.name!r}: expected 0 <= expand_size <= window_size // 2 = {ws // 2}, so that the "
+                            f"four shifted copies of the window cover the ring around it.")
+        check_positive("focal_level", focal_level, self.name)
+        if focal_level > 1 and 2 ** (focal_level - 2) > ws:
+            raise UserError(f"attn.focal_level={focal_level} is too large for attn.window_size={ws} in attention "
+                            f"variant {self.name!r}: its coarsest level pools sub-windows of floor(window_size / "
+                            f"2**(focal_level - 2)) = 0 pixels; expected 1 <= focal_level <= "
+                            f"2 + floor(log2(window_size)) = {1 + ws.bit_length()}.")
+        check_positive("focal_window", focal_window, self.name)
+        if focal_window % 2 == 0:
+            raise UserError(f"attn.focal_window={focal_window} is invalid for attention variant {self.name!r}: "
+                            f"expected an odd integer >= 1 (the pooled tokens around a window are centred on it).")
+        if neighbours is not None:
+            check_positive("neighbours", neighbours, self.name)
+
+    def mix(self, x, layout):
+        if layout.kind == "grid":
+            return self._mix_grid(x, layout.h, layout.w)
+        return self._mix_points(x, layout.xyz)
+
+    def _kv(self, t):
+        """Keys and values (..., 2C) of tokens t (..., C): the k and v rows of the qkv projection."""
+        bias = None if self.qkv.bias is None else self.qkv.bias[self.dim:]
+        return F.linear(t, self.qkv.weight[self.dim:], bias)
+
+    # ---- grids ------------------------------------------------------------------------------
+
+    def _mix_grid(self, x, h, w):
+        b, n, c = x.shape
+        ws = self.window_size
+        nh, nw = math.ceil(h / ws), math.ceil(w / ws)
+        keys, valid = grid_plan(h, w, ws, self.expand_size, self.focal_level, self.focal_window, x.device)
+
+        qkv = self.qkv(x)  # (B, N, 3C)
+        q = F.pad(qkv[..., :c].view(b, h, w, c), (0, 0, 0, nw * ws - w, 0, nh * ws - h))  # (B, H', W', C)
+        q = rearrange(q, "b (nh r) (nw s) (heads d) -> b heads (nh nw) (r s) d", r=ws, s=ws, heads=self.heads)
+
+        sources = [qkv[..., c:]] + [self._kv(self._pool(x, h, w, k)) for k in range(self.focal_level - 1)]
+        sources = torch.cat(sources + [x.new_zeros(b, 1, 2 * c)], dim=1)  # (B, N + pooled + 1, 2C)
+        k, v = rearrange(sources[:, keys], "b nw m (two heads d) -> two b heads nw m d", two=2, heads=self.heads)
+
+        out = functional.focal_attention(q, k, v, mask=valid[:, None, :], bias=self._grid_bias()[:, None])
+        out = rearrange(out, "b heads (nh nw) (r s) d -> b (nh r) (nw s) (heads d)", nh=nh, r=ws)  # (B, H', W', C)
+        return self.proj(out[:, :h, :w].reshape(b, n, c))
+
+    def _pool(self, x, h, w, k):
+        """Pooled tokens (B, ph*pw, C) of coarse level k, row-major, of the map x (B, h*w, C) padded with zeros."""
+        ws = self.window_size
+        g, ph, pw, top, left = pooled_geometry(h, w, ws, k)
+        pad = (0, 0, 0, math.ceil(w / ws) * ws - w, 0, math.ceil(h / ws) * ws - h)
+        m = F.pad(x.view(x.shape[0], h, w, -1), pad)  # (B, H', W', C)
+        m = m[:, top:top + ph * g, left:left + pw * g]  # (B, ph*g, pw*g, C)
+        m = rearrange(m, "b (ph r) (pw s) c -> b (ph pw) c (r s)", r=g, s=g)  # (B, P, C, g*g)
+        return self.pool_layers[k](m).squeeze(-1)  # (B, P, C)
+
+    def _grid_bias(self):
+        """Relative position bias (heads, ws*ws, M) of a window's queries to its key slots."""
+        a = self.window_size ** 2
+        inside = self.relative_position_bias_table[self.relative_position_index.view(-1)]  # (a*a, heads)
+        parts = [inside.view(a, a, self.heads).permute(2, 0, 1)]  # (heads, a, a)
+        if self.relative_position_bias_table_to_neighbors is not None:
+            parts.append(self.relative_position_bias_table_to_neighbors[0])  # (heads, a, expand slots)
+        for k, table in enumerate(self.relative_position_bias_table_to_windows):
+            index = getattr(self, f"relative_position_index_{k}")  # (a, K*K)
+            parts.append(table[:, index.view(-1)].view(self.heads, a, -1))  # (heads, a, K*K)
+        return torch.cat(parts, dim=-1)
+
+    # ---- point sets -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def point_regions(self, xyz):
+        """Fine neighbours (B, N, K) of every point, and per coarse level the regions (B, m, s) to pool."""
+        n = xyz.shape[1]
+        fine = knn(xyz, xyz, min(self.neighbours, n))  # (B, N, K), nearest first
+        areas = [(self.window_size // 2 ** k) ** 2 for k in range(self.focal_level - 1)]
+        if not areas:
+            return fine, []
+        start = (xyz - xyz.mean(dim=1, keepdim=True)).square().sum(-1).argmax(-1)  # (B,) farthest from centroid
+        centres = gather(xyz, farthest_point_sample(xyz, math.ceil(n / min(areas)), start))  # (B, m_max, 3)
+        # FPS picks prefixes: the first m centres of a longer run are those of a run of m
+        return fine, [knn(centres[:, :math.ceil(n / a)], xyz, min(a, n)) for a in areas]
+
+    def _mix_points(self, x, xyz):
+        b, n, c = x.shape
+        fine, regions = self.point_regions(xyz)
+        qkv = self.qkv(x)  # (B, N, 3C)
+        keys = [gather(qkv[..., c:], fine)]  # (B, N, K, 2C)
+        for region in regions:
+            pooled = self._kv(gather(x, region).mean(dim=2))  # (B, m, 2C), shared by all points
+            keys.append(pooled[:, None].expand(b, n, -1, -1))  # (B, N, m, 2C)
+        k, v = rearrange(torch.cat(keys, dim=2), "b n m (two heads d) -> two b heads n m d", two=2, heads=self.heads)
+        q = rearrange(qkv[..., :c], "b n (heads d) -> b heads n 1 d", heads=self.heads)
+        out = functional.focal_attention(q, k, v)  # (B, heads, N, 1, d)
+        return self.proj(rearrange(out, "b heads n 1 d -> b n (heads d)"))
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, window_size={self.window_size}, expand_size={self.expand_size}, "
+                f"focal_level={self.focal_level}, focal_window={self.focal_window}, neighbours={self.neighbours}")

@@ -1,0 +1,354 @@
+"""``dilated``: the kernel against brute force and DilateFormer's unfold form, the module's structure.
+
+The brute-force references below gather each query's window by explicit index
+arithmetic (grids) or by sorted float64 distances (point sets) and do the
+softmax by hand, independently of ``attention.functional``.
+"""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import attention
+from attention import Grid, Points, UserError
+from attention import functional as AF
+from benchmarks.dilated import DilateAttention, unfold_dilated_attention
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: intra-op threads only add spin-waiting on a busy 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def randn(gen, *shape, dtype=torch.float64):
+    return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Brute-force references
+# --------------------------------------------------------------------------------------------
+
+def ref_grid(q, k, v, h, w, kernel_size, dilation, border, scale=None):
+    """For each query (i, j): the keys at (i + p*r, j + q*r) by index arithmetic, softmax by hand."""
+    q, k, v = q.double(), k.double(), v.double()
+    B, H, N, d = q.shape
+    scale = d ** -0.5 if scale is None else scale
+    half = kernel_size // 2
+    out = torch.zeros(B, H, N, v.shape[-1], dtype=torch.float64)
+    for i in range(h):
+        for j in range(w):
+            logits, values = [], []
+            for p in range(-half, half + 1):
+                for s in range(-half, half + 1):
+                    y, x = i + p * dilation, j + s * dilation
+                    if 0 <= y < h and 0 <= x < w:
+                        key, value = k[:, :, y * w + x], v[:, :, y * w + x]
+                    elif border == "zeros":  # zero padding: a zero key and value
+                        key, value = torch.zeros_like(k[:, :, 0]), torch.zeros_like(v[:, :, 0])
+                    else:  # mask: not in the softmax
+                        continue
+                    logits.append((q[:, :, i * w + j] * key).sum(-1) * scale)  # (B, H)
+                    values.append(value)
+            logits = torch.stack(logits, dim=-1)  # (B, H, keys)
+            e = torch.exp(logits - logits.max(dim=-1, keepdim=True).values)
+            a = e / e.sum(dim=-1, keepdim=True)
+            out[:, :, i * w + j] = sum(a[..., n, None] * values[n] for n in range(len(values)))
+    return out
+
+
+def ref_neighbours(xyz, count, rate):
+    """(B, N, K') indices: every ``rate``-th of each point's ``count * rate`` nearest (float64 sort)."""
+    xyz = xyz.double()
+    dist = ((xyz[:, :, None] - xyz[:, None]) ** 2).sum(-1)  # (B, N, N)
+    order = dist.argsort(dim=-1)
+    return order[:, :, :count * rate][:, :, ::rate]
+
+
+def ref_points(q, k, v, idx):
+    """q (B, H, N, d), k/v (B, H, N, d), idx (B, N, K): softmax over each point's own neighbours."""
+    B, H, N, d = q.shape
+    out = torch.zeros(B, H, N, v.shape[-1], dtype=torch.float64)
+    for b in range(B):
+        for n in range(N):
+            nb = idx[b, n]
+            logits = (q[b, :, n, None].double() * k[b][:, nb].double()).sum(-1) * d ** -0.5  # (H, K)
+            a = torch.exp(logits - logits.max(-1, keepdim=True).values)
+            a = a / a.sum(-1, keepdim=True)
+            out[b, :, n] = (a[..., None] * v[b][:, nb].double()).sum(1)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The kernel
+# --------------------------------------------------------------------------------------------
+
+GRIDS = [(5, 9), (2, 3), (4, 4), (1, 7), (6, 1)]
+
+
+@pytest.mark.parametrize("border", ["zeros", "mask"])
+@pytest.mark.parametrize("dilation", [1, 2, 3])
+@pytest.mark.parametrize("grid", GRIDS, ids=[f"{h}x{w}" for h, w in GRIDS])
+def test_kernel_matches_brute_force(grid, dilation, border):
+    h, w = grid
+    gen = torch.Generator().manual_seed(100 * h + 10 * w + dilation + 1000 * (border == "mask"))
+    q, k, v = (randn(gen, 2, 3, h * w, 5) for _ in range(3))
+    expected = ref_grid(q, k, v, h, w, 3, dilation, border)
+    assert rel_err(AF.dilated_attention(q, k, v, grid, 3, dilation, border), expected) < 1e-12
+    out32 = AF.dilated_attention(q.float(), k.float(), v.float(), grid, 3, dilation, border)
+    assert out32.dtype == torch.float32
+    assert rel_err(out32, expected) < 1e-5
+
+
+@pytest.mark.parametrize("border", ["zeros", "mask"])
+@pytest.mark.parametrize("kernel_size,dilation", [(1, 1), (5, 1), (5, 2), (7, 1)])
+def test_kernel_sizes_and_value_width(kernel_size, dilation, border):
+    gen = torch.Generator().manual_seed(kernel_size * 10 + dilation)
+    h, w = 4, 7
+    q, k = randn(gen, 1, 2, h * w, 4), randn(gen, 1, 2, h * w, 4)
+    v = randn(gen, 1, 2, h * w, 6)  # d_v != d
+    out = AF.dilated_attention(q, k, v, (h, w), kernel_size, dilation, border, scale=0.7)
+    assert out.shape == (1, 2, h * w, 6)
+    assert rel_err(out, ref_grid(q, k, v, h, w, kernel_size, dilation, border, scale=0.7)) < 1e-12
+
+
+def test_kernel_window_larger_than_grid():
+    """2x3 grid, dilation 3: every key but the centre lies outside."""
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (randn(gen, 2, 2, 6, 4) for _ in range(3))
+    assert torch.allclose(AF.dilated_attention(q, k, v, (2, 3), 3, 3, "mask"), v, atol=1e-15)
+    # zeros: the centre against eight zero keys (logit 0, value 0)
+    logit = (q * k).sum(-1, keepdim=True) * 4 ** -0.5
+    weight = torch.exp(logit) / (torch.exp(logit) + 8)
+    assert torch.allclose(AF.dilated_attention(q, k, v, (2, 3), 3, 3, "zeros"), weight * v, atol=1e-14)
+
+
+def test_kernel_non_contiguous_inputs():
+    """q, k, v as the module hands them over: strided views of one qkv tensor."""
+    gen = torch.Generator().manual_seed(12)
+    h, w, H, d = 3, 5, 2, 4
+    qkv = randn(gen, 2, h * w, 3 * H * d)
+    q, k, v = qkv.view(2, h * w, 3, H, d).permute(2, 0, 3, 1, 4)  # each (B, H, N, d), not contiguous
+    assert not q.is_contiguous()
+    out = AF.dilated_attention(q, k, v, (h, w), 3, 2)
+    assert rel_err(out, ref_grid(q, k, v, h, w, 3, 2, "zeros")) < 1e-12
+
+
+@pytest.mark.parametrize("border", ["zeros", "mask"])
+@pytest.mark.parametrize("dilation", [1, 2])
+def test_kernel_gradcheck(dilation, border):
+    gen = torch.Generator().manual_seed(13)
+    q, k = (randn(gen, 1, 2, 12, 3).requires_grad_() for _ in range(2))
+    v = randn(gen, 1, 2, 12, 2).requires_grad_()  # d_v != d
+    assert torch.autograd.gradcheck(lambda q, k, v: AF.dilated_attention(q, k, v, (3, 4), 3, dilation, border),
+                                    (q, k, v))
+
+
+def test_kernel_gradients_match_autograd_of_brute_force():
+    """The custom backward against autograd through the independent loop reference, mask border."""
+    gen = torch.Generator().manual_seed(14)
+    q, k, v = (randn(gen, 2, 2, 15, 4).requires_grad_() for _ in range(3))
+    g = randn(gen, 2, 2, 15, 4)
+    ours = torch.autograd.grad(AF.dilated_attention(q, k, v, (3, 5), 3, 2, "mask"), (q, k, v), g)
+    ref = torch.autograd.grad(ref_grid(q, k, v, 3, 5, 3, 2, "mask"), (q, k, v), g)
+    for a, b in zip(ours, ref):
+        assert rel_err(a, b) < 1e-12
+
+
+def test_kernel_op_registration():
+    """The torch.library op's schema, fake (meta) kernel and autograd registration are consistent."""
+    gen = torch.Generator().manual_seed(15)
+    q, k, v = (randn(gen, 1, 2, 6, 3) for _ in range(3))
+    torch.library.opcheck(torch.ops.attention_suite.dilated_attention.default, (q, k, v, 2, 3, 3, 1, True, 0.5),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+@pytest.mark.parametrize("grid,dilation", [((6, 6), 1), ((5, 8), 2), ((7, 4), 3), ((2, 3), 3)])
+def test_kernel_matches_dilateformer_unfold(grid, dilation):
+    """DilateFormer's nn.Unfold implementation IS the zero-padding semantics: outputs and gradients agree."""
+    gen = torch.Generator().manual_seed(16)
+    h, w = grid
+    q, k, v = (randn(gen, 2, 3, h * w, 4).requires_grad_() for _ in range(3))
+    g = randn(gen, 2, 3, h * w, 4)
+    ours = AF.dilated_attention(q, k, v, grid, 3, dilation, "zeros")
+    theirs = unfold_dilated_attention(q, k, v, grid, 3, dilation)
+    assert rel_err(ours, theirs) < 1e-12
+    for a, b in zip(torch.autograd.grad(ours, (q, k, v), g), torch.autograd.grad(theirs, (q, k, v), g)):
+        assert rel_err(a, b) < 1e-12
+
+
+def test_kernel_bad_arguments():
+    q = torch.randn(1, 1, 12, 4)
+    with pytest.raises(ValueError, match="grid"):
+        AF.dilated_attention(q, q, q, (3, 5))
+    with pytest.raises(ValueError, match="border"):
+        AF.dilated_attention(q, q, q, (3, 4), border="reflect")
+    with pytest.raises(ValueError, match="kernel_size"):
+        AF.dilated_attention(q, q, q, (3, 4), kernel_size=4)
+    with pytest.raises(ValueError, match="dilation"):
+        AF.dilated_attention(q, q, q, (3, 4), dilation=0)
+
+
+def test_point_kernel_matches_brute_force():
+    gen = torch.Generator().manual_seed(17)
+    B, H, N, K, d = 2, 3, 10, 4, 5
+    q, k, v = (randn(gen, B, H, N, d) for _ in range(3))
+    idx = torch.randint(0, N, (B, N, K), generator=gen)
+    kn = torch.stack([k[b][:, idx[b]] for b in range(B)])  # (B, H, N, K, d)
+    vn = torch.stack([v[b][:, idx[b]] for b in range(B)])
+    assert rel_err(AF.dilated_point_attention(q, kn, vn), ref_points(q, k, v, idx)) < 1e-12
+
+
+# --------------------------------------------------------------------------------------------
+# The module
+# --------------------------------------------------------------------------------------------
+
+def build(dim=24, **opts):
+    torch.manual_seed(0)
+    return attention.build("dilated", dim=dim, **opts).double().eval()
+
+
+def split_qkv(mixer, x):
+    C, H = mixer.dim, mixer.heads
+    qkv = x @ mixer.qkv.weight.T + mixer.qkv.bias  # (B, N, 3C), channels (q|k|v, head, d)
+    return [qkv[..., i * C:(i + 1) * C].unflatten(-1, (H, C // H)).transpose(1, 2) for i in range(3)]  # (B, H, N, d)
+
+
+@pytest.mark.parametrize("border", ["zeros", "mask"])
+def test_module_groups_heads_by_rate_on_grids(border):
+    dil = (1, 3, 2)
+    mixer = build(dim=24, heads=6, dilations=list(dil), border=border)
+    gen = torch.Generator().manual_seed(18)
+    h, w = 4, 5
+    x = randn(gen, 2, h * w, 24)
+    q, k, v = split_qkv(mixer, x)
+    with torch.no_grad():
+        groups = [ref_grid(q[:, 2 * g:2 * g + 2], k[:, 2 * g:2 * g + 2], v[:, 2 * g:2 * g + 2], h, w, 3, r, border)
+                  for g, r in enumerate(dil)]  # heads 0-1 rate 1, 2-3 rate 3, 4-5 rate 2
+        expected = mixer.proj(torch.cat(groups, dim=1).transpose(1, 2).flatten(2))
+        y = mixer(x, Grid(h, w))
+        swapped = build(dim=24, heads=6, dilations=[1, 2, 3], border=border)(x, Grid(h, w))
+    assert rel_err(y, expected) < 1e-12
+    assert rel_err(swapped, expected) > 1e-3  # the rate order matters: the test can tell groups apart
+
+
+def test_module_is_dilateformer_msda():
+    """The module equals DilateFormer's MultiDilatelocalAttention (its forward written out) with our weights."""
+    C, dil = 36, [1, 2, 3]
+    mixer = build(dim=C, heads=3, dilations=dil)
+    gen = torch.Generator().manual_seed(19)
+    B, h, w = 2, 5, 6
+    x = randn(gen, B, h, w, C)  # DilateFormer's block input (B, H, W, C)
+    nd = len(dil)
+    with torch.no_grad():
+        # MultiDilatelocalAttention.forward with qkv = 1x1 conv (our Linear's weights) and proj = our Linear
+        xc = x.permute(0, 3, 1, 2)  # B, C, H, W
+        qkv = torch.einsum("oc,bchw->bohw", mixer.qkv.weight, xc) + mixer.qkv.bias[None, :, None, None]
+        qkv = qkv.reshape(B, 3, nd, C // nd, h, w).permute(2, 1, 0, 3, 4, 5)  # num_dilation,3,B,C//nd,H,W
+        out = xc.reshape(B, nd, C // nd, h, w).permute(1, 0, 3, 4, 2).clone()  # num_dilation,B,H,W,C//nd
+        for i in range(nd):
+            out[i] = DilateAttention(C // mixer.heads, None, 0, 3, dil[i])(qkv[i][0], qkv[i][1], qkv[i][2])
+        expected = mixer.proj(out.permute(1, 2, 3, 0, 4).reshape(B, h, w, C))
+        y = mixer(x.reshape(B, h * w, C), Grid(h, w))
+    assert rel_err(y, expected.reshape(B, h * w, C)) < 1e-12
+    shapes = sorted(tuple(p.shape) for p in mixer.parameters())
+    assert shapes == sorted([(3 * C, C), (3 * C,), (C, C), (C,)])
+
+
+@pytest.mark.parametrize("n,neighbours", [(40, None), (40, 3), (10, None)])  # n=10: 9 * r > N, clamped
+def test_module_point_neighbourhoods(n, neighbours):
+    dil = (1, 2, 4)
+    mixer = build(dim=24, heads=6, dilations=list(dil), neighbours=neighbours)
+    K = 9 if neighbours is None else neighbours
+    gen = torch.Generator().manual_seed(20)
+    x = randn(gen, 2, n, 24)
+    xyz = randn(gen, 2, n, 3)
+    q, k, v = split_qkv(mixer, x)
+    groups = []
+    for g, r in enumerate(dil):
+        idx = ref_neighbours(xyz, K, r)
+        assert idx.shape[-1] == min(K, math.ceil(n / r))  # every r-th of min(K*r, N) nearest
+        assert (idx[..., 0] == torch.arange(n)).all()  # the nearest is the point itself
+        hs = slice(2 * g, 2 * g + 2)
+        groups.append(ref_points(q[:, hs], k[:, hs], v[:, hs], idx))
+    with torch.no_grad():
+        expected = mixer.proj(torch.cat(groups, dim=1).transpose(1, 2).flatten(2))
+        y = mixer(x, Points(xyz))
+    assert rel_err(y, expected) < 1e-12
+
+
+@pytest.mark.parametrize("n", [30, 7])
+def test_module_points_permutation_equivariant(n):
+    mixer = build(dim=16, heads=4, dilations=[1, 2])
+    gen = torch.Generator().manual_seed(21)
+    x, xyz = randn(gen, 2, n, 16), randn(gen, 2, n, 3)
+    perm = torch.randperm(n, generator=gen)
+    with torch.no_grad():
+        y, y_perm = mixer(x, Points(xyz)), mixer(x[:, perm], Points(xyz[:, perm]))
+    assert rel_err(y_perm, y[:, perm]) < 1e-12
+
+
+def test_module_layouts():
+    mixer = build(dim=16, heads=4, dilations=[1, 2])
+    x = torch.randn(2, 12, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match="dilated"):
+        mixer(x, None)
+    with pytest.raises(ValueError):
+        mixer(x, Grid(3, 5))
+    with pytest.raises(ValueError):
+        mixer(x, Points(torch.rand(2, 13, 3)))
+    with pytest.raises(ValueError):
+        Points(torch.rand(2, 12, 2))
+
+
+@pytest.mark.parametrize("opts,option,allowed", [
+    ({"kernel_size": 4}, "attn.kernel_size=4", "odd"),
+    ({"kernel_size": 0}, "attn.kernel_size=0", ">= 1"),
+    ({"kernel_size": -3}, "attn.kernel_size=-3", ">= 1"),
+    ({"dilations": []}, r"attn.dilations=\[\]", ">= 1"),
+    ({"dilations": [1, 0]}, r"attn.dilations=\[1, 0\]", ">= 1"),
+    ({"dilations": [1, 2.5]}, r"attn.dilations=\[1, 2.5\]", "integers"),
+    ({"dilations": "12"}, "attn.dilations='12'", "list"),
+    ({"heads": 8, "dilations": [1, 2, 3]}, "attn.heads=8", "multiple of 3"),
+    ({"heads": 2, "dilations": [1, 2, 3, 4]}, "attn.heads=2", "multiple of 4"),
+    ({"border": "reflect"}, "attn.border='reflect'", "'zeros', 'mask'"),
+    ({"neighbours": 0}, "attn.neighbours=0", ">= 1"),
+    ({"heads": 3, "dilations": [1, 2, 3]}, "attn.heads=3", "divisor"),  # 3 does not divide 32
+])
+def test_bad_options(opts, option, allowed):
+    with pytest.raises(UserError, match=option) as info:
+        attention.build("dilated", dim=32, **opts)
+    assert allowed in str(info.value)
+
+
+def test_options_and_config():
+    cfg = OmegaConf.load(Path(__file__).resolve().parents[2] / "configs" / "attn" / "dilated.yaml")
+    opts = {key: value for key, value in cfg.items() if key != "name"}
+    assert cfg.name == "dilated" and set(opts) == set(attention.options("dilated"))
+    for dim in (32, 64, 128, 256):  # the widths the suite's networks build mixers at
+        mixer = attention.build("dilated", dim=dim, **opts)
+        assert mixer.dilations == (1, 2, 3, 4) and mixer.heads == 8
+    # the paper's rates, where the width allows them
+    assert attention.build("dilated", dim=72, heads=3, dilations=[1, 2, 3]).dilations == (1, 2, 3)
+    assert attention.build("dilated", dim=64, heads=4, dilations=2).dilations == (2,)  # a bare rate
+
+
+def test_cost_counts_the_kernel():
+    """FLOPs = projections + 2 * (q.k and attn*v) over all k*k window positions, via the op's FLOP formula."""
+    B, C, n, K = 2, 32, 64, 9  # 9 * 4 <= 64: no point set is clamped
+    mixer = attention.build("dilated", dim=C)
+    expected = 2 * B * n * (3 * C * C + C * C) + 2 * B * n * K * 2 * C
+    assert mixer.cost(n, batch=B, layout="grid")["flops"] == expected
+    # on points the same attention work (as batched matmuls) plus kNN's distance matmul
+    assert mixer.cost(n, batch=B, layout="points")["flops"] == expected + 2 * B * n * n * 3
