@@ -1,19 +1,33 @@
-"""Point-cloud classification data modules (Lightning), configured from Hydra.
+"""Point-cloud data modules (Lightning), configured from Hydra.
 
-Config name -> class: ``modelnet40`` -> :class:`ModelNet40`,
-``modelnet40_pyg`` -> :class:`ModelNet40PyG`, ``shapes`` -> :class:`Shapes`.
+Classification (samples ``{"points", "label"}``, see :mod:`datamodules.points`):
+``modelnet40`` -> :class:`ModelNet40`, ``modelnet40_pyg`` -> :class:`ModelNet40PyG`,
+``shapes`` -> :class:`Shapes`.
+
+Part segmentation (samples ``{"points", "parts", "category"[, "normals"]}``, see
+:mod:`datamodules.shapenet`): ``shapenet_part`` -> :class:`ShapeNetPart`,
+``shapenet_part_h5`` -> :class:`ShapeNetPartH5`, ``shapenet_part_pyg`` ->
+:class:`ShapeNetPartPyG`, ``parts`` -> :class:`Parts`.
 """
 
 from datamodules.download import download_and_extract
 from datamodules.modelnet import ModelNet40, ModelNet40PyG
+from datamodules.parts import Parts
 from datamodules.points import PointCloudDataModule, PointCloudDataset
+from datamodules.shapenet import PartDataset, PartSegDataModule, ShapeNetPart, ShapeNetPartH5, ShapeNetPartPyG
 from datamodules.shapes import Shapes
 
 __all__ = [
     "ModelNet40",
     "ModelNet40PyG",
+    "PartDataset",
+    "PartSegDataModule",
+    "Parts",
     "PointCloudDataModule",
     "PointCloudDataset",
+    "ShapeNetPart",
+    "ShapeNetPartH5",
+    "ShapeNetPartPyG",
     "Shapes",
     "download_and_extract",
 ]

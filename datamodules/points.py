@@ -1,4 +1,6 @@
-"""Shared pieces of the point-cloud classification data modules.
+"""Shared pieces of the point-cloud classification data modules (the part-segmentation
+modules of :mod:`datamodules.shapenet` reuse :func:`scale_shift`, :func:`sample_rng`,
+:func:`read_h5` and the loaders of :class:`PointCloudDataModule`).
 
 Every sample is a plain dict, so PyTorch's default collate batches it::
 
@@ -28,8 +30,10 @@ fraction of the train split is held out (unaugmented) for validation.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol
 
+import h5py
 import lightning as L
 import numpy as np
 import torch
@@ -48,11 +52,63 @@ def augment_points(points: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     ratio = rng.random() * MAX_DROPOUT_RATIO
     drop = rng.random(len(pts)) <= ratio  # (N,)
     pts[drop] = pts[0].copy()
-    scale = rng.uniform(*SCALE_RANGE, size=3)
-    shift = rng.uniform(*SHIFT_RANGE, size=3)
-    pts = (pts * scale + shift).astype(np.float32)
+    pts = scale_shift(pts, rng)
     rng.shuffle(pts)  # permutes rows (points)
     return pts
+
+
+def scale_shift(points: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """The reference ``translate_pointcloud``: a float32 copy of ``points`` (N, 3) times a
+    per-axis scale ~ U(2/3, 3/2) plus a per-axis shift ~ U(-0.2, 0.2) (drawn in that order)."""
+    scale = rng.uniform(*SCALE_RANGE, size=3)
+    shift = rng.uniform(*SHIFT_RANGE, size=3)
+    return (points * scale + shift).astype(np.float32)
+
+
+DTYPE_KINDS = {"f": "floating point", "iu": "integer"}
+
+
+def read_h5(path: Path, spec: dict[str, tuple[list[tuple], str]], fix: str) -> dict[str, np.ndarray]:
+    """Read and check datasets of one HDF5 file; every failure is a UserError naming ``path``.
+
+    Args:
+        path: the file.
+        spec: dataset name -> (allowed shapes, dtype kinds). A shape is a tuple whose
+            entries are ints (exact sizes) or names (free sizes that must agree across
+            the datasets, e.g. ``"n"`` for the sample count); kinds are numpy dtype
+            kinds, ``"f"`` (floating point) or ``"iu"`` (integer).
+        fix: appended to every message: how to get a good file.
+
+    Returns:
+        Each dataset of ``spec`` read into memory, with its stored dtype.
+    """
+    sizes: dict[str, tuple[int, str]] = {}  # named dimension -> (size, first dataset that had it)
+    try:
+        with h5py.File(path, "r") as f:
+            for key in spec:
+                if not isinstance(f.get(key), h5py.Dataset):
+                    raise UserError(f"{path} has no '{key}' dataset (found keys: {sorted(f.keys())}). {fix}")
+            for key, (shapes, kinds) in spec.items():
+                shape, dtype = f[key].shape, f[key].dtype
+                shape_ok = [s for s in shapes if len(s) == len(shape) and all(
+                    isinstance(want, str) or want == got for want, got in zip(s, shape))]  # fmt: skip
+                if not shape_ok:
+                    expected = " or ".join("(" + ", ".join(str(d) for d in s) + ("," if len(s) == 1 else "") + ")"
+                                           for s in shapes)  # fmt: skip
+                    raise UserError(f"{path}: '{key}' has shape {shape}, expected {expected}. {fix}")
+                if dtype.kind not in kinds:
+                    raise UserError(f"{path}: '{key}' has dtype {dtype}, expected {DTYPE_KINDS[kinds]}. {fix}")
+                for name, size in zip(shape_ok[0], shape):
+                    if isinstance(name, str):
+                        known, first = sizes.setdefault(name, (size, key))
+                        if known != size:
+                            raise UserError(
+                                f"{path}: '{first}' has {name}={known} but '{key}' has {name}={size} "
+                                f"(shapes must agree). {fix}"
+                            )
+            return {key: f[key][()] for key in spec}
+    except OSError as err:
+        raise UserError(f"{path} cannot be read as HDF5, it is truncated or corrupt ({err}). {fix}") from None
 
 
 def sample_rng() -> np.random.Generator:

@@ -1,5 +1,9 @@
 """Shared pytest fixtures."""
 
+import functools
+import http.server
+import json
+import threading
 from pathlib import Path
 
 import h5py
@@ -33,3 +37,114 @@ def modelnet_release():
         return written
 
     return make
+
+
+# ---------------------------------------------------------------------------
+# ShapeNet part segmentation releases (official layouts), for tests/datamodules.
+
+SHAPENET_SYNSETS = [
+    ("Airplane", "02691156"), ("Bag", "02773838"), ("Cap", "02954340"), ("Car", "02958343"),
+    ("Chair", "03001627"), ("Earphone", "03261776"), ("Guitar", "03467517"), ("Knife", "03624134"),
+    ("Lamp", "03636649"), ("Laptop", "03642806"), ("Motorbike", "03790512"), ("Mug", "03797390"),
+    ("Pistol", "03948459"), ("Rocket", "04099429"), ("Skateboard", "04225987"), ("Table", "04379243"),
+]  # fmt: skip
+SHAPENET_PART_RANGES = {0: (0, 3), 1: (4, 5), 11: (36, 37), 15: (47, 49)}  # categories the fixtures use
+
+
+@pytest.fixture
+def shapenet_txt_release():
+    """Factory writing a tiny official txt release (``..._v0_normal`` layout) into ``folder``.
+
+    ``make(folder, counts={"train": 4, "val": 2, "test": 3}, categories=(0, 1, 11), points=(20, 40), seed=0)``
+    writes ``synsetoffset2category.txt`` (all 16 lines), all 16 synset folders, per shape
+    ``<synset>/<id>.txt`` with rows ``x y z nx ny nz part`` ("%.6f", part a float) and
+    ``train_test_split/shuffled_{split}_file_list.json`` (entries ``shape_data/<synset>/<id>``,
+    categories mixed). Shapes cycle through ``categories``, with a random number of points in
+    ``points`` (inclusive). Returns ``{split: [(path, category, values (P, 7) float64), ...]}``
+    in JSON order, values exactly as written.
+    """
+
+    def make(folder: Path, counts=None, categories=(0, 1, 11), points=(20, 40), seed=0):
+        counts = counts or {"train": 4, "val": 2, "test": 3}
+        rng = np.random.default_rng(seed)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "synsetoffset2category.txt").write_text("".join(f"{n}\t{s}\n" for n, s in SHAPENET_SYNSETS))
+        for _, synset in SHAPENET_SYNSETS:
+            (folder / synset).mkdir(exist_ok=True)
+        (folder / "train_test_split").mkdir(exist_ok=True)
+        written, serial = {}, 0
+        for split, count in counts.items():
+            shapes = []
+            for i in range(count):
+                category = categories[i % len(categories)]
+                lo, hi = SHAPENET_PART_RANGES[category]
+                n = int(rng.integers(points[0], points[1] + 1))
+                xyz = rng.uniform(-3, 3, (n, 3)) + rng.uniform(-5, 5, 3)  # off-centre, not unit scale
+                normals = rng.normal(size=(n, 3))
+                normals /= np.linalg.norm(normals, axis=1, keepdims=True)
+                part = rng.integers(lo, hi + 1, n)
+                values = np.round(np.column_stack([xyz, normals, part]), 6)
+                synset = SHAPENET_SYNSETS[category][1]
+                path = folder / synset / f"{serial:08x}{seed:04d}.txt"
+                serial += 1
+                np.savetxt(path, values, fmt="%.6f")
+                shapes.append((path, category, values))
+            order = rng.permutation(len(shapes))
+            shapes = [shapes[j] for j in order]
+            entries = [f"shape_data/{p.parent.name}/{p.stem}" for p, _, _ in shapes]
+            (folder / "train_test_split" / f"shuffled_{split}_file_list.json").write_text(json.dumps(entries))
+            written[split] = shapes
+        return written
+
+    return make
+
+
+@pytest.fixture
+def shapenet_h5_release():
+    """Factory writing a tiny HDF5 release (``shapenet_part_seg_hdf5_data`` layout) into ``folder``.
+
+    ``make(folder, sizes={"train": (3, 2), "val": (2,), "test": (2, 2)}, points=2048, seed=0)`` writes
+    ``ply_data_{split}{i}.h5`` with "data" (n, points, 3) float32, "label" (n, 1) uint8 (0-15) and
+    "pid" (n, points) uint8 (global part ids of the sample's category). Returns
+    ``{split: (data, label (n,) int64, pid int64)}``, files concatenated in order.
+    """
+
+    def make(folder: Path, sizes=None, points=2048, seed=0):
+        sizes = sizes or {"train": (3, 2), "val": (2,), "test": (2, 2)}
+        rng = np.random.default_rng(seed)
+        folder.mkdir(parents=True, exist_ok=True)
+        written = {}
+        for split, file_sizes in sizes.items():
+            arrays = []
+            for i, n in enumerate(file_sizes):
+                data = rng.uniform(-1, 1, (n, points, 3)).astype(np.float32)
+                label = rng.choice(list(SHAPENET_PART_RANGES), (n, 1)).astype(np.uint8)
+                pid = np.stack([rng.integers(SHAPENET_PART_RANGES[c][0], SHAPENET_PART_RANGES[c][1] + 1, points)
+                                for c in label[:, 0]]).astype(np.uint8)  # fmt: skip
+                with h5py.File(folder / f"ply_data_{split}{i}.h5", "w") as f:
+                    f["data"], f["label"], f["pid"] = data, label, pid
+                arrays.append((data, label[:, 0].astype(np.int64), pid.astype(np.int64)))
+            written[split] = tuple(np.concatenate([a[k] for a in arrays]) for k in range(3))
+        return written
+
+    return make
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def http_folder(tmp_path):
+    """Serve a fresh folder tmp_path/http on 127.0.0.1 (ThreadingHTTPServer); yields (folder, base URL)."""
+    served = tmp_path / "http"
+    served.mkdir()
+    handler = functools.partial(_QuietHandler, directory=str(served))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
+    thread.start()
+    yield served, f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+    thread.join()
