@@ -32,11 +32,15 @@ import tarfile
 import urllib.error
 import zipfile
 import zlib
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from torchvision.datasets.utils import download_url
 
 from attention.errors import UserError
+
+T = TypeVar("T")
 
 
 def download_and_extract(
@@ -68,6 +72,19 @@ def download_and_extract(
     _verify(archive, url, md5)
     _extract(archive, root)
     return archive
+
+
+def ensure_release(check: Callable[[], T], download: bool, url: str, root: str | os.PathLike,
+                   md5: str | None = None) -> T:
+    """Return ``check()``; if it finds the release missing (UserError) and ``download`` is set, fetch
+    and extract ``url`` into ``root`` first, then check again. Without ``download`` the error stands."""
+    try:
+        return check()
+    except UserError:
+        if not download:
+            raise
+    download_and_extract(url, root, md5=md5)
+    return check()
 
 
 def _fetch(url: str, root: Path, name: str) -> None:

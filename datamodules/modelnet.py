@@ -39,7 +39,7 @@ import h5py
 import numpy as np
 
 from attention.errors import UserError
-from datamodules.download import download_and_extract
+from datamodules.download import ensure_release
 from datamodules.points import ArraySource, PointCloudDataModule, PointSource
 
 MODELNET40_CLASSES = [
@@ -112,13 +112,7 @@ class ModelNet40(PointCloudDataModule):
 
     def prepare_data(self) -> None:
         """Check the layout; when it is incomplete and ``download`` is set, download and extract first."""
-        try:
-            self._files()
-        except UserError:
-            if not self.download:
-                raise
-            download_and_extract(self.url, Path(self.root).expanduser(), md5=self.md5)
-            self._files()
+        ensure_release(self._files, self.download, self.url, Path(self.root).expanduser(), self.md5)
 
     def _load(self) -> tuple[PointSource, None, PointSource]:
         folder, train_files, test_files = self._files()

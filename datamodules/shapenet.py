@@ -79,7 +79,7 @@ import torch
 from torch.utils.data import Dataset
 
 from attention.errors import UserError
-from datamodules.download import download_and_extract
+from datamodules.download import ensure_release
 from datamodules.points import PointCloudDataModule, read_h5, sample_rng, scale_shift
 
 log = logging.getLogger(__name__)
@@ -385,13 +385,7 @@ class ShapeNetPart(PartSegDataModule):
 
     def prepare_data(self) -> None:
         """Check the layout (downloading first if allowed and needed), then build the parse caches."""
-        try:
-            self._check()
-        except UserError:
-            if not self.download:
-                raise
-            download_and_extract(self.url, Path(self.root).expanduser(), md5=self.md5)
-            self._check()
+        ensure_release(self._check, self.download, self.url, Path(self.root).expanduser(), self.md5)
         for split in SPLITS:
             self._split(split, load=False)
 
@@ -640,13 +634,7 @@ class ShapeNetPartH5(PartSegDataModule):
 
     def prepare_data(self) -> None:
         """Check the layout; when it is incomplete and ``download`` is set, download and extract first."""
-        try:
-            self._files()
-        except UserError:
-            if not self.download:
-                raise
-            download_and_extract(self.url, Path(self.root).expanduser(), md5=self.md5)
-            self._files()
+        ensure_release(self._files, self.download, self.url, Path(self.root).expanduser(), self.md5)
 
     def _load(self) -> tuple[PackedSource, PackedSource | None, PackedSource]:
         files = self._files()

@@ -18,15 +18,6 @@ from attention import functional as AF
 from benchmarks.dilated import DilateAttention, unfold_dilated_attention
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add spin-waiting on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def rel_err(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm()).item()

@@ -20,15 +20,6 @@ from attention import functional as AF
 DIM = 16
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add spin-waiting on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def rel_err(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 

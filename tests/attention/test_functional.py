@@ -22,15 +22,6 @@ SHAPES = [
 SHAPE_IDS = ["B{}h{}N{}M{}d{}dv{}".format(*s) for s in SHAPES]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add spin-waiting on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm()).item()

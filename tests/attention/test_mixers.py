@@ -12,15 +12,6 @@ GRID = Grid(4, 6)  # not square, so rows and columns cannot be confused
 N = len(GRID)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add spin-waiting on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def build(name, dim=DIM, **opts):
     torch.manual_seed(0)
     return attention.build(name, dim=dim, **opts).eval()
