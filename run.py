@@ -58,7 +58,7 @@ def run(cfg: DictConfig) -> dict:
     from hydra.core.hydra_config import HydraConfig
     from hydra.utils import get_class, instantiate
 
-    from tasks.loggers import build_loggers
+    from tasks.loggers import build_loggers, close_loggers
 
     if cfg.mode not in MODES:
         raise UserError(f"mode={cfg.mode!r} is not known: use one of {', '.join(MODES)}.")
@@ -122,6 +122,7 @@ def run(cfg: DictConfig) -> dict:
         (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
         print("\n".join(f"{k:>24} {v:.4f}" for k, v in metrics.items()))
         print(f"metrics written to {out_dir / 'metrics.json'}")
+    close_loggers(loggers)
     return metrics
 
 

@@ -62,3 +62,13 @@ def build_loggers(cfg: Mapping, save_dir: str | Path, config: Mapping) -> list:
         raise UserError(f"logger={kind!r} is not known: use logger=wandb, logger=csv or logger=none.")
     logger.log_hyperparams(dict(config))
     return [logger]
+
+
+def close_loggers(loggers) -> None:
+    """Finish W&B runs explicitly: in a Hydra multirun every job shares one process, and an unfinished
+    run would otherwise be reused by the next job's ``wandb.init``."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    for logger in loggers:
+        if isinstance(logger, WandbLogger):
+            logger.experiment.finish()

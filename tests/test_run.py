@@ -126,13 +126,21 @@ def test_fast_dev_run_every_variant(env, tmp_path):
 
 
 def test_shapenet_fast_dev_run_every_variant(env, tmp_path):
-    """`task=shapenet attn=X data=parts trainer.fast_dev_run=true` for every registered X (one multirun)."""
+    """`task=shapenet attn=X data=parts trainer.fast_dev_run=true` for every registered X (one multirun),
+    each job with its own offline W&B run tagged with its variant (jobs share one process)."""
     variants = attention.names()
     run(["-m", "task=shapenet", f"attn={','.join(variants)}", "data=parts", "trainer.fast_dev_run=true",
-         "data.batch_size=4", "data.eval_batch_size=4", "logger=none", f"hydra.sweep.dir={tmp_path}"], env)
+         "data.batch_size=4", "data.eval_batch_size=4", f"hydra.sweep.dir={tmp_path}"], env)
+    run_ids = set()
     for i, variant in enumerate(variants):
-        metrics = json.loads((tmp_path / f"{i}_shapenet_{variant}" / "metrics.json").read_text())
+        job = tmp_path / f"{i}_shapenet_{variant}"
+        metrics = json.loads((job / "metrics.json").read_text())
         assert 0.0 <= metrics["test/imiou"] <= 1.0 and "test/cmiou" in metrics, variant
+        (wandb_file,) = (job / "wandb").glob("offline-run-*/run-*.wandb")
+        run_rec = next(r.run for r in wandb_records(wandb_file) if r.WhichOneof("record_type") == "run")
+        assert f"attn:{variant}" in run_rec.tags
+        run_ids.add(run_rec.run_id)
+    assert len(run_ids) == len(variants)
 
 
 def test_shapenet_summary_reports_published_size(env):
