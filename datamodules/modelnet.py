@@ -35,12 +35,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import h5py
 import numpy as np
 
 from attention.errors import UserError
 from datamodules.download import ensure_release
-from datamodules.points import ArraySource, PointCloudDataModule, PointSource
+from datamodules.points import ArraySource, PointCloudDataModule, PointSource, read_h5
 
 MODELNET40_CLASSES = [
     "airplane", "bathtub", "bed", "bench", "bookshelf", "bottle", "bowl", "car", "chair", "cone",
@@ -151,31 +150,12 @@ def _load_h5(path: Path, npoints: int) -> tuple[np.ndarray, np.ndarray]:
         f"Replace {path.name} with the file from the official {HDF5_FOLDER}.zip "
         f"(or delete the folder and use data.download=true)."
     )
-    try:
-        with h5py.File(path, "r") as f:
-            for key in ("data", "label"):
-                if not isinstance(f.get(key), h5py.Dataset):
-                    raise UserError(f"{path} has no '{key}' dataset (found keys: {sorted(f.keys())}). {fix}")
-            data, label = f["data"], f["label"]
-            if data.ndim != 3 or data.shape[2] != 3:
-                raise UserError(f"{path}: 'data' has shape {data.shape}, expected (n, points, 3). {fix}")
-            if data.shape[1] < npoints:
-                raise UserError(
-                    f"{path}: 'data' has {data.shape[1]} points per sample but data.npoints={npoints}; "
-                    f"use data.npoints <= {data.shape[1]}."
-                )
-            if data.dtype.kind != "f":
-                raise UserError(f"{path}: 'data' has dtype {data.dtype}, expected floating point. {fix}")
-            if not (label.ndim == 1 or (label.ndim == 2 and label.shape[1] == 1)):
-                raise UserError(f"{path}: 'label' has shape {label.shape}, expected (n, 1) or (n,). {fix}")
-            if label.dtype.kind not in "iu":
-                raise UserError(f"{path}: 'label' has dtype {label.dtype}, expected integer. {fix}")
-            if label.shape[0] != data.shape[0]:
-                raise UserError(f"{path}: {data.shape[0]} samples in 'data' but {label.shape[0]} in 'label'. {fix}")
-            points = np.asarray(data[()], dtype=np.float32)  # (n, P, 3)
-            labels = np.asarray(label[()], dtype=np.int64).reshape(-1)  # (n, 1) or (n,) -> (n,)
-    except OSError as err:
-        raise UserError(f"{path} cannot be read as HDF5, it is truncated or corrupt ({err}). {fix}") from None
+    arrays = read_h5(path, {"data": ([("n", "points", 3)], "f"), "label": ([("n", 1), ("n",)], "iu")}, fix)
+    points = np.asarray(arrays["data"], dtype=np.float32)  # (n, P, 3)
+    labels = np.asarray(arrays["label"], dtype=np.int64).reshape(-1)  # (n, 1) or (n,) -> (n,)
+    if points.shape[1] < npoints:
+        raise UserError(f"{path}: 'data' has {points.shape[1]} points per sample but data.npoints={npoints}; "
+                        f"use data.npoints <= {points.shape[1]}.")
     bad = np.flatnonzero((labels < 0) | (labels >= len(MODELNET40_CLASSES)))
     if len(bad):
         raise UserError(

@@ -203,7 +203,7 @@ BAD_FILES = {
     "integer data": (dict(data=points(dtype=np.int32), label=labels()), "'data' has dtype int32"),
     "float labels": (dict(data=points(), label=labels(dtype=np.float32)), "'label' has dtype float32"),
     "label shape": (dict(data=points(), label=np.zeros((4, 2), np.uint8)), "'label' has shape (4, 2)"),
-    "length mismatch": (dict(data=points(), label=labels(3)), "4 samples in 'data' but 3 in 'label'"),
+    "length mismatch": (dict(data=points(), label=labels(3)), "'data' has n=4 but 'label' has n=3"),
     "label 40": (dict(data=points(), label=np.array([[0], [1], [40], [41]], np.uint8)), "sample 2 has label 40"),
     "label -1": (dict(data=points(), label=np.array([0, -1, 0, 0], np.int64)), "sample 1 has label -1"),
     "nan": (dict(data=_nan(np.nan), label=labels()), "sample 2 has NaN or infinite"),
