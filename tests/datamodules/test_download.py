@@ -1,12 +1,9 @@
 """download_and_extract and ModelNet40(download=True) against a local HTTP server."""
 
-import functools
 import hashlib
-import http.server
 import io
 import socket
 import tarfile
-import threading
 import zipfile
 
 import numpy as np
@@ -17,33 +14,14 @@ from datamodules import ModelNet40, download_and_extract
 from datamodules.modelnet import HDF5_FOLDER
 
 
-class QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
-
-@pytest.fixture
-def server(tmp_path):
-    """Serve tmp_path/served on 127.0.0.1; yields (folder, base URL)."""
-    served = tmp_path / "served"
-    served.mkdir()
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(QuietHandler, directory=str(served)))
-    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
-    thread.start()
-    yield served, f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
-    thread.join()
-
-
 def md5(path):
     return hashlib.md5(path.read_bytes()).hexdigest()
 
 
 @pytest.fixture
-def release_zip(tmp_path, server, modelnet_release):
+def release_zip(tmp_path, http_folder, modelnet_release):
     """A zip of a tiny release, served as modelnet40_ply_hdf5_2048.zip; returns (url, md5, written arrays)."""
-    served, base = server
+    served, base = http_folder
     source = tmp_path / "source"
     written = modelnet_release(source / HDF5_FOLDER)
     archive = served / f"{HDF5_FOLDER}.zip"
@@ -87,8 +65,8 @@ def test_wrong_md5_deletes_the_file(tmp_path, release_zip):
     assert list(root.iterdir()) == []  # neither the zip nor anything extracted
 
 
-def test_not_an_archive_is_deleted(tmp_path, server):
-    served, base = server
+def test_not_an_archive_is_deleted(tmp_path, http_folder):
+    served, base = http_folder
     (served / "page.zip").write_text("<html>moved</html>")
     root = tmp_path / "data"
     with pytest.raises(UserError, match="not a zip or tar archive") as err:
@@ -97,8 +75,8 @@ def test_not_an_archive_is_deleted(tmp_path, server):
     assert list(root.iterdir()) == []
 
 
-def test_truncated_zip_is_deleted(tmp_path, server, release_zip):
-    served, base = server
+def test_truncated_zip_is_deleted(tmp_path, http_folder, release_zip):
+    served, base = http_folder
     data = (served / f"{HDF5_FOLDER}.zip").read_bytes()
     (served / "cut.zip").write_bytes(data[: len(data) // 2])
     root = tmp_path / "data"
@@ -107,8 +85,8 @@ def test_truncated_zip_is_deleted(tmp_path, server, release_zip):
     assert list(root.iterdir()) == []
 
 
-def test_404_and_unreachable_urls(tmp_path, server):
-    _, base = server
+def test_404_and_unreachable_urls(tmp_path, http_folder):
+    _, base = http_folder
     with pytest.raises(UserError, match="Could not download") as err:
         download_and_extract(f"{base}/missing.zip", tmp_path / "a")
     assert f"{base}/missing.zip" in str(err.value) and "data.root" in str(err.value)
@@ -163,8 +141,8 @@ UNSAFE = {
 
 
 @pytest.mark.parametrize("case", list(UNSAFE))
-def test_unsafe_members_are_refused(tmp_path, server, case):
-    served, base = server
+def test_unsafe_members_are_refused(tmp_path, http_folder, case):
+    served, base = http_folder
     name, payload, member = UNSAFE[case]
     (served / name).write_bytes(payload)
     root = tmp_path / "deep" / "data"
@@ -175,8 +153,8 @@ def test_unsafe_members_are_refused(tmp_path, server, case):
     assert not (tmp_path / "deep" / "evil").exists() and not (tmp_path / "evil").exists()
 
 
-def test_safe_tar_with_internal_symlink_extracts(tmp_path, server):
-    served, base = server
+def test_safe_tar_with_internal_symlink_extracts(tmp_path, http_folder):
+    served, base = http_folder
     payload = tar_with(tar_member("ok/link", tarfile.SYMTYPE, "file.txt"))
     (served / "good.tgz").write_bytes(payload)
     root = tmp_path / "data"
