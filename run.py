@@ -5,8 +5,13 @@ Composes ``configs/config.yaml`` with the groups task, attn, data, trainer,
 logger and experiment, then runs ``mode``:
 
 - ``train`` (default): fit, then test the best checkpoint;
-- ``test``: test ``ckpt_path``;
-- ``summary``: per-module parameters and FLOPs, ending ``params=<int> flops=<int>``.
+- ``test``: test ``ckpt_path`` (``eval`` is the same: the GAN task's name for it);
+- ``summary``: per-module parameters and FLOPs, ending ``params=<int> flops=<int>``
+  (a task with several networks, like the GAN's G and D, prints each first).
+
+A task may carry ``attn_presets: {<variant>: {option: value}}``: the options
+its paper uses for that variant (SAGAN's block for ``self``), applied under
+any ``attn.<option>=`` given on the command line.
 
 Train and test print their metrics and write ``metrics.json`` to Hydra's run
 directory. User errors print one message and exit with code 2.
@@ -17,18 +22,19 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import os
 import sys
 import warnings
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from attention.errors import UserError
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 GROUPS = ("task", "attn", "data", "trainer", "logger", "experiment")
-MODES = ("train", "test", "summary")
+MODES = ("train", "test", "eval", "summary")
 log = logging.getLogger("run")
 
 
@@ -70,8 +76,13 @@ def run(cfg: DictConfig) -> dict:
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda r: "litlogger" not in r.getMessage())
     for name in ("lightning.pytorch", "lightning.fabric"):  # Lightning has its own handler; Hydra's root one
         logging.getLogger(name).propagate = False       # would print every line twice
+    apply_attn_preset(cfg, HydraConfig.get().overrides.task)
     L.seed_everything(cfg.seed, workers=True)
     container = OmegaConf.to_container(cfg, resolve=True)
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0 and int(os.environ.get("NODE_RANK", 0)) == 0:
+        # What actually ran: interpolations resolved and task presets applied (.hydra/config.yaml holds the input).
+        out_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(container, out_dir / "resolved_config.yaml")
 
     datamodule = instantiate(cfg.data, _convert_="all")
     task_kwargs = {k: v for k, v in container["task"].items() if k != "name"}
@@ -84,22 +95,33 @@ def run(cfg: DictConfig) -> dict:
     if cfg.mode == "summary":
         from tasks.summary import summarize
 
-        table, params, flops = summarize(module.net, module.example_input_array)
-        print(table)
-        print(f"params={params} flops={flops}")
-        return {"params": params, "flops": flops}
+        parts = module.summaries() if hasattr(module, "summaries") else [("", module.net, module.example_input_array)]
+        result = {"params": 0, "flops": 0}
+        for name, net, example in parts:
+            table, params, flops = summarize(net, example)
+            print(table)
+            if name:
+                print(f"params_{name}={params} flops_{name}={flops}\n")
+                result.update({f"params_{name}": params, f"flops_{name}": flops})
+            result["params"] += params
+            result["flops"] += flops
+        print(f"params={result['params']} flops={result['flops']}")
+        return result
 
     ckpt = cfg.get("ckpt_path")
-    if (cfg.mode == "test" or ckpt) and not (ckpt and Path(ckpt).is_file()):
+    if (cfg.mode in ("test", "eval") or ckpt) and not (ckpt and Path(ckpt).is_file()):
         raise UserError(f"mode={cfg.mode} needs an existing checkpoint: ckpt_path={ckpt!r} is "
                         f"{'not set' if not ckpt else 'not a file'}. Pass e.g. "
                         "`ckpt_path=outputs/.../checkpoints/last.ckpt`.")
+    identity = {"task": cfg.task.name, "attn": container["attn"]}
+    if ckpt:
+        check_checkpoint(ckpt, identity)
     loggers = build_loggers(cfg.logger, out_dir, container)
     callbacks = [instantiate(c) for c in (container.get("callbacks") or {}).values() if c]
     checkpoint = L.pytorch.callbacks.ModelCheckpoint(
         dirpath=out_dir / "checkpoints", filename="best-epoch{epoch:03d}", monitor=cfg.monitor.metric,
         mode=cfg.monitor.mode, save_last=True, auto_insert_metric_name=False)
-    callbacks.append(checkpoint)
+    callbacks += [checkpoint, identity_callback(identity)]
     if loggers:
         callbacks.append(L.pytorch.callbacks.LearningRateMonitor(logging_interval="epoch"))
     trainer = L.Trainer(**container["trainer"], callbacks=callbacks, logger=loggers or False,
@@ -124,6 +146,58 @@ def run(cfg: DictConfig) -> dict:
         print(f"metrics written to {out_dir / 'metrics.json'}")
     close_loggers(loggers)
     return metrics
+
+
+def apply_attn_preset(cfg: DictConfig, overrides) -> None:
+    """Merge ``cfg.attn_presets[<attn name>]`` into ``cfg.attn``, except options given as ``attn.<key>=`` overrides."""
+    preset = (cfg.get("attn_presets") or {}).get(cfg.attn.name)
+    if not preset:
+        return
+    given = set()
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key.startswith("attn."):
+            given.add(key.removeprefix("attn."))
+    with open_dict(cfg):
+        for key, value in preset.items():
+            if key not in given:
+                cfg.attn[key] = value
+
+
+def identity_callback(identity: dict):
+    """A callback storing the task name and attention config in every checkpoint (``checkpoint["suite"]``)."""
+    import lightning as L
+
+    class RunIdentity(L.pytorch.callbacks.Callback):
+        def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+            checkpoint["suite"] = identity
+
+    return RunIdentity()
+
+
+def check_checkpoint(path: str, identity: dict) -> None:
+    """Refuse a checkpoint written by another task or attention variant, naming what it was trained with."""
+    import pickle
+
+    import torch
+
+    try:
+        stored = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("suite")
+    except (pickle.UnpicklingError, RuntimeError, OSError, EOFError, ValueError) as err:
+        raise UserError(f"ckpt_path={path} cannot be read as a checkpoint of this suite ({str(err).splitlines()[0]}). "
+                        "Checkpoints are loaded with torch.load(weights_only=True), so files that need arbitrary "
+                        "code to unpickle are refused; pass a checkpoint written by run.py.") from None
+    if not stored:
+        return  # written before checkpoints carried their identity: Lightning reports any mismatch
+    if stored["task"] != identity["task"]:
+        raise UserError(f"ckpt_path={path} was trained with task={stored['task']}, but this run has "
+                        f"task={identity['task']}: pass task={stored['task']} (and its attn) or another checkpoint.")
+    want, have = stored["attn"], identity["attn"]
+    if want != have:
+        diff = ", ".join(f"attn.{k}={want.get(k)!r} (here {have.get(k)!r})" for k in sorted(set(want) | set(have))
+                         if want.get(k) != have.get(k))
+        raise UserError(f"ckpt_path={path} was trained with attn={want.get('name')} and options differing from this "
+                        f"run's: {diff}. Pass attn={want.get('name')} with the same options to load it.")
 
 
 def _floats(metrics) -> dict[str, float]:

@@ -8,9 +8,14 @@ Part segmentation (samples ``{"points", "parts", "category"[, "normals"]}``, see
 :mod:`datamodules.shapenet`): ``shapenet_part`` -> :class:`ShapeNetPart`,
 ``shapenet_part_h5`` -> :class:`ShapeNetPartH5`, ``shapenet_part_pyg`` ->
 :class:`ShapeNetPartPyG`, ``parts`` -> :class:`Parts`.
+
+Image generation (training split in memory, batches ``{"image", "label"}``, see
+:mod:`datamodules.images`): ``digits`` -> :class:`Digits`, ``cifar10`` ->
+:class:`CIFAR10`, ``image_folder`` -> :class:`ImageFolder` (base :class:`ImageDataModule`).
 """
 
 from datamodules.download import download_and_extract
+from datamodules.images import CIFAR10, Digits, ImageDataModule, ImageFolder
 from datamodules.modelnet import ModelNet40, ModelNet40PyG
 from datamodules.parts import Parts
 from datamodules.points import PointCloudDataModule, PointCloudDataset
@@ -18,6 +23,10 @@ from datamodules.shapenet import PartDataset, PartSegDataModule, ShapeNetPart, S
 from datamodules.shapes import Shapes
 
 __all__ = [
+    "CIFAR10",
+    "Digits",
+    "ImageDataModule",
+    "ImageFolder",
     "ModelNet40",
     "ModelNet40PyG",
     "PartDataset",

@@ -230,6 +230,106 @@ def test_hydra_config_saved_for_the_run(wandb_run):
     assert saved["attn"]["name"] == "external" and saved["task"]["name"] == "modelnet"
 
 
+# --- task=gan ---------------------------------------------------------------------------------------------------
+# Small networks and a random-weights Inception (metrics.inception_weights=random): the whole pipeline, offline.
+GAN_TINY = ["task=gan", "data=digits", "model.g_channels=16", "model.d_channels=16", "model.z_dim=16",
+            "data.batch_size=4", "task.d_steps=2", "metrics.batch_size=4", "metrics.inception_weights=random",
+            "metrics.reference_samples=8", "task.grid_per_class=2", "trainer.enable_progress_bar=false"]
+
+
+def test_gan_fast_dev_run_every_variant(env, tmp_path):
+    """`task=gan attn=X data=digits trainer.fast_dev_run=true` for every registered X (one multirun)."""
+    variants = attention.names()
+    run(["-m", *GAN_TINY, f"attn={','.join(variants)}", "trainer.fast_dev_run=true", "logger=none",
+         f"metrics.cache_dir={tmp_path / 'fid'}", f"hydra.sweep.dir={tmp_path}"], env)
+    for i, variant in enumerate(variants):
+        job = tmp_path / f"{i}_gan_{variant}"
+        metrics = json.loads((job / "metrics.json").read_text())
+        assert metrics["test/fid"] > 0 and metrics["test/is"] >= 1 - 1e-6, variant
+        assert metrics["test/samples"] == 4  # fast_dev_run: one evaluation batch
+    # the reference statistics were computed once and shared through the cache
+    assert len(list((tmp_path / "fid").glob("*.npz"))) == 1
+    # attn=self got SAGAN's block (the task's preset), other variants their own options
+    saved = yaml.safe_load((tmp_path / f"{variants.index('self')}_gan_self" / "resolved_config.yaml").read_text())
+    assert saved["attn"]["qk_ratio"] == 8 and saved["attn"]["kv_pool"] == 2 and saved["attn"]["heads"] == 1
+
+
+def test_gan_summary_prints_generator_and_discriminator(env):
+    out = run(["task=gan", "attn=self", "mode=summary", "logger=none"], env).stdout
+    lines = out.strip().splitlines()
+    g = next(line for line in lines if line.startswith("params_G="))
+    d = next(line for line in lines if line.startswith("params_D="))
+    params_g, params_d = int(g.split()[0].split("=")[1]), int(d.split()[0].split("=")[1])
+    assert lines[-1].startswith(f"params={params_g + params_d} ")
+    assert 4e6 < params_g < 5e6 and 1e6 < params_d < 1.5e6  # StudioGAN's 32x32 SAGAN: 256 / 128 channels
+    # a command-line option beats the task's preset for attn=self
+    out = run(["task=gan", "attn=self", "attn.qk_ratio=4", "mode=summary", "logger=none"], env).stdout
+    g4 = next(line for line in out.splitlines() if line.startswith("params_G="))
+    assert int(g4.split()[0].split("=")[1]) == params_g + 2 * 256 * (64 - 32)  # q and k: 64 instead of 32 channels
+
+
+@pytest.fixture(scope="module")
+def gan_run(env, tmp_path_factory):
+    """4 generator steps, FID every 2 (8 samples), W&B offline."""
+    out = tmp_path_factory.mktemp("gan-run")
+    proc = run([*GAN_TINY, "attn=external", "trainer.max_steps=4", "metrics.every_n_steps=2",
+                "metrics.num_samples=8", "eval.num_samples=8", f"metrics.cache_dir={out / 'fid'}",
+                "trainer.log_every_n_steps=1", f"hydra.run.dir={out}"], env)
+    return out, proc
+
+
+def test_gan_train_logs_fid_grid_and_checkpoints(gan_run):
+    out, proc = gan_run
+    metrics = json.loads((out / "metrics.json").read_text())
+    for key in ("val/fid", "val/fid_best", "val/is", "test/fid", "test/is", "test/is_std"):
+        assert key in metrics and metrics[key] == metrics[key], key
+    assert metrics["test/samples"] == 8
+    ckpts = sorted(p.name for p in (out / "checkpoints").glob("*.ckpt"))
+    assert "last.ckpt" in ckpts and any(name.startswith("best-") for name in ckpts)
+    assert sorted(p.name for p in (out / "samples").glob("val_*.png")) == ["val_step000002.png", "val_step000004.png"]
+    (run_dir,) = (out / "wandb").glob("offline-run-*")
+    history = {}
+    for r in wandb_records(next(run_dir.glob("run-*.wandb"))):
+        if r.WhichOneof("record_type") == "history":
+            for item in r.history.item:
+                history.setdefault(item.key or item.nested_key[0], []).append(json.loads(item.value_json))
+    assert len(history["val/fid"]) == 2 and "val/samples" in history and "test/samples" in history
+    assert "train/loss_d" in history and "train/loss_g" in history
+    assert len(list((run_dir / "files" / "media" / "images" / "val").glob("samples_*.png"))) == 2
+
+
+def test_gan_eval_mode_reproduces_and_saves_samples(gan_run, env, tmp_path):
+    out, _ = gan_run
+    trained = json.loads((out / "metrics.json").read_text())
+    best = next((out / "checkpoints").glob("best-*.ckpt"))
+    samples = tmp_path / "pngs"
+    run([*GAN_TINY, "attn=external", "mode=eval", f"ckpt_path={best}", "eval.num_samples=8",
+         f"eval.save_samples={samples}", f"metrics.cache_dir={out / 'fid'}", "logger=none",
+         f"hydra.run.dir={tmp_path}"], env)
+    evaluated = json.loads((tmp_path / "metrics.json").read_text())
+    assert evaluated["test/fid"] == pytest.approx(trained["test/fid"], rel=1e-6)
+    assert len(list(samples.glob("*.png"))) == 8
+
+
+def test_gan_checkpoint_of_another_variant_or_task_is_refused(gan_run, wandb_run, env):
+    out, _ = gan_run
+    last = out / "checkpoints" / "last.ckpt"
+    user_error([*GAN_TINY, "attn=self", "mode=eval", f"ckpt_path={last}", "logger=none"], env,
+               "attn=external", str(last))
+    modelnet = wandb_run[0] / "checkpoints" / "last.ckpt"
+    user_error([*GAN_TINY, "attn=external", "mode=eval", f"ckpt_path={modelnet}", "logger=none"], env,
+               "task=modelnet")
+
+
+def test_gan_bad_input(env, tmp_path):
+    user_error([*GAN_TINY, "attn=self", "data.resolution=64", "trainer.fast_dev_run=true", "logger=none"], env,
+               "data.resolution=64", "32")
+    user_error([*GAN_TINY, "attn=self", f"metrics.inception_weights={tmp_path / 'nope.pth'}",
+                "trainer.fast_dev_run=true", "logger=none"], env, "metrics.inception_weights")
+    user_error(["task=gan", "data=image_folder", f"data.root={tmp_path / 'missing'}", "logger=none"], env,
+               "missing")
+
+
 @pytest.mark.slow
 def test_demo_reaches_target_accuracy(env, tmp_path):
     """What `make demo` runs (W&B offline by itself): PCT + external attention on shapes, test OA >= 0.85."""

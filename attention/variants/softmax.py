@@ -1,21 +1,81 @@
-"""``self``: multi-head softmax self-attention (Vaswani et al., 2017) through SDPA."""
+"""``self``: multi-head softmax self-attention (Vaswani et al., 2017) through SDPA.
 
+Defaults are the transformer's block: queries, keys and values of ``dim``
+channels, scale d^-0.5, output projection. The options also give SAGAN's
+block (Zhang et al., 2019; StudioGAN's ``ops.SelfAttention``)::
+
+    heads=1, qk_ratio=8, v_ratio=2, kv_pool=2, scale=1.0, qkv_bias=false, proj_bias=false
+
+queries and keys of C/8 channels, values of C/2, keys and values max-pooled
+2x2 on the grid, no scaling of the logits, output projection C/2 -> C.
+
+``kv_pool=p`` pools keys and values by p x p max-pooling on a ``Grid`` (sides
+divisible by p); on ``Points`` it max-pools over the p*p nearest neighbours of
+N / p^2 farthest-point-sampled centres, the point-set analogue.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
 from .. import functional
-from ..base import Mixer
+from ..base import Mixer, check_divides, check_positive
+from ..errors import UserError
+from ..layout import Grid, Points
+from ..pointops import farthest_point_sample, gather, knn
 from ..registry import register
 
 
 @register("self")
 class SelfAttention(Mixer):
-    def __init__(self, dim: int, heads: int = 4, qkv_bias: bool = True):
+    def __init__(self, dim: int, heads: int = 4, qkv_bias: bool = True, qk_ratio: int = 1, v_ratio: int = 1,
+                 kv_pool: int = 1, scale: float | None = None, proj_bias: bool = True):
         super().__init__(dim, heads)
-        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
-        self.proj = nn.Linear(dim, dim)
+        check_divides("qk_ratio", qk_ratio, dim, self.name)
+        check_divides("v_ratio", v_ratio, dim, self.name)
+        check_positive("kv_pool", kv_pool, self.name)
+        self.qk_dim, self.v_dim = dim // qk_ratio, dim // v_ratio
+        check_divides("heads", heads, self.qk_dim, self.name, what="the query/key channels dim/qk_ratio")
+        check_divides("heads", heads, self.v_dim, self.name, what="the value channels dim/v_ratio")
+        if scale is not None and not float(scale) > 0:
+            raise UserError(f"attn.scale={scale!r} is invalid for attention variant 'self': expected a positive "
+                            "number, or null for d^-0.5.")
+        self.kv_pool = kv_pool
+        self.scale = None if scale is None else float(scale)
+        self.qkv = nn.Linear(dim, 2 * self.qk_dim + self.v_dim, bias=qkv_bias)
+        self.proj = nn.Linear(self.v_dim, dim, bias=proj_bias)
 
     def mix(self, x, layout):
-        q, k, v = rearrange(self.qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.heads)
-        out = functional.softmax_attention(q, k, v)  # (B, h, N, d)
+        q, k, v = self.qkv(x).split([self.qk_dim, self.qk_dim, self.v_dim], dim=-1)  # (B, N, C'), each
+        if self.kv_pool > 1:
+            k, v = self._pool(k, layout), self._pool(v, layout)  # (B, M, C'), M = N / kv_pool^2
+        q, k, v = (rearrange(t, "b n (h d) -> b h n d", h=self.heads) for t in (q, k, v))
+        out = functional.softmax_attention(q, k, v, scale=self.scale)  # (B, h, N, d_v)
         return self.proj(rearrange(out, "b h n d -> b n (h d)"))
+
+    def _pool(self, t, layout):
+        p = self.kv_pool
+        if isinstance(layout, Grid):
+            if layout.h % p or layout.w % p:
+                raise ValueError(f"'self' with kv_pool={p} needs grid sides divisible by {p}, got {layout!r}.")
+            grid = rearrange(t, "b (h w) c -> b c h w", h=layout.h)
+            return rearrange(F.max_pool2d(grid, p), "b c h w -> b (h w) c")
+        if isinstance(layout, Points):
+            m = max(1, len(layout) // (p * p))
+            centres = gather(layout.xyz, farthest_point_sample(layout.xyz, m))  # (B, M, 3)
+            groups = knn(centres, layout.xyz, min(p * p, len(layout)))  # (B, M, p*p)
+            return gather(t, groups).amax(dim=2)  # (B, M, C')
+        raise ValueError(f"'self' with kv_pool={p} needs a Grid or Points layout to pool keys and values over; "
+                         "got none. Pass a layout, or set attn.kv_pool=1.")
+
+    def extra_repr(self) -> str:
+        extra = ""
+        if (self.qk_dim, self.v_dim) != (self.dim, self.dim):
+            extra += f", qk_dim={self.qk_dim}, v_dim={self.v_dim}"
+        if self.kv_pool > 1:
+            extra += f", kv_pool={self.kv_pool}"
+        if self.scale is not None:
+            extra += f", scale={self.scale}"
+        return super().extra_repr() + extra

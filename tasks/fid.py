@@ -1,0 +1,476 @@
+"""FID and Inception Score for the GAN task, with torch-fidelity's TF-compatible Inception.
+
+Everything numerical is torch-fidelity's own code: the feature extractor
+(``FeatureExtractorInceptionV3``, registered as ``inception-v3-compat``: the
+2015-12-05 TensorFlow graph ported bit-for-bit, including its resizing),
+``fid_features_to_statistics`` / ``fid_statistics_to_metric`` and
+``isc_features_to_metric``. This module only adds what a training loop needs
+around them:
+
+* :func:`to_uint8` quantises generator output in [-1, 1] exactly as
+  ``torchvision.utils.save_image`` does, so scoring the in-memory tensor and
+  scoring PNGs written by :func:`save_pngs` (e.g. with torch-fidelity's
+  ``fidelity`` command) see the same pixels;
+* :func:`load_inception` builds the extractor once per process from the
+  official weights (downloaded into torch hub's cache), from a local file that
+  is vetted with ``torch.load(weights_only=True)`` first, or from a seeded
+  random initialisation for offline smoke runs (``"random"`` / ``"random:SEED"``);
+* :func:`reference_statistics` caches the real set's FID statistics on disk,
+  keyed by a dataset key and :func:`weights_id`.
+
+Scores from random weights, or from fewer than the customary 50,000 samples,
+are not comparable with published numbers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import logging
+import os
+import pickle
+import re
+import tempfile
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from urllib.parse import urlparse
+
+import numpy as np
+import torch
+import torch_fidelity.feature_extractor_inceptionv3 as _tf_inception
+from PIL import Image
+from torch import Tensor
+from torch_fidelity.feature_extractor_inceptionv3 import URL_INCEPTION_V3, FeatureExtractorInceptionV3
+from torch_fidelity.metric_fid import KEY_METRIC_FID, fid_features_to_statistics, fid_statistics_to_metric
+from torch_fidelity.metric_isc import KEY_METRIC_ISC_MEAN, KEY_METRIC_ISC_STD, isc_features_to_metric
+from tqdm import tqdm
+
+from attention.errors import UserError
+
+log = logging.getLogger(__name__)
+
+EXTRACTOR_NAME = "inception-v3-compat"
+FEATURES = ["2048", "logits_unbiased"]   # FID's pool features, IS's logits (torch-fidelity's defaults)
+OFFICIAL_WEIGHTS_ID = "tf-2015-12-05"
+ISC_RNG_SEED = 2020                      # torch-fidelity's default ``rng_seed``
+
+_EXTRACTORS: dict[object, FeatureExtractorInceptionV3] = {}   # load_inception's per-process cache
+_FILE_SHA1: dict[tuple, str] = {}                              # weights_id's cache, keyed by path + stat
+_BUILD_LOCK = threading.Lock()                                 # guards the temporary patch in _construct
+
+
+# ---------------------------------------------------------------------------
+# Pixels
+
+
+def to_uint8(images: Tensor) -> Tensor:
+    """Float images in [-1, 1], (B, C, H, W) -> uint8, quantised exactly as ``save_image`` does.
+
+    ``torchvision.utils.save_image(x, normalize=True, value_range=(-1, 1))``
+    maps to [0, 1] and then computes ``(x * 255 + 0.5).clamp(0, 255)`` before
+    truncating to uint8: round-half-up, so -1 -> 0, 0 -> 128, 1 -> 255 and
+    values outside [-1, 1] saturate. Half-precision input is widened to
+    float32 first. The result stays on the input's device.
+    """
+    if not images.is_floating_point():
+        raise TypeError(f"to_uint8 expects float images in [-1, 1], got dtype {images.dtype}")
+    x = images.detach()
+    if x.dtype in (torch.float16, torch.bfloat16):
+        x = x.float()
+    x01 = (x + 1) / 2
+    return (x01 * 255 + 0.5).clamp(0, 255).to(torch.uint8)
+
+
+def save_pngs(images_uint8: Tensor, folder: str | Path, start: int = 0) -> None:
+    """Write one PNG per image as ``folder/{i:06d}.png`` for i = start, start + 1, ...
+
+    ``images_uint8`` is (B, 3, H, W) (or (B, 1, H, W), written as grayscale)
+    uint8; PNG is lossless, so the files read back bit-identical. Creates
+    ``folder`` (and its parents) if needed; existing files of the same name are
+    overwritten.
+    """
+    _check_uint8_images(images_uint8, "save_pngs", channels=(1, 3))
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    hwc = images_uint8.detach().cpu().permute(0, 2, 3, 1).contiguous().numpy()
+    for i, img in enumerate(hwc):
+        Image.fromarray(img[:, :, 0] if img.shape[2] == 1 else img).save(folder / f"{start + i:06d}.png")
+
+
+def _check_uint8_images(images: Tensor, where: str, channels: tuple[int, ...]) -> None:
+    if not torch.is_tensor(images) or images.dtype != torch.uint8:
+        raise TypeError(f"{where} expects a uint8 tensor (use to_uint8), got {getattr(images, 'dtype', type(images))}")
+    if images.dim() != 4 or images.shape[1] not in channels:
+        raise ValueError(f"{where} expects images (B, C, H, W) with C in {channels}, got {tuple(images.shape)}")
+
+
+# ---------------------------------------------------------------------------
+# The Inception network
+
+
+def hub_weights_path() -> str:
+    """Where torch-fidelity's default download lands: ``torch.hub.get_dir()/checkpoints/<file name of the URL>``."""
+    return os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(urlparse(URL_INCEPTION_V3).path))
+
+
+def _random_seed(weights: str) -> int | None:
+    """The seed of a ``"random"`` / ``"random:SEED"`` weights string, None for anything else."""
+    if weights == "random":
+        return 0
+    if not weights.startswith("random:"):
+        return None
+    try:
+        return int(weights.split(":", 1)[1])
+    except ValueError:
+        raise UserError(
+            f"metrics.inception_weights={weights!r} is not understood: random weights are written 'random' or "
+            f"'random:SEED' with an integer SEED (e.g. random:0). Use a path to an Inception weights file, or leave "
+            f"the option unset (null) for the official weights."
+        ) from None
+
+
+def weights_id(weights: str | None) -> str:
+    """Short identifier of a weights choice, for cache keys.
+
+    ``"tf-2015-12-05"`` for the official weights (None), ``"random-<seed>"``
+    for random ones, and the first 12 hex digits of the SHA-1 of the file's
+    bytes for a path (so a renamed copy shares its cache entries and a changed
+    file does not).
+    """
+    if weights is None:
+        return OFFICIAL_WEIGHTS_ID
+    weights = os.fspath(weights)
+    seed = _random_seed(weights)
+    if seed is not None:
+        return f"random-{seed}"
+    path = _existing_weights_file(weights)
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _FILE_SHA1:
+        sha1 = hashlib.sha1()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                sha1.update(block)
+        _FILE_SHA1[key] = sha1.hexdigest()[:12]
+    return _FILE_SHA1[key]
+
+
+def _existing_weights_file(weights: str) -> Path:
+    path = Path(weights).expanduser()
+    if not path.is_file():
+        raise UserError(
+            f"metrics.inception_weights={weights!r}: no such file ({path.resolve()}). Expected torch-fidelity's "
+            f"Inception weights (the file at {URL_INCEPTION_V3}); fix the path, leave the option unset (null) to "
+            f"download them, or use metrics.inception_weights=random for an offline smoke run."
+        )
+    return path
+
+
+class _Skeleton(FeatureExtractorInceptionV3):
+    """torch-fidelity's architecture with loading disabled: only used (on the meta device) for names and shapes."""
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):  # noqa: ARG002 - nothing to load
+        return None
+
+
+def _patched_loader(state_dict: Mapping[str, Tensor]) -> Callable:
+    def load_state_dict_from_url(*args, **kwargs):  # noqa: ARG001 - same signature as torch.hub's
+        return state_dict
+
+    return load_state_dict_from_url
+
+
+def _construct(
+    state_dict: Mapping[str, Tensor] | None, cls: type = FeatureExtractorInceptionV3
+) -> FeatureExtractorInceptionV3:
+    """torch-fidelity's extractor with ``state_dict`` (None: download from its URL, its default).
+
+    Its constructor knows two weight sources: ``torch.load(path,
+    weights_only=False)``, which would unpickle the file a second time without
+    the safety of our own ``weights_only=True`` load, and
+    ``load_state_dict_from_url``. To give it the dict we already loaded and
+    vetted, swap the latter (a module global of torch-fidelity) for a function
+    returning that dict for the duration of the call, under a lock so that
+    concurrent constructions cannot observe each other's patch.
+    """
+    with _BUILD_LOCK:
+        if state_dict is None:
+            return cls(EXTRACTOR_NAME, list(FEATURES), verbose=True)
+        saved = _tf_inception.load_state_dict_from_url
+        _tf_inception.load_state_dict_from_url = _patched_loader(state_dict)
+        try:
+            return cls(EXTRACTOR_NAME, list(FEATURES))
+        finally:
+            _tf_inception.load_state_dict_from_url = saved
+
+
+_TEMPLATE: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+
+
+def _template() -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Names, shapes and dtypes of the extractor's state dict (built once on the meta device: no memory, no init)."""
+    if not _TEMPLATE:
+        with torch.device("meta"):
+            skeleton = _construct({}, _Skeleton)
+        _TEMPLATE.update({k: (tuple(v.shape), v.dtype) for k, v in skeleton.state_dict().items()})
+    return _TEMPLATE
+
+
+def _random_state_dict(seed: int) -> dict[str, Tensor]:
+    """A seeded random initialisation whose activations keep a sensible scale through the whole network.
+
+    PyTorch's default init shrinks the signal ~1e-8-fold over Inception's depth,
+    which makes every score ~0; He-normal convolutions with identity batch norm
+    keep features O(0.1), so smoke runs and tests see informative numbers.
+    """
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, (shape, dtype) in _template().items():
+        if name.endswith("num_batches_tracked"):
+            t = torch.zeros(shape, dtype=dtype)
+        elif len(shape) == 4:   # convolution weight
+            t = torch.nn.init.kaiming_normal_(torch.empty(shape), nonlinearity="relu", generator=g)
+        elif name == "fc.weight":
+            t = torch.randn(shape, generator=g) / shape[1] ** 0.5
+        elif name.endswith((".bn.weight", "running_var")):
+            t = torch.ones(shape)
+        else:                   # batch-norm biases and running means, fc bias
+            t = torch.zeros(shape)
+        out[name] = t.to(dtype)
+    return out
+
+
+def _load_error_reason(error: Exception) -> str:
+    """The informative line of a torch.load error (weights-only refusals open with advice to unpickle anyway)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    specific = [line for line in lines if "GLOBAL" in line or "Unsupported" in line]
+    return (specific or lines or ["no details"])[0]
+
+
+def _vetted_state_dict(weights: str) -> dict[str, Tensor]:
+    """Load a weights file without executing anything and check it is the extractor's state dict."""
+    path = _existing_weights_file(weights)
+    what = (
+        f"metrics.inception_weights={weights!r} ({path.resolve()}) must be torch-fidelity's Inception weights: a plain "
+        f"state dict saved with torch.save, as the file at {URL_INCEPTION_V3}"
+    )
+    try:
+        state_dict = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # UnpicklingError for pickled code, RuntimeError/EOFError for corrupt or non-torch files
+        raise UserError(
+            f"{what}; it could not be loaded safely (torch.load with weights_only=True refused it: "
+            f"{type(e).__name__}: {_load_error_reason(e)}). Files that need arbitrary code to unpickle are refused on "
+            f"purpose; re-download the weights or re-save them as a state dict of tensors."
+        ) from None
+    if not isinstance(state_dict, Mapping) or not all(torch.is_tensor(v) for v in state_dict.values()):
+        raise UserError(f"{what}; this file holds a {type(state_dict).__name__}, not a dict of tensors. "
+                        f"Re-download the weights or save model.state_dict() instead.")
+    expected = _template()
+    missing = [k for k in expected if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in expected]
+    wrong = [f"{k} {tuple(state_dict[k].shape)} (expected {expected[k][0]})"
+             for k in expected if k in state_dict and tuple(state_dict[k].shape) != expected[k][0]]
+    if missing or unexpected or wrong:
+        details = "; ".join(
+            f"{label}: {', '.join(items[:3])}{' ...' if len(items) > 3 else ''} ({len(items)} in all)"
+            for label, items in (("missing keys", missing), ("unexpected keys", unexpected), ("wrong shapes", wrong))
+            if items
+        )
+        raise UserError(
+            f"{what}; its state dict does not match the inception-v3-compat architecture ({details}). Weights of "
+            f"other Inception ports (e.g. torchvision's) must be converted with torch-fidelity's "
+            f"util_convert_inception_weights first."
+        )
+    return dict(state_dict)
+
+
+def load_inception(weights: str | None = None) -> torch.nn.Module:
+    """torch-fidelity's ``inception-v3-compat`` extractor of ("2048", "logits_unbiased"), eval mode, no grad, on CPU.
+
+    ``weights``: None downloads the official weights once into torch hub's
+    cache (torch-fidelity's default); a path loads that file (vetted first,
+    see :func:`_vetted_state_dict`); ``"random"`` / ``"random:SEED"`` uses a
+    seeded random initialisation, for offline smoke runs and tests only.
+    Extractors are cached per weights choice for the life of the process;
+    callers may move the returned module to another device (the cached
+    instance moves with it).
+    """
+    if weights is not None:
+        weights = os.fspath(weights)
+    seed = _random_seed(weights) if weights is not None else None
+    if weights is None or seed is not None:
+        key: object = weights
+    else:
+        path = _existing_weights_file(weights)
+        st = path.stat()
+        key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key in _EXTRACTORS:
+        return _EXTRACTORS[key]
+
+    if weights is None and os.path.exists(hub_weights_path()):
+        # Already fetched: vet the cached file like a user's (torch-fidelity would unpickle it unrestricted).
+        extractor = _construct(_vetted_state_dict(hub_weights_path()))
+    elif weights is None:
+        try:
+            extractor = _construct(None)
+        except (OSError, http.client.HTTPException) as e:   # URLError, timeouts, refused connections are OSErrors
+            raise UserError(
+                f"Could not download the Inception weights for FID/IS from {URL_INCEPTION_V3} ({type(e).__name__}: "
+                f"{e}). Either pass metrics.inception_weights=PATH pointing at a copy of that file, or put the file "
+                f"at {hub_weights_path()} (where torch-fidelity looks for it first); for an offline smoke run with "
+                f"meaningless scores use metrics.inception_weights=random."
+            ) from None
+        except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
+            if not os.path.exists(hub_weights_path()):
+                raise
+            raise UserError(
+                f"The cached Inception weights {hub_weights_path()} cannot be loaded ({type(e).__name__}: {e}); the "
+                f"file is probably truncated or corrupt. Delete it so that it is downloaded again from "
+                f"{URL_INCEPTION_V3}, or pass metrics.inception_weights=PATH pointing at a good copy."
+            ) from None
+    elif seed is not None:
+        log.warning(
+            "Inception for FID/IS uses random weights (%s, seed %d): the scores are only good for smoke tests and are "
+            "not comparable with published numbers.", weights, seed,
+        )
+        extractor = _construct(_random_state_dict(seed))
+    else:
+        extractor = _construct(_vetted_state_dict(weights))
+    extractor.eval().requires_grad_(False)
+    _EXTRACTORS[key] = extractor
+    return extractor
+
+
+# ---------------------------------------------------------------------------
+# Features and metrics
+
+
+@torch.no_grad()
+def inception_features(
+    extractor: torch.nn.Module, images_uint8: Tensor, batch_size: int = 50, progress: bool = False
+) -> tuple[Tensor, Tensor]:
+    """(pool features (N, 2048), logits_unbiased (N, 1008)) of uint8 (N, 3, H, W) images, float64 on CPU.
+
+    Runs in batches of ``batch_size`` on the extractor's device (torch-fidelity
+    resizes to 299x299 inside the network). Single-channel images are
+    replicated to RGB, as PIL's ``convert("RGB")`` does when torch-fidelity
+    reads grayscale files.
+    """
+    _check_uint8_images(images_uint8, "inception_features", channels=(1, 3))
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    device = next(extractor.parameters()).device
+    pools, logits = [], []
+    n = images_uint8.shape[0]
+    with tqdm(total=n, disable=not progress, unit="img", desc="Inception features", leave=False) as bar:
+        for start in range(0, n, batch_size):
+            batch = images_uint8[start : start + batch_size].to(device, non_blocking=True)
+            if batch.shape[1] == 1:
+                batch = batch.expand(-1, 3, -1, -1)
+            out = extractor.convert_features_tuple_to_dict(extractor(batch))
+            pools.append(out["2048"].to("cpu", torch.float64))
+            logits.append(out["logits_unbiased"].to("cpu", torch.float64))
+            bar.update(batch.shape[0])
+    if not pools:
+        return torch.empty(0, 2048, dtype=torch.float64), torch.empty(0, 1008, dtype=torch.float64)
+    return torch.cat(pools), torch.cat(logits)
+
+
+def fid_statistics(features: Tensor) -> dict[str, np.ndarray]:
+    """torch-fidelity's FID statistics ``{"mu": (D,), "sigma": (D, D)}`` (float64) of (N, D) features."""
+    if features.dim() != 2 or features.shape[0] < 2:
+        raise UserError(
+            f"FID statistics need at least 2 images (features of shape {tuple(features.shape)} were given); raise "
+            f"the number of images used for FID (hundreds at least, 50,000 for comparable numbers)."
+        )
+    stats = fid_features_to_statistics(features.detach().to("cpu", torch.float64))
+    return {"mu": np.asarray(stats["mu"], dtype=np.float64), "sigma": np.asarray(stats["sigma"], dtype=np.float64)}
+
+
+def frechet_distance(stats_1: Mapping[str, np.ndarray], stats_2: Mapping[str, np.ndarray]) -> float:
+    """FID between two sets of statistics (torch-fidelity's ``fid_statistics_to_metric``), in float64."""
+    s1 = {k: np.asarray(stats_1[k], dtype=np.float64) for k in ("mu", "sigma")}
+    s2 = {k: np.asarray(stats_2[k], dtype=np.float64) for k in ("mu", "sigma")}
+    if s1["mu"].shape != s2["mu"].shape or s1["sigma"].shape != s2["sigma"].shape:
+        raise ValueError(
+            f"FID statistics of different feature sizes: mu {s1['mu'].shape} vs {s2['mu'].shape}, "
+            f"sigma {s1['sigma'].shape} vs {s2['sigma'].shape}"
+        )
+    return float(fid_statistics_to_metric(s1, s2, verbose=False)[KEY_METRIC_FID])
+
+
+def inception_score(logits: Tensor, splits: int = 1) -> tuple[float, float]:
+    """(mean, std over splits) of the Inception Score of (N, 1008) ``logits_unbiased``.
+
+    torch-fidelity's ``isc_features_to_metric`` with its defaults: samples
+    shuffled with seed 2020 before splitting. ``splits=1`` gives std 0.
+    """
+    if splits < 1 or logits.dim() != 2 or logits.shape[0] < splits:
+        raise UserError(
+            f"The Inception Score over {splits} split(s) needs at least that many images and at least 1 split (logits "
+            f"of shape {tuple(logits.shape)} were given); use more images or fewer splits."
+        )
+    out = isc_features_to_metric(logits.detach().cpu(), splits=splits, shuffle=True, rng_seed=ISC_RNG_SEED)
+    return float(out[KEY_METRIC_ISC_MEAN]), float(out[KEY_METRIC_ISC_STD])
+
+
+# ---------------------------------------------------------------------------
+# Reference statistics of the real images
+
+
+def reference_statistics(
+    extractor: torch.nn.Module,
+    images_uint8: Tensor | Callable[[], Tensor],
+    dataset_key: str,
+    weights: str | None,
+    cache_dir: str | Path | None,
+    batch_size: int = 50,
+) -> dict[str, np.ndarray]:
+    """FID statistics of a real image set, cached as ``<cache_dir>/fid_ref_<dataset_key>_<weights_id>.npz``.
+
+    ``dataset_key`` must identify the exact image set (dataset, split, number of
+    images, preprocessing): it is the cache key together with
+    :func:`weights_id` of ``weights``, which must be the weights ``extractor``
+    was built with. Characters other than letters, digits, ``.``, ``_`` and
+    ``-`` in the key are replaced by ``-`` in the file name. ``images_uint8``
+    may be a callable, called only on a cache miss. ``cache_dir`` None
+    disables caching. The file is written atomically (temp file + os.replace)
+    and read back with ``allow_pickle=False``; an unreadable cache file is
+    recomputed and replaced.
+    """
+    path = None
+    if cache_dir is not None:
+        safe_key = re.sub(r"[^A-Za-z0-9._-]", "-", dataset_key)
+        path = Path(cache_dir) / f"fid_ref_{safe_key}_{weights_id(weights)}.npz"
+        if path.is_file():
+            try:
+                with np.load(path, allow_pickle=False) as f:
+                    stats = {k: np.asarray(f[k], dtype=np.float64) for k in ("mu", "sigma")}
+                d = stats["mu"].shape[0] if stats["mu"].ndim == 1 else -1
+                if stats["sigma"].shape != (d, d):
+                    raise ValueError(f"mu {stats['mu'].shape} and sigma {stats['sigma'].shape} do not match")
+                log.info("FID reference statistics: cache hit, loaded %s", path)
+                return stats
+            except Exception as e:  # corrupt / foreign file: recompute rather than fail the run
+                log.warning("FID reference statistics: ignoring unreadable cache file %s (%s); recomputing", path, e)
+        log.info("FID reference statistics: cache miss, computing %s", path)
+    else:
+        log.info("FID reference statistics: no cache directory, computing for %s", dataset_key)
+
+    images = images_uint8() if callable(images_uint8) else images_uint8
+    features, _ = inception_features(extractor, images, batch_size=batch_size, progress=True)
+    stats = fid_statistics(features)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".npz.tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:   # a file object: np.savez would append ".npz" to a name
+                np.savez(f, mu=stats["mu"], sigma=stats["sigma"])
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+        log.info("FID reference statistics: cached %s", path)
+    return stats

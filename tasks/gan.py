@@ -1,0 +1,297 @@
+"""Image generation with SAGAN / EAGAN (``task=gan``), FID and IS from torch-fidelity.
+
+Manual optimisation as StudioGAN: one training step is ``d_steps``
+discriminator updates, each on its own real batch and fresh fakes, then one
+generator update; a "step" (``trainer.max_steps``, ``trainer.global_step``,
+``metrics.every_n_steps``) counts generator updates. The data module
+therefore delivers ``batch_size * d_steps`` real images per training step.
+
+Evaluation generates images from fixed latents and labels (seeded, the same
+at every evaluation), scores them with torch-fidelity's TF-compatible
+Inception against reference statistics of the training split (cached on disk,
+keyed by the data fingerprint and the weights) and logs a fixed-noise sample
+grid. Validation (every ``metrics.every_n_steps``) uses ``metrics.num_samples``
+images; test (``mode=eval``) follows StudioGAN's protocol with as many images
+as the training split unless ``eval.num_samples`` says otherwise. With
+``ema.enabled`` the exponential moving average of the generator is evaluated.
+Batches of the evaluation loaders are ``{"index": (B,)}``: which of the fixed
+latents to generate, so ranks under DDP split the work and features are
+gathered, de-duplicated by index and scored once.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from hydra.utils import instantiate
+from torch import nn
+from torchmetrics import MinMetric
+from torchvision.utils import make_grid, save_image
+
+from attention.errors import UserError
+
+from . import fid
+from .nets.sagan import Discriminator, Generator
+
+log = logging.getLogger(__name__)
+LOSSES = ("hinge", "nonsaturating")
+
+
+def d_loss(kind: str, real: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
+    if kind == "hinge":
+        return F.relu(1 - real).mean() + F.relu(1 + fake).mean()
+    return F.softplus(-real).mean() + F.softplus(fake).mean()
+
+
+def g_loss(kind: str, fake: torch.Tensor) -> torch.Tensor:
+    return -fake.mean() if kind == "hinge" else F.softplus(-fake).mean()
+
+
+class EMA(nn.Module):
+    """StudioGAN's generator EMA: ``p_ema = decay * p_ema + (1 - decay) * p`` from step ``start`` on, a plain copy
+    before it; buffers (BN statistics, spectral-norm vectors) are copied. Written here because
+    ``torch.optim.swa_utils.AveragedModel`` averages buffers or leaves them stale, and has no start step."""
+
+    def __init__(self, model: nn.Module, decay: float, start: int):
+        super().__init__()
+        if not 0.0 <= decay < 1.0:
+            raise UserError(f"ema.decay={decay} must be in [0, 1) (StudioGAN: 0.9999).")
+        self.decay, self.start = decay, start
+        self.module = copy.deepcopy(model).requires_grad_(False)
+
+    @torch.no_grad()
+    def update(self, model: nn.Module, step: int) -> None:
+        decay = self.decay if step >= self.start else 0.0
+        ema_params = list(self.module.parameters())
+        torch._foreach_lerp_(ema_params, [p.detach() for p in model.parameters()], 1.0 - decay)
+        for ema_b, b in zip(self.module.buffers(), model.buffers()):
+            ema_b.copy_(b)
+
+
+def first_of_each(index: torch.Tensor) -> torch.Tensor:
+    """Positions of the first occurrence of each value of ``index``, ordered by value (drops sampler padding)."""
+    order = torch.argsort(index, stable=True)
+    first = torch.ones_like(order, dtype=torch.bool)
+    first[1:] = index[order][1:] != index[order][:-1]
+    return order[first]
+
+
+@contextmanager
+def not_counted(optimizer):
+    """Step ``optimizer`` without advancing ``trainer.global_step``.
+
+    In manual optimisation Lightning counts every ``LightningOptimizer.step`` as a global step; the hooks it
+    injects for that are swapped out here so that only generator updates count (tested in tests/tasks/test_gan.py).
+    """
+    before, after = optimizer._on_before_step, optimizer._on_after_step
+    optimizer._on_before_step = optimizer._on_after_step = lambda: None
+    try:
+        yield optimizer
+    finally:
+        optimizer._on_before_step, optimizer._on_after_step = before, after
+
+
+class GAN(L.LightningModule):
+    """SAGAN-style conditional/unconditional GAN; batches ``{"image": (B, 3, H, W) in [-1, 1], "label": (B,)}``."""
+
+    def __init__(self, num_classes: int, class_names: Sequence[str], resolution: int, model: Mapping,
+                 attn: Mapping, optim: Mapping, loss: str = "hinge", d_steps: int = 5, ema: Mapping | None = None,
+                 metrics: Mapping | None = None, eval: Mapping | None = None, grid_per_class: int = 8):
+        super().__init__()
+        self.save_hyperparameters()
+        if loss not in LOSSES:
+            raise UserError(f"task.loss={loss!r} is not known: use one of {', '.join(LOSSES)}.")
+        if int(d_steps) < 1:
+            raise UserError(f"task.d_steps={d_steps} must be >= 1 (StudioGAN's SAGAN: 5).")
+        self.automatic_optimization = False
+        model = dict(model)
+        conditional = bool(model.pop("conditional", True)) and num_classes > 1
+        self.num_classes = num_classes if conditional else 0
+        self.class_names = list(class_names)
+        self.z_dim = int(model.get("z_dim", 128))
+        self.G = Generator(dict(attn), z_dim=self.z_dim, channels=model.get("g_channels", 256),
+                           num_classes=self.num_classes, resolution=resolution,
+                           attn_block=model.get("g_attn_block", 2))
+        self.D = Discriminator(dict(attn), channels=model.get("d_channels", 128), num_classes=self.num_classes,
+                               resolution=resolution, attn_block=model.get("d_attn_block", 1))
+        ema = dict(ema or {})
+        self.G_ema = EMA(self.G, float(ema.get("decay", 0.9999)), int(ema.get("start", 1000))) \
+            if ema.get("enabled", False) else None
+        self.loss, self.d_steps = loss, int(d_steps)
+        self.metrics_cfg = dict(metrics or {})
+        self.eval_cfg = dict(eval or {})
+        self.val_fid_best = MinMetric()
+        self._aux: dict = {}  # the Inception network: kept out of the module so it is never checkpointed
+        self._features: list[tuple[torch.Tensor, ...]] = []
+        # Fixed inputs of the logged sample grid: grid_per_class samples of each class (or a square of them).
+        rows = max(self.num_classes, 1)
+        gen = torch.Generator().manual_seed(1234)
+        self.register_buffer("grid_z", torch.randn(rows * grid_per_class, self.z_dim, generator=gen),
+                             persistent=False)
+        self.register_buffer("grid_y", torch.arange(rows).repeat_interleave(grid_per_class), persistent=False)
+        self.grid_per_class = grid_per_class
+
+    # -- generation -------------------------------------------------------------------------------------------
+    @property
+    def generator(self) -> nn.Module:
+        """The generator that is evaluated: the EMA copy when enabled."""
+        return self.G_ema.module if self.G_ema is not None else self.G
+
+    def sample_inputs(self, n: int, generator: torch.Generator | None = None):
+        """n latents (n, z_dim) and uniformly drawn labels (n,), from ``generator`` (on the CPU) when given."""
+        device = "cpu" if generator is not None else self.device
+        z = torch.randn(n, self.z_dim, generator=generator, device=device)
+        y = torch.randint(max(self.num_classes, 1), (n,), generator=generator, device=device)
+        return z.to(self.device), y.to(self.device)
+
+    def forward(self, z: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        return self.generator(z, y)
+
+    def summaries(self):
+        """(name, network, example input) of each network, for ``mode=summary``."""
+        z, y = torch.zeros(1, self.z_dim), torch.zeros(1, dtype=torch.long)
+        image = torch.zeros(1, 3, self.hparams.resolution, self.hparams.resolution)
+        return [("G", self.G, (z, y)), ("D", self.D, (image, y))]
+
+    # -- training ---------------------------------------------------------------------------------------------
+    def training_step(self, batch, batch_idx):
+        opt_g, opt_d = self.optimizers()
+        images, labels = batch["image"], batch["label"]
+        if len(images) < self.d_steps:
+            raise UserError(f"a training batch holds {len(images)} images, fewer than task.d_steps={self.d_steps}; "
+                            "the data module must deliver batch_size * d_steps images (data.batches_per_step).")
+        size = len(images) // self.d_steps
+        self.toggle_optimizer(opt_d)
+        for i in range(self.d_steps):
+            real, y_real = images[i * size:(i + 1) * size], labels[i * size:(i + 1) * size]
+            z, y_fake = self.sample_inputs(size)
+            with torch.no_grad():
+                fake = self.G(z, y_fake)
+            out_real, out_fake = self.D(real, y_real), self.D(fake, y_fake)
+            loss_d = d_loss(self.loss, out_real, out_fake)
+            opt_d.zero_grad(set_to_none=True)
+            self.manual_backward(loss_d)
+            with not_counted(opt_d):
+                opt_d.step()
+        self.untoggle_optimizer(opt_d)
+
+        self.toggle_optimizer(opt_g)
+        z, y_fake = self.sample_inputs(size)
+        loss_g = g_loss(self.loss, self.D(self.G(z, y_fake), y_fake))
+        opt_g.zero_grad(set_to_none=True)
+        self.manual_backward(loss_g)
+        opt_g.step()  # counted: global_step = generator updates
+        self.untoggle_optimizer(opt_g)
+        if self.G_ema is not None:
+            self.G_ema.update(self.G, self.global_step)
+
+        self.log_dict({"train/loss_d": loss_d.detach(), "train/loss_g": loss_g.detach(),
+                       "train/d_real": out_real.detach().mean(), "train/d_fake": out_fake.detach().mean()},
+                      prog_bar=True, on_step=True, on_epoch=False)
+
+    def configure_optimizers(self):
+        optim = self.hparams.optim
+        opt_g = instantiate(optim["generator"])(self.G.parameters())
+        opt_d = instantiate(optim["discriminator"])(self.D.parameters())
+        return [opt_g, opt_d]
+
+    # -- evaluation ------------------------------------------------------------------------------------------
+    def _inception(self):
+        if "inception" not in self._aux:
+            self._aux["inception"] = fid.load_inception(self.metrics_cfg.get("inception_weights"))
+        return self._aux["inception"].to(self.device)
+
+    def _eval_inputs(self, stage: str, n: int):
+        """Fixed latents and labels of the ``n`` evaluation samples of ``stage`` (cached)."""
+        key = (stage, n)
+        if self._aux.get("inputs_key") != key:
+            gen = torch.Generator().manual_seed(2026 if stage == "val" else 2027)
+            self._aux["inputs_key"], self._aux["inputs"] = key, self.sample_inputs(n, generator=gen)
+        return self._aux["inputs"]
+
+    def _reference(self):
+        if "reference" not in self._aux:
+            dm = self.trainer.datamodule
+            limit = self.metrics_cfg.get("reference_samples")
+            images = dm.train_images if not limit else dm.train_images[:int(limit)]
+            key = dm.fingerprint + (f"-first{int(limit)}" if limit else "")
+            self._aux["reference"] = fid.reference_statistics(
+                self._inception(), images, key, self.metrics_cfg.get("inception_weights"),
+                self.metrics_cfg.get("cache_dir"), batch_size=int(self.metrics_cfg.get("batch_size", 50)))
+        return self._aux["reference"]
+
+    def _eval_step(self, stage: str, batch):
+        index = batch["index"]
+        n = self.trainer.datamodule.eval_samples(stage)
+        z, y = self._eval_inputs(stage, n)
+        images = fid.to_uint8(self.generator(z[index], y[index] if self.num_classes else None))
+        pool, logits = fid.inception_features(self._inception(), images, batch_size=len(images))
+        self._features.append((index, pool, logits))
+        folder = self.eval_cfg.get("save_samples") if stage == "test" else None
+        if folder:
+            for i, image in zip(index.tolist(), images):
+                fid.save_pngs(image[None].cpu(), folder, start=i)
+
+    def _score(self, stage: str) -> dict[str, float]:
+        index, pool, logits = (torch.cat(t) for t in zip(*self._features))
+        self._features = []
+        if self.trainer.world_size > 1:  # every rank's samples, once each (samplers pad the last batch)
+            index, pool, logits = (self.all_gather(t).flatten(0, 1) for t in (index, pool, logits))
+        keep = first_of_each(index)
+        pool, logits = pool[keep].cpu(), logits[keep].cpu()
+        scores = torch.zeros(3, dtype=torch.float64)
+        if self.trainer.is_global_zero:
+            splits = int(self.metrics_cfg.get("isc_splits", 1))
+            is_mean, is_std = fid.inception_score(logits, splits=splits)
+            scores = torch.tensor([fid.frechet_distance(fid.fid_statistics(pool), self._reference()), is_mean, is_std],
+                                  dtype=torch.float64)
+        scores = self.trainer.strategy.broadcast(scores, src=0)
+        return {f"{stage}/fid": float(scores[0]), f"{stage}/is": float(scores[1]), f"{stage}/is_std": float(scores[2]),
+                f"{stage}/samples": float(len(keep))}
+
+    @torch.no_grad()
+    def _log_grid(self, stage: str) -> None:
+        images = self.generator(self.grid_z, self.grid_y if self.num_classes else None)
+        grid = make_grid((images + 1) / 2, nrow=self.grid_per_class, padding=1)
+        if self.trainer.is_global_zero:
+            folder = Path(self.trainer.default_root_dir) / "samples"
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / f"{stage}_step{self.global_step:06d}.png"
+            save_image(grid, path)
+            for logger in self.loggers:
+                if hasattr(logger, "log_image"):
+                    logger.log_image(key=f"{stage}/samples", images=[str(path)],
+                                     caption=[f"step {self.global_step}"], step=self.global_step)
+
+    def on_validation_epoch_start(self):
+        self._features = []
+
+    def validation_step(self, batch, batch_idx):
+        self._eval_step("val", batch)
+
+    def on_validation_epoch_end(self):
+        if self.trainer.sanity_checking:
+            self._features = []
+            return
+        scores = self._score("val")
+        self.val_fid_best(scores["val/fid"])
+        self.log_dict({k: v for k, v in scores.items() if not k.endswith("samples")}, prog_bar=True)
+        self.log("val/fid_best", self.val_fid_best.compute())
+        self._log_grid("val")
+
+    def on_test_epoch_start(self):
+        self._features = []
+
+    def test_step(self, batch, batch_idx):
+        self._eval_step("test", batch)
+
+    def on_test_epoch_end(self):
+        self.log_dict(self._score("test"))
+        self._log_grid("test")

@@ -1,0 +1,203 @@
+"""SAGAN's generator and discriminator for 32x32 images, with any attention variant.
+
+Layer for layer StudioGAN's ``src/models/resnet.py`` at ``img_size=32``
+(``configs/CIFAR10/SAGAN.yaml``: g_conv_dim = d_conv_dim = 64, so 256 and 128
+channels; attention after generator block 2 and discriminator block 1):
+
+    G: z (128) -> linear -> (256, 4, 4)
+       3 x GenBlock 256->256 (BN -> ReLU -> nearest x2 -> conv3x3 -> BN -> ReLU -> conv3x3;
+                              shortcut nearest x2 -> conv1x1), attention after block 2 (16x16)
+       BN -> ReLU -> conv3x3 -> 3 channels -> tanh
+    D: DiscOptBlock 3->128 (32->16), attention after it (16x16),
+       DiscBlock 128->128 down (->8), 2 x DiscBlock 128->128,
+       ReLU -> sum over space -> linear -> 1, + projection sum(embed(y) * h) when conditional
+
+The attention block is ``x + sigma * mixer(x)`` with sigma initialised to 0,
+the mixer built from the ``attn`` config on ``attention.Grid(h, w)``; with
+SAGAN's options for ``self`` (see ``attention/variants/softmax.py``) it is
+exactly StudioGAN's ``ops.SelfAttention``; ``attn=external`` is EAGAN.
+
+Class-conditional batch norm (``conditional=True``): BN without affine
+(eps 1e-4 as StudioGAN), then ``out * (1 + gain(y)) + bias(y)`` with ``gain``
+and ``bias`` linear maps of the one-hot label. Weights get StudioGAN's
+orthogonal initialisation, then spectral normalisation (eps 1e-6) on every
+conv, linear and embedding of both networks, attention projections included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+from torch.nn.utils.parametrizations import spectral_norm
+
+import attention
+from attention.errors import UserError
+
+RESOLUTIONS = (32,)  # StudioGAN's 32x32 networks; other sizes need other block tables
+BN_EPS = 1e-4
+
+
+def init_and_normalise(net: nn.Module) -> nn.Module:
+    """StudioGAN's ``ortho`` init (orthogonal weights, zero biases) then spectral norm on every conv/linear/embedding."""
+    for module in list(net.modules()):
+        if isinstance(module, (nn.Conv2d, nn.Linear, nn.Embedding)):
+            nn.init.orthogonal_(module.weight)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+            spectral_norm(module, eps=1e-6)
+    return net
+
+
+class ConditionalBatchNorm2d(nn.Module):
+    """BN without affine, then ``out * (1 + gain(y)) + bias(y)``; y is a one-hot label (B, K) or None (plain BN)."""
+
+    def __init__(self, channels: int, num_classes: int):
+        super().__init__()
+        self.conditional = num_classes > 0
+        self.bn = nn.BatchNorm2d(channels, eps=BN_EPS, affine=not self.conditional)
+        if self.conditional:
+            self.gain = nn.Linear(num_classes, channels, bias=False)
+            self.bias = nn.Linear(num_classes, channels, bias=False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
+        out = self.bn(x)
+        if not self.conditional:
+            return out
+        gain = (1 + self.gain(y))[:, :, None, None]  # (B, C, 1, 1)
+        return out * gain + self.bias(y)[:, :, None, None]
+
+
+class AttentionBlock(nn.Module):
+    """``x + sigma * mixer(x)`` on a feature map (B, C, H, W); sigma starts at 0 (SAGAN)."""
+
+    def __init__(self, channels: int, attn: Mapping):
+        super().__init__()
+        self.mixer = attention.build(**attn, dim=channels)
+        self.sigma = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, w = x.shape[-2:]
+        tokens = rearrange(x, "b c h w -> b (h w) c")  # (B, N, C)
+        out = self.mixer(tokens, attention.Grid(h, w))  # (B, N, C)
+        return x + self.sigma * rearrange(out, "b (h w) c -> b c h w", h=h)
+
+
+class GenBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, num_classes: int):
+        super().__init__()
+        self.bn1 = ConditionalBatchNorm2d(cin, num_classes)
+        self.conv1 = nn.Conv2d(cin, cout, 3, padding=1)
+        self.bn2 = ConditionalBatchNorm2d(cout, num_classes)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1)
+        self.shortcut = nn.Conv2d(cin, cout, 1)
+
+    def forward(self, x, y):
+        h = F.interpolate(F.relu(self.bn1(x, y)), scale_factor=2, mode="nearest")
+        h = self.conv2(F.relu(self.bn2(self.conv1(h), y)))
+        return h + self.shortcut(F.interpolate(x, scale_factor=2, mode="nearest"))
+
+
+class DiscOptBlock(nn.Module):
+    """The discriminator's first block: conv -> ReLU -> conv -> avgpool, shortcut avgpool -> conv1x1."""
+
+    def __init__(self, cin: int, cout: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, padding=1)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1)
+        self.shortcut = nn.Conv2d(cin, cout, 1)
+
+    def forward(self, x):
+        h = F.avg_pool2d(self.conv2(F.relu(self.conv1(x))), 2)
+        return h + self.shortcut(F.avg_pool2d(x, 2))
+
+
+class DiscBlock(nn.Module):
+    """ReLU -> conv -> ReLU -> conv [-> avgpool]; shortcut conv1x1 [-> avgpool] when shape changes, else identity."""
+
+    def __init__(self, cin: int, cout: int, downsample: bool):
+        super().__init__()
+        self.downsample = downsample
+        self.conv1 = nn.Conv2d(cin, cout, 3, padding=1)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1)
+        self.shortcut = nn.Conv2d(cin, cout, 1) if downsample or cin != cout else nn.Identity()
+
+    def forward(self, x):
+        h = self.conv2(F.relu(self.conv1(F.relu(x))))
+        shortcut = self.shortcut(x)
+        if self.downsample:
+            h, shortcut = F.avg_pool2d(h, 2), F.avg_pool2d(shortcut, 2)
+        return h + shortcut
+
+
+def check_resolution(resolution: int) -> None:
+    if resolution not in RESOLUTIONS:
+        raise UserError(f"data.resolution={resolution} is not supported by the SAGAN networks, which are "
+                        f"StudioGAN's {RESOLUTIONS[0]}x{RESOLUTIONS[0]} ResNets: set data.resolution=32 "
+                        "(images are resized to it).")
+
+
+def _attention_after(option: str, block: int | None, blocks: int):
+    if block is not None and not 0 <= block <= blocks:
+        raise UserError(f"model.{option}={block} is out of range: the network has {blocks} blocks; use 1..{blocks}, "
+                        "or null for no attention block.")
+    return block or None
+
+
+class Generator(nn.Module):
+    """z (B, z_dim) and labels (B,) -> images (B, 3, 32, 32) in [-1, 1]."""
+
+    def __init__(self, attn: Mapping, z_dim: int = 128, channels: int = 256, num_classes: int = 0,
+                 resolution: int = 32, attn_block: int | None = 2):
+        super().__init__()
+        check_resolution(resolution)
+        self.z_dim, self.channels, self.num_classes, self.bottom = z_dim, channels, num_classes, 4
+        self.linear = nn.Linear(z_dim, channels * self.bottom ** 2)
+        self.blocks = nn.ModuleList([GenBlock(channels, channels, num_classes) for _ in range(3)])
+        self.attn_block = _attention_after("g_attn_block", attn_block, len(self.blocks))
+        self.attn = AttentionBlock(channels, attn) if self.attn_block else nn.Identity()
+        self.bn = nn.BatchNorm2d(channels, eps=BN_EPS)
+        self.conv = nn.Conv2d(channels, 3, 3, padding=1)
+        init_and_normalise(self)
+
+    def forward(self, z: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        onehot = F.one_hot(y, self.num_classes).to(z.dtype) if self.num_classes else None  # (B, K)
+        h = self.linear(z).view(-1, self.channels, self.bottom, self.bottom)  # (B, C, 4, 4)
+        for i, block in enumerate(self.blocks, start=1):
+            h = block(h, onehot)  # spatial x2 per block
+            if i == self.attn_block:
+                h = self.attn(h)
+        return torch.tanh(self.conv(F.relu(self.bn(h))))  # (B, 3, 32, 32)
+
+
+class Discriminator(nn.Module):
+    """Images (B, 3, 32, 32) and labels (B,) -> logits (B,)."""
+
+    def __init__(self, attn: Mapping, channels: int = 128, num_classes: int = 0, resolution: int = 32,
+                 attn_block: int | None = 1):
+        super().__init__()
+        check_resolution(resolution)
+        self.num_classes = num_classes
+        self.blocks = nn.ModuleList([DiscOptBlock(3, channels), DiscBlock(channels, channels, downsample=True),
+                                     DiscBlock(channels, channels, downsample=False),
+                                     DiscBlock(channels, channels, downsample=False)])
+        self.attn_block = _attention_after("d_attn_block", attn_block, len(self.blocks))
+        self.attn = AttentionBlock(channels, attn) if self.attn_block else nn.Identity()
+        self.linear = nn.Linear(channels, 1)
+        self.embedding = nn.Embedding(num_classes, channels) if num_classes else None
+        init_and_normalise(self)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        h = x
+        for i, block in enumerate(self.blocks, start=1):
+            h = block(h)
+            if i == self.attn_block:
+                h = self.attn(h)
+        h = F.relu(h).sum(dim=(2, 3))  # (B, C)
+        out = self.linear(h).squeeze(1)  # (B,)
+        if self.embedding is not None:
+            out = out + (self.embedding(y) * h).sum(dim=1)  # projection discriminator
+        return out

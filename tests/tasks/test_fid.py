@@ -1,0 +1,359 @@
+"""FID / Inception Score (tasks/fid.py): real numbers, offline.
+
+No test downloads anything: the Inception weights are a seeded random
+initialisation saved to a file once per module. Inception runs at 299x299 on
+CPU, so the image sets are small (16 images) and their features are computed
+once (module fixtures) and shared.
+"""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from urllib.error import URLError
+
+import numpy as np
+import pytest
+import scipy.linalg
+import torch
+import torch.nn.functional as F
+import torch_fidelity.feature_extractor_inceptionv3 as tf_inception
+from PIL import Image
+from torchvision.utils import save_image
+
+from attention.errors import UserError
+from tasks import fid
+
+N_IMAGES = 16
+BATCH = 16
+
+
+def smooth_images(n: int, seed: int, shift: float = 0.0) -> torch.Tensor:
+    """Random smooth float images in [-1, 1], (n, 3, 32, 32): 4x4 Gaussian noise upsampled bilinearly."""
+    g = torch.Generator().manual_seed(seed)
+    low = 0.5 * torch.randn(n, 3, 4, 4, generator=g)
+    return (F.interpolate(low, size=(32, 32), mode="bilinear", align_corners=False) + shift).clamp(-1, 1)
+
+
+@pytest.fixture(scope="module")
+def weights_file(tmp_path_factory):
+    """A random-weights file in torch-fidelity's format (the same dict its own loader expects)."""
+    path = tmp_path_factory.mktemp("inception") / "weights.pth"
+    torch.save(fid._random_state_dict(seed=1), path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def extractor(weights_file):
+    return fid.load_inception(weights_file)
+
+
+@pytest.fixture(scope="module")
+def image_sets():
+    """uint8 sets: a, b two independent samples of one distribution; a_bright = a's noise made brighter."""
+    return {
+        "a": fid.to_uint8(smooth_images(N_IMAGES, seed=1)),
+        "b": fid.to_uint8(smooth_images(N_IMAGES, seed=2)),
+        "a_bright": fid.to_uint8(smooth_images(N_IMAGES, seed=1, shift=0.6)),
+    }
+
+
+@pytest.fixture(scope="module")
+def features(extractor, image_sets):
+    return {k: fid.inception_features(extractor, v, batch_size=BATCH) for k, v in image_sets.items()}
+
+
+@pytest.fixture(scope="module")
+def stats_and_fid_ab(features):
+    """2048-d FID statistics of a and b, and FID(a, b): each 2048-d FID costs seconds, so this one is shared."""
+    stats = {k: fid.fid_statistics(features[k][0]) for k in ("a", "b")}
+    return stats, fid.frechet_distance(stats["a"], stats["b"])
+
+
+# ---------------------------------------------------------------------------
+# Pixels
+
+
+def test_to_uint8_quantises_like_save_image(tmp_path):
+    x = torch.tensor([-1.0, 1.0, 0.0, -1.5, 1.5, -0.999, 0.999, 0.5 / 255 * 2 - 1]).view(1, 1, 1, 8).expand(1, 3, 1, 8)
+    u = fid.to_uint8(x)
+    assert u.dtype == torch.uint8
+    assert u[0, 0, 0, :3].tolist() == [0, 255, 128]
+    assert u[0, 0, 0, 3:5].tolist() == [0, 255]           # saturates outside [-1, 1]
+    # bit-identical with torchvision's save_image on a random image (single image: no grid padding)
+    img = torch.rand(1, 3, 17, 23) * 2.2 - 1.1
+    save_image(img, tmp_path / "tv.png", normalize=True, value_range=(-1, 1))
+    from_tv = torch.from_numpy(np.array(Image.open(tmp_path / "tv.png"))).permute(2, 0, 1)
+    assert torch.equal(fid.to_uint8(img)[0], from_tv)
+
+
+def test_save_pngs_round_trip(tmp_path):
+    images = fid.to_uint8(torch.rand(3, 3, 9, 7) * 2 - 1)
+    fid.save_pngs(images, tmp_path / "out" / "deeper", start=5)
+    names = sorted(p.name for p in (tmp_path / "out" / "deeper").iterdir())
+    assert names == ["000005.png", "000006.png", "000007.png"]
+    for i, name in enumerate(names):
+        back = torch.from_numpy(np.array(Image.open(tmp_path / "out" / "deeper" / name).convert("RGB")))
+        assert torch.equal(back.permute(2, 0, 1), images[i])
+
+
+# ---------------------------------------------------------------------------
+# Metrics on hand-made numbers
+
+
+def test_fid_statistics_are_float64_mean_and_covariance():
+    x = torch.randn(50, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    stats = fid.fid_statistics(x.float())
+    assert stats["mu"].dtype == np.float64 and stats["sigma"].dtype == np.float64
+    np.testing.assert_allclose(stats["mu"], x.float().double().numpy().mean(0), rtol=1e-12)
+    np.testing.assert_allclose(stats["sigma"], np.cov(x.float().double().numpy(), rowvar=False), rtol=1e-12)
+    with pytest.raises(UserError, match="at least 2 images"):
+        fid.fid_statistics(x[:1])
+
+
+def test_frechet_distance_closed_form_for_commuting_covariances():
+    # diagonal covariances commute: FID = |mu1 - mu2|^2 + sum_i (sqrt(a_i) - sqrt(b_i))^2
+    a, b = np.array([1.0, 4.0, 9.0]), np.array([4.0, 1.0, 0.25])
+    s1 = {"mu": np.array([0.0, 1.0, 2.0]), "sigma": np.diag(a)}
+    s2 = {"mu": np.array([1.0, 1.0, 0.0]), "sigma": np.diag(b)}
+    expected = 1 + 0 + 4 + (1 - 2) ** 2 + (2 - 1) ** 2 + (3 - 0.5) ** 2
+    assert fid.frechet_distance(s1, s2) == pytest.approx(expected, rel=1e-12)
+    assert fid.frechet_distance(s1, s1) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_frechet_distance_matches_scipy_sqrtm():
+    rng = np.random.default_rng(0)
+    a1, a2 = rng.normal(size=(5, 5)), rng.normal(size=(5, 5))
+    cov1, cov2 = a1 @ a1.T + 0.1 * np.eye(5), a2 @ a2.T + 0.1 * np.eye(5)   # non-commuting
+    x1 = rng.multivariate_normal(np.zeros(5), cov1, size=400)
+    x2 = rng.multivariate_normal(np.full(5, 0.7), cov2, size=300)
+    s1, s2 = fid.fid_statistics(torch.from_numpy(x1)), fid.fid_statistics(torch.from_numpy(x2))
+    m1, m2 = x1.mean(0), x2.mean(0)
+    c1, c2 = np.cov(x1, rowvar=False), np.cov(x2, rowvar=False)
+    covmean = scipy.linalg.sqrtm(c1 @ c2).real
+    direct = float((m1 - m2) @ (m1 - m2) + np.trace(c1) + np.trace(c2) - 2 * np.trace(covmean))
+    assert fid.frechet_distance(s1, s2) == pytest.approx(direct, rel=1e-9)
+    assert fid.frechet_distance(s1, s2) == pytest.approx(fid.frechet_distance(s2, s1), rel=1e-9)
+
+
+def test_inception_score_hand_made_logits():
+    mean, std = fid.inception_score(torch.zeros(10, 1008))
+    assert mean == pytest.approx(1.0, abs=1e-12) and std == 0.0
+    k = 7
+    confident = 100.0 * F.one_hot(torch.arange(k), 1008).double()   # k samples, each sure of a distinct class
+    assert fid.inception_score(confident)[0] == pytest.approx(k, rel=1e-9)
+    # 2 splits after torch-fidelity's shuffle (seed 2020): with one-hot predictions a split's score is
+    # exp(entropy of its class histogram)
+    both = torch.cat([confident, confident])
+    classes = np.concatenate([np.arange(k), np.arange(k)])[np.random.RandomState(2020).permutation(2 * k)]
+    scores = []
+    for half in (classes[:k], classes[k:]):
+        q = np.bincount(half, minlength=k) / k
+        scores.append(np.exp(-(q[q > 0] * np.log(q[q > 0])).sum()))
+    mean, std = fid.inception_score(both, splits=2)
+    assert mean == pytest.approx(np.mean(scores), rel=1e-9) and std == pytest.approx(np.std(scores), abs=1e-9)
+    with pytest.raises(UserError, match="split"):
+        fid.inception_score(confident, splits=8)
+
+
+# ---------------------------------------------------------------------------
+# Inception features and FID on images
+
+
+def test_features_shapes_and_batching(extractor, image_sets, features):
+    pool, logits = features["a"]
+    assert pool.shape == (N_IMAGES, 2048) and logits.shape == (N_IMAGES, 1008)
+    assert pool.dtype == logits.dtype == torch.float64
+    assert torch.isfinite(pool).all() and pool.std(0).mean() > 1e-3   # informative, not collapsed to ~0
+    # batch size does not change the features beyond float32 noise
+    pool_4, logits_4 = fid.inception_features(extractor, image_sets["a"][:4], batch_size=3)
+    torch.testing.assert_close(pool_4, pool[:4], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(logits_4, logits[:4], rtol=1e-4, atol=1e-6)
+
+
+def test_fid_self_zero_shift_larger_than_independent_sample(features, stats_and_fid_ab):
+    # FID is invariant under an isometry of a subspace holding all the features, so on the coordinates of the
+    # pool features in an orthonormal basis of their span (48 dims) it equals the 2048-d value (checked on
+    # FID(a, b)) at a fraction of the cost: each 2048-d FID is an eigendecomposition taking seconds on 2 cores.
+    pools = {k: v[0] for k, v in features.items()}
+    basis, _ = torch.linalg.qr(torch.cat(list(pools.values())).T)
+    stats = {k: fid.fid_statistics(v @ basis) for k, v in pools.items()}
+    independent = fid.frechet_distance(stats["a"], stats["b"])
+    assert independent == pytest.approx(stats_and_fid_ab[1], rel=1e-4)
+    same = fid.frechet_distance(stats["a"], stats["a"])
+    shifted = fid.frechet_distance(stats["a_bright"], stats["b"])
+    assert abs(same) < 1e-3 * independent
+    assert independent > 0
+    assert shifted > 3 * independent, (same, independent, shifted)
+
+
+def test_matches_torch_fidelity_cli(tmp_path, weights_file, image_sets, features, stats_and_fid_ab):
+    dirs = {}
+    for k in ("a", "b"):
+        dirs[k] = tmp_path / k
+        fid.save_pngs(image_sets[k], dirs[k])
+    env = {**os.environ, "HOME": str(tmp_path / "home"), "TORCH_HOME": str(tmp_path / "torch")}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    cmd = [
+        str(Path(sys.executable).parent / "fidelity"),
+        "--input1", str(dirs["a"]), "--input2", str(dirs["b"]),
+        "--fid", "--isc", "--isc-splits", "1",
+        "--feature-extractor-weights-path", weights_file,
+        "--batch-size", str(BATCH), "--cpu", "--json", "--silent", "--save-cpu-ram",
+        "--no-cache", "--cache-root", str(tmp_path / "cache"),
+        "--datasets-root", str(tmp_path / "datasets"), "--no-datasets-download",
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "Ignoring unrecognized" not in done.stderr, done.stderr
+    theirs = json.loads(done.stdout)
+
+    ours_fid = stats_and_fid_ab[1]   # frechet_distance(fid_statistics(features of a), ... of b)
+    ours_is, _ = fid.inception_score(features["a"][1], splits=1)
+    assert ours_fid == pytest.approx(theirs["frechet_inception_distance"], rel=1e-3)
+    assert ours_is == pytest.approx(theirs["inception_score_mean"], rel=1e-3)
+    # random weights give IS close to 1, so also compare the part above 1
+    assert ours_is - 1 == pytest.approx(theirs["inception_score_mean"] - 1, rel=1e-3)
+    assert theirs["frechet_inception_distance"] > 0
+    assert not (tmp_path / "home").exists() or not any((tmp_path / "home").rglob("*"))
+
+
+# ---------------------------------------------------------------------------
+# Reference statistics cache
+
+
+def test_reference_statistics_cache(tmp_path, extractor, weights_file, image_sets, caplog):
+    images = image_sets["a"][:4]
+    calls = []
+
+    def materialise():
+        calls.append(1)
+        return images
+
+    def must_not_run():
+        raise AssertionError("images materialised on a cache hit")
+
+    caplog.set_level(logging.INFO, logger="tasks.fid")
+    first = fid.reference_statistics(extractor, materialise, "toy/train", weights_file, tmp_path, batch_size=4)
+    expected_file = tmp_path / f"fid_ref_toy-train_{fid.weights_id(weights_file)}.npz"
+    assert calls == [1] and expected_file.is_file()
+    assert "miss" in caplog.text
+
+    caplog.clear()
+    second = fid.reference_statistics(extractor, must_not_run, "toy/train", weights_file, tmp_path, batch_size=4)
+    assert "hit" in caplog.text
+    for k in ("mu", "sigma"):
+        assert second[k].dtype == np.float64
+        np.testing.assert_array_equal(second[k], first[k])
+
+    # an unreadable cache file is recomputed and replaced, not fatal
+    expected_file.write_bytes(b"truncated")
+    caplog.clear()
+    third = fid.reference_statistics(extractor, materialise, "toy/train", weights_file, tmp_path, batch_size=4)
+    assert calls == [1, 1] and "unreadable" in caplog.text
+    np.testing.assert_allclose(third["sigma"], first["sigma"])
+    with np.load(expected_file, allow_pickle=False) as f:
+        np.testing.assert_array_equal(f["mu"], third["mu"])
+
+    # another weights id -> another file (the tensor itself may be passed instead of a callable)
+    fid.reference_statistics(extractor, images, "toy/train", "random:1", tmp_path, batch_size=4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [expected_file.name, "fid_ref_toy-train_random-1.npz"]
+    )  # and no temp files left behind
+
+    # no cache dir: computed, nothing written
+    none_dir = fid.reference_statistics(extractor, images, "toy/train", weights_file, None, batch_size=4)
+    np.testing.assert_allclose(none_dir["mu"], first["mu"])
+
+
+def test_weights_id(weights_file, tmp_path):
+    assert fid.weights_id(None) == "tf-2015-12-05"
+    assert fid.weights_id("random") == "random-0"
+    assert fid.weights_id("random:7") == "random-7"
+    wid = fid.weights_id(weights_file)
+    assert len(wid) == 12 and int(wid, 16) >= 0
+    copy = tmp_path / "copy.pth"
+    copy.write_bytes(Path(weights_file).read_bytes())
+    assert fid.weights_id(str(copy)) == wid
+    with pytest.raises(UserError, match="metrics.inception_weights"):
+        fid.weights_id(str(tmp_path / "nope.pth"))
+
+
+# ---------------------------------------------------------------------------
+# Loading the network
+
+
+def test_load_inception_file_and_random(weights_file, extractor, caplog):
+    assert isinstance(extractor, tf_inception.FeatureExtractorInceptionV3)
+    assert extractor.get_requested_features_list() == ["2048", "logits_unbiased"]
+    assert not extractor.training and not any(p.requires_grad for p in extractor.parameters())
+    assert fid.load_inception(weights_file) is extractor   # cached in-process
+    with caplog.at_level(logging.WARNING, logger="tasks.fid"):
+        random_1 = fid.load_inception("random:1")
+    assert "not comparable" in caplog.text
+    # the file holds the random:1 initialisation: both routes give the same network
+    for (k, v), (k2, v2) in zip(extractor.state_dict().items(), random_1.state_dict().items()):
+        assert k == k2 and torch.equal(v, v2)
+    assert fid.load_inception("random:1") is random_1
+    with pytest.raises(UserError, match="random:SEED"):
+        fid.load_inception("random:abc")
+
+
+def test_load_inception_missing_file(tmp_path):
+    missing = tmp_path / "no" / "weights.pth"
+    with pytest.raises(UserError, match="metrics.inception_weights") as err:
+        fid.load_inception(str(missing))
+    assert str(missing) in str(err.value)
+
+
+class _Exploit:
+    """Unpickling this runs ``touch <marker>``."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_load_inception_refuses_pickled_code(tmp_path):
+    marker = tmp_path / "pwned"
+    for i, payload in enumerate([{"x": os.system}, {"Conv2d_1a_3x3.conv.weight": _Exploit(marker)}]):
+        path = tmp_path / f"evil{i}.pth"
+        torch.save(payload, path)
+        with pytest.raises(UserError, match="metrics.inception_weights") as err:
+            fid.load_inception(str(path))
+        assert "weights_only" in str(err.value) and "GLOBAL posix.system" in str(err.value)
+    assert not marker.exists()
+
+
+def test_load_inception_refuses_wrong_state_dict(tmp_path, weights_file):
+    path = tmp_path / "foreign.pth"
+    torch.save({"fc.weight": torch.zeros(1000, 2048), "other": torch.zeros(3)}, path)
+    with pytest.raises(UserError, match="missing keys.*unexpected keys: other") as err:
+        fid.load_inception(str(path))
+    assert "fc.weight (1000, 2048)" in str(err.value)
+    torch.save([torch.zeros(3)], path)
+    with pytest.raises(UserError, match="not a dict of tensors"):
+        fid.load_inception(str(path))
+    path.write_bytes(b"not a checkpoint")
+    with pytest.raises(UserError, match="could not be loaded safely"):
+        fid.load_inception(str(path))
+
+
+def test_load_inception_offline_names_hub_cache_path(tmp_path, monkeypatch):
+    def offline(*args, **kwargs):
+        raise URLError("no network")
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    monkeypatch.setattr(tf_inception, "load_state_dict_from_url", offline)
+    monkeypatch.setattr(fid, "_EXTRACTORS", {})
+    with pytest.raises(UserError) as err:
+        fid.load_inception(None)
+    message = str(err.value)
+    expected = os.path.join(str(tmp_path / "torch"), "hub", "checkpoints", "weights-inception-2015-12-05-6726825d.pth")
+    assert expected in message
+    assert tf_inception.URL_INCEPTION_V3 in message
+    assert "metrics.inception_weights" in message

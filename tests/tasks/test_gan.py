@@ -1,0 +1,80 @@
+"""The GAN LightningModule: manual optimisation counts generator steps, evaluation scores what it generates."""
+
+import math
+
+import lightning as L
+import pytest
+import torch
+from PIL import Image
+
+from datamodules import Digits
+from tasks import fid
+from tasks.gan import GAN, first_of_each
+
+ADAM = {"_target_": "torch.optim.Adam", "_partial_": True, "lr": 2e-4, "betas": [0.5, 0.999], "eps": 1e-6}
+
+
+def make(tmp_path, d_steps=2, ema=False, save_samples=None):
+    dm = Digits(batch_size=8, batches_per_step=d_steps, val_samples=12, test_samples=10, eval_batch_size=4,
+                flip=False, seed=0)
+    module = GAN(num_classes=dm.num_classes, class_names=dm.class_names, resolution=32,
+                 model={"conditional": True, "z_dim": 16, "g_channels": 16, "d_channels": 16},
+                 attn={"name": "external", "heads": 1, "memory": 8},
+                 optim={"generator": ADAM, "discriminator": ADAM}, d_steps=d_steps,
+                 ema={"enabled": ema, "decay": 0.5, "start": 1},
+                 metrics={"inception_weights": "random", "reference_samples": 12, "cache_dir": str(tmp_path / "c"),
+                          "batch_size": 4, "isc_splits": 1},
+                 eval={"save_samples": save_samples}, grid_per_class=2)
+    trainer = L.Trainer(max_steps=3, val_check_interval=3, check_val_every_n_epoch=None, logger=False,
+                        enable_checkpointing=False, num_sanity_val_steps=0, enable_progress_bar=False,
+                        default_root_dir=str(tmp_path), accelerator="cpu", devices=1)
+    return dm, module, trainer
+
+
+def test_fit_counts_generator_updates_and_evaluates(tmp_path):
+    torch.manual_seed(0)
+    dm, module, trainer = make(tmp_path, d_steps=2, ema=True)
+    g_before = [p.detach().clone() for p in module.G.parameters()]
+    trainer.fit(module, datamodule=dm)
+    assert trainer.global_step == 3  # generator updates only
+    opt_g, opt_d = trainer.optimizers
+    assert {int(s["step"]) for s in opt_g.state.values()} == {3}
+    assert {int(s["step"]) for s in opt_d.state.values()} == {6}  # d_steps per generator update
+    assert any(not torch.equal(a, b) for a, b in zip(g_before, module.G.parameters()))
+    # EMA (decay 0.5 from step 1) lags the generator: different from it, from its start, and finite
+    ema_params = list(module.G_ema.module.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(ema_params, module.G.parameters()))
+    metrics = trainer.callback_metrics
+    assert math.isfinite(float(metrics["val/fid"])) and float(metrics["val/fid"]) > 0
+    assert float(metrics["val/is"]) >= 1.0 - 1e-6
+    assert float(metrics["val/fid_best"]) == float(metrics["val/fid"])
+    grid = Image.open(tmp_path / "samples" / "val_step000003.png")
+    assert grid.size == (2 * 33 + 1, 10 * 33 + 1)  # 2 samples per class, one row per class, 1 px padding
+
+
+def test_eval_scores_exactly_the_generated_images(tmp_path):
+    torch.manual_seed(0)
+    out = tmp_path / "samples_out"
+    dm, module, trainer = make(tmp_path, save_samples=str(out))
+    result = trainer.test(module, datamodule=dm, verbose=False)[0]
+    assert result["test/samples"] == 10
+    # the same fixed latents, generated and scored directly
+    module.eval()
+    z, y = module._eval_inputs("test", 10)
+    with torch.no_grad():
+        images = fid.to_uint8(module.generator(z, y))
+    extractor = fid.load_inception("random")
+    pool, logits = fid.inception_features(extractor, images)
+    reference = fid.fid_statistics(fid.inception_features(extractor, dm.train_images[:12])[0])
+    assert result["test/fid"] == pytest.approx(fid.frechet_distance(fid.fid_statistics(pool), reference), rel=1e-6)
+    assert result["test/is"] == pytest.approx(fid.inception_score(logits, splits=1)[0], rel=1e-6)
+    saved = sorted(out.glob("*.png"))
+    assert [p.name for p in saved] == [f"{i:06d}.png" for i in range(10)]
+    assert torch.equal(torch.from_numpy(__import__("numpy").array(Image.open(saved[3]))).permute(2, 0, 1), images[3])
+
+
+def test_first_of_each_drops_padding_duplicates():
+    index = torch.tensor([4, 0, 2, 4, 1, 3, 0])  # e.g. two ranks' shards with the sampler's padding
+    keep = first_of_each(index)
+    assert index[keep].tolist() == [0, 1, 2, 3, 4]
+    assert keep.tolist() == [1, 4, 2, 5, 0]
