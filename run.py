@@ -85,6 +85,10 @@ def run(cfg: DictConfig) -> dict:
         OmegaConf.save(container, out_dir / "resolved_config.yaml")
 
     datamodule = instantiate(cfg.data, _convert_="all")
+    if cfg.mode != "summary":
+        # Check the data before building the network: a missing data set is reported before any weights
+        # are fetched. setup() loads once; Lightning's own call later finds it done.
+        datamodule.setup("fit" if cfg.mode == "train" else "test")
     task_kwargs = {k: v for k, v in container["task"].items() if k != "name"}
     # The task gets what it asks for by name from the data module (num_classes, category_parts, ...).
     wanted = inspect.signature(get_class(task_kwargs["_target_"])).parameters

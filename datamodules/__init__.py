@@ -12,6 +12,8 @@ Part segmentation (samples ``{"points", "parts", "category"[, "normals"]}``, see
 Image generation (training split in memory, batches ``{"image", "label"}``, see
 :mod:`datamodules.images`): ``digits`` -> :class:`Digits`, ``cifar10`` ->
 :class:`CIFAR10`, ``image_folder`` -> :class:`ImageFolder` (base :class:`ImageDataModule`).
+
+Semantic segmentation (``{"image", "mask"}``, :mod:`datamodules.segmentation`): voc, ade20k, cityscapes, gid, blobs.
 """
 
 from datamodules.download import download_and_extract
@@ -19,12 +21,17 @@ from datamodules.images import CIFAR10, Digits, ImageDataModule, ImageFolder
 from datamodules.modelnet import ModelNet40, ModelNet40PyG
 from datamodules.parts import Parts
 from datamodules.points import PointCloudDataModule, PointCloudDataset
+from datamodules.segmentation import ADE20K, GID, VOC, Blobs, Cityscapes, SegDataModule
 from datamodules.shapenet import PartDataset, PartSegDataModule, ShapeNetPart, ShapeNetPartH5, ShapeNetPartPyG
 from datamodules.shapes import Shapes
 
 __all__ = [
+    "ADE20K",
+    "Blobs",
     "CIFAR10",
+    "Cityscapes",
     "Digits",
+    "GID",
     "ImageDataModule",
     "ImageFolder",
     "ModelNet40",
@@ -34,9 +41,11 @@ __all__ = [
     "Parts",
     "PointCloudDataModule",
     "PointCloudDataset",
+    "SegDataModule",
     "ShapeNetPart",
     "ShapeNetPartH5",
     "ShapeNetPartPyG",
     "Shapes",
+    "VOC",
     "download_and_extract",
 ]

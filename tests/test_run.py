@@ -330,6 +330,55 @@ def test_gan_bad_input(env, tmp_path):
                "missing")
 
 
+# --- task=segmentation ------------------------------------------------------------------------------------------
+SEG_TINY = ["task=segmentation", "data=blobs", "data.num_train=16", "data.num_val=4", "data.num_test=4",
+            "data.size=32", "data.batch_size=4", "data.eval_batch_size=4", "model.backbone=resnet18",
+            "model.head_channels=32", "trainer.enable_progress_bar=false"]
+
+
+def test_segmentation_fast_dev_run_every_variant_and_plain_fcn(env, tmp_path):
+    """`task=segmentation data=blobs attn=X trainer.fast_dev_run=true` for every X, and `model.head=none`."""
+    variants = attention.names()
+    run(["-m", *SEG_TINY, f"attn={','.join(variants)}", "trainer.fast_dev_run=true", "logger=none",
+         f"hydra.sweep.dir={tmp_path / 'm'}"], env)
+    for i, variant in enumerate(variants):
+        metrics = json.loads((tmp_path / "m" / f"{i}_segmentation_{variant}" / "metrics.json").read_text())
+        for key in ("test/miou", "test/pixel_acc", "test/aa", "test/kappa", "test/f1"):
+            assert key in metrics, (variant, key)
+        assert 0 <= metrics["test/miou"] <= 1 and 0 <= metrics["test/pixel_acc"] <= 1
+    # the issue's literal command: default backbone (ResNet-50, random weights for blobs), plain FCN head
+    run(["task=segmentation", "data=blobs", "model.head=none", "trainer.fast_dev_run=true", "logger=none",
+         "data.num_train=8", "data.num_val=2", "data.num_test=2", "trainer.enable_progress_bar=false",
+         f"hydra.run.dir={tmp_path / 'fcn'}"], env)
+    resolved = yaml.safe_load((tmp_path / "fcn" / "resolved_config.yaml").read_text())
+    assert resolved["model"]["backbone"] == "resnet50" and resolved["model"]["pretrained"] is False
+
+
+def test_segmentation_train_logs_overlays_and_per_class_table(env, tmp_path):
+    run([*SEG_TINY, "attn=external", "trainer.max_steps=4", "eval.every_n_steps=2", "eval.mode=slide",
+         "data.crop=24", "trainer.log_every_n_steps=1", f"hydra.run.dir={tmp_path}"], env)
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["val/miou_best"] >= metrics["val/miou"] - 1e-9 and "test/kappa" in metrics
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    history = {}
+    for r in wandb_records(next(run_dir.glob("run-*.wandb"))):
+        if r.WhichOneof("record_type") == "history":
+            for item in r.history.item:
+                history.setdefault(item.key or item.nested_key[0], []).append(json.loads(item.value_json))
+    assert len(history["val/miou"]) == 2 and "train/loss_aux" in history
+    assert history["lr-SGD/weights"][0] == pytest.approx(0.01) and "val/overlays" in history
+    tables = list((run_dir / "files" / "media" / "table").rglob("*per_class*.table.json"))
+    table = json.loads(tables[-1].read_text())
+    assert table["columns"] == ["class", "iou", "acc"] and len(table["data"]) == 5
+    masks = list((run_dir / "files" / "media" / "images").rglob("*.png"))
+    assert len(masks) >= 3 * 4  # image + predicted and true masks for 4 images
+
+
+def test_segmentation_missing_dataset_shows_layout(env, tmp_path):
+    user_error(["task=segmentation", "data=voc", f"data_dir={tmp_path}", "logger=none"], env,
+               "VOCdevkit", "SegmentationClass")
+
+
 @pytest.mark.slow
 def test_demo_reaches_target_accuracy(env, tmp_path):
     """What `make demo` runs (W&B offline by itself): PCT + external attention on shapes, test OA >= 0.85."""

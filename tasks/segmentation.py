@@ -1,0 +1,169 @@
+"""Semantic segmentation with a dilated ResNet and an attention head (``task=segmentation``).
+
+Batches are ``{"image": normalised (B, 3, H, W), "mask": (B, H, W)}`` with 255
+ignored. Training: cross-entropy on the main logits plus ``aux_weight`` (0.4)
+times the auxiliary FCN head's; SGD with momentum, no weight decay on
+normalisation layers and biases, poly schedule (power 0.9) over
+``trainer.max_steps`` iterations. Evaluation: whole images or sliding windows,
+optionally multi-scale and flipped (``eval``); one confusion matrix over the
+whole split (synced across ranks) gives mIoU, pixel accuracy, average accuracy,
+kappa, F1 and per-class IoU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import lightning as L
+import numpy as np
+import torch
+import torch.nn.functional as F
+from hydra.utils import instantiate
+from torch import nn
+from torchmetrics import MaxMetric
+
+from .nets.segnet import SegNet
+from .seg_metrics import SegConfusion, predict, scores
+from .wandb_media import log_table
+
+SCALARS = ("miou", "pixel_acc", "aa", "kappa", "f1")
+
+
+def poly_lambda(max_steps: int, power: float = 0.9):
+    """The poly schedule factor (1 - step / max_steps) ** power (0 after max_steps)."""
+    def factor(step: int) -> float:
+        return max(0.0, 1.0 - step / max_steps) ** power
+    return factor
+
+
+def param_groups(net: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on conv/linear weights only: none on normalisation layers and biases."""
+    decay, no_decay = [], []
+    for module in net.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if not p.requires_grad:
+                continue
+            is_norm = isinstance(module, (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm))
+            (no_decay if is_norm or name.endswith("bias") else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay, "name": "weights"},
+            {"params": no_decay, "weight_decay": 0.0, "name": "norms_biases"}]
+
+
+class Segmentation(L.LightningModule):
+    def __init__(self, num_classes: int, class_names: Sequence[str], model: Mapping, attn: Mapping,
+                 optim: Mapping, mean: Sequence[float] = (0.485, 0.456, 0.406),
+                 std: Sequence[float] = (0.229, 0.224, 0.225), palette=None, ignore_index: int = 255,
+                 crop: Sequence[int] = (512, 512), aux_weight: float = 0.4, eval: Mapping | None = None,
+                 log_images: int = 4):
+        super().__init__()
+        self.save_hyperparameters(ignore=["palette", "crop"])  # crop: the data module logs its own
+        self.net = SegNet(num_classes, dict(attn), **dict(model))
+        self.num_classes, self.ignore_index = num_classes, ignore_index
+        self.class_names = list(class_names)
+        self.eval_cfg = dict(eval or {})
+        self.crop = tuple(crop) if not isinstance(crop, int) else (crop, crop)
+        self.aux_weight = float(aux_weight)
+        self.log_images = log_images
+        self.palette = None if palette is None else np.asarray(palette, dtype=np.uint8)
+        self.register_buffer("mean", torch.tensor(mean).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(std).view(1, 3, 1, 1), persistent=False)
+        self.val_confusion = SegConfusion(num_classes, ignore_index)
+        self.test_confusion = SegConfusion(num_classes, ignore_index)
+        self.val_miou_best = MaxMetric()
+        self._images: list = []
+        self.example_input_array = torch.zeros(1, 3, *self.crop)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        return self.net(image)
+
+    def training_step(self, batch, batch_idx):
+        out = self.net(batch["image"])
+        logits, aux = out if isinstance(out, tuple) else (out, None)
+        loss = F.cross_entropy(logits, batch["mask"], ignore_index=self.ignore_index)
+        self.log("train/loss_main", loss.detach(), on_step=True, on_epoch=False)
+        if aux is not None:
+            aux_loss = F.cross_entropy(aux, batch["mask"], ignore_index=self.ignore_index)
+            self.log("train/loss_aux", aux_loss.detach(), on_step=True, on_epoch=False)
+            loss = loss + self.aux_weight * aux_loss
+        self.log("train/loss", loss.detach(), on_step=True, on_epoch=False, prog_bar=True)
+        return loss
+
+    def _predict(self, image: torch.Tensor) -> torch.Tensor:
+        cfg = self.eval_cfg
+        stride = cfg.get("stride") or [max(1, int(c * 2 / 3)) for c in self.crop]
+        stride = (stride, stride) if isinstance(stride, int) else tuple(stride)
+        return predict(self.net, image, mode=cfg.get("mode", "whole"), crop=self.crop, stride=stride,
+                       scales=tuple(cfg.get("scales") or (1.0,)), flip=bool(cfg.get("flip", False)),
+                       num_classes=self.num_classes)
+
+    def _eval_step(self, stage: str, batch):
+        pred = self._predict(batch["image"]).argmax(dim=1)  # (B, H, W)
+        confusion = self.val_confusion if stage == "val" else self.test_confusion
+        confusion.update(pred, batch["mask"])
+        room = self.log_images - len(self._images)
+        for image, mask, p in list(zip(batch["image"], batch["mask"], pred))[:max(room, 0)]:
+            self._images.append((image.cpu(), mask.cpu(), p.cpu()))
+
+    def _log_scores(self, stage: str) -> dict:
+        confusion = self.val_confusion if stage == "val" else self.test_confusion
+        result = scores(confusion.compute().cpu(), self.class_names)
+        confusion.reset()
+        self.log_dict({f"{stage}/{k}": float(result[k]) for k in SCALARS}, prog_bar=stage == "val")
+        if self.trainer.is_global_zero:
+            rows = [[name, float(iou), float(acc)] for name, iou, acc in
+                    zip(self.class_names, result["iou"].tolist(), result["acc"].tolist())]
+            log_table(self.loggers, f"{stage}/per_class", ["class", "iou", "acc"], rows)
+            self._log_overlays(stage)
+        self._images = []
+        return result
+
+    def _log_overlays(self, stage: str) -> None:
+        from lightning.pytorch.loggers import WandbLogger
+
+        runs = [lg.experiment for lg in self.loggers if isinstance(lg, WandbLogger)]
+        if not runs or not self._images:
+            return
+        import wandb
+
+        labels = {i: name for i, name in enumerate(self.class_names)}
+        labels[self.ignore_index] = "ignore"
+        images = []
+        for image, mask, pred in self._images:
+            rgb = ((image[None] * self.std.cpu() + self.mean.cpu()).clamp(0, 1)[0] * 255).byte()
+            images.append(wandb.Image(rgb.permute(1, 2, 0).numpy(), masks={
+                "prediction": {"mask_data": pred.numpy().astype(np.uint8), "class_labels": labels},
+                "ground_truth": {"mask_data": mask.numpy().astype(np.uint8), "class_labels": labels}}))
+        for run in runs:
+            run.log({f"{stage}/overlays": images})
+
+    def on_validation_epoch_start(self):
+        self._images = []
+
+    def validation_step(self, batch, batch_idx):
+        self._eval_step("val", batch)
+
+    def on_validation_epoch_end(self):
+        if self.trainer.sanity_checking:
+            self.val_confusion.reset()
+            self._images = []
+            return
+        result = self._log_scores("val")
+        self.val_miou_best(float(result["miou"]))
+        self.log("val/miou_best", self.val_miou_best.compute())
+
+    def on_test_epoch_start(self):
+        self._images = []
+
+    def test_step(self, batch, batch_idx):
+        self._eval_step("test", batch)
+
+    def on_test_epoch_end(self):
+        self._log_scores("test")
+
+    def configure_optimizers(self):
+        optim = self.hparams.optim
+        optimizer = instantiate(optim["optimizer"])(param_groups(self.net, float(optim.get("weight_decay", 1e-4))))
+        max_steps = int(self.trainer.max_steps) if self.trainer.max_steps and self.trainer.max_steps > 0 \
+            else int(self.trainer.estimated_stepping_batches)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, poly_lambda(max_steps, float(optim.get("power", 0.9))))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

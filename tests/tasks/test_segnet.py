@@ -1,0 +1,109 @@
+"""Segmentation network: dilated backbones at output stride 8, every variant in the head, weights, optimiser."""
+
+import os
+from unittest import mock
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+import attention
+from attention.errors import UserError
+from tasks.nets.segnet import Backbone, SegNet
+from tasks.segmentation import param_groups, poly_lambda
+
+EXTERNAL = {"name": "external", "heads": 1, "memory": 8}
+
+
+@pytest.mark.parametrize("name,channels", [("resnet18", (256, 512)), ("resnet50", (1024, 2048))])
+def test_backbone_output_stride_8(name, channels):
+    net = Backbone(name).eval()
+    with torch.no_grad():
+        c3, c4 = net(torch.randn(1, 3, 64, 48))
+    assert c3.shape == (1, channels[0], 8, 6) and c4.shape == (1, channels[1], 8, 6)
+    assert net.channels == channels
+    dilations = {m.dilation for m in net.layer4.modules() if isinstance(m, nn.Conv2d) and m.kernel_size == (3, 3)}
+    assert dilations == {(4, 4)} or (name == "resnet50" and dilations <= {(2, 2), (4, 4)})
+
+
+def test_dilated_basic_backbone_equals_dilated_convolution_by_hand():
+    """resnet18's layer4 dilated here computes what a stride-1, dilation-4 block computes, checked on block 2."""
+    torch.manual_seed(0)
+    net = Backbone("resnet18").eval()
+    block = net.layer4[1]
+    x = torch.randn(1, 512, 6, 6)
+    with torch.no_grad():
+        w = block.conv1.weight
+        y = torch.nn.functional.conv2d(x, w, padding=4, dilation=4)
+        assert torch.allclose(block.conv1(x), y, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", attention.names())
+def test_every_variant_in_the_head(name):
+    torch.manual_seed(0)
+    net = SegNet(5, {**attention.options(name), "name": name}, backbone="resnet18", head_channels=32)
+    image = torch.randn(2, 3, 64, 64)
+    logits, aux = net(image)
+    assert logits.shape == (2, 5, 64, 64) and aux.shape == (2, 5, 64, 64)
+    (logits.mean() + aux.mean()).backward()
+    assert net.attention.mixer.dim == 32
+    assert all(p.grad is not None for p in net.attention.parameters() if p.requires_grad)
+    net.eval()
+    with torch.no_grad():
+        assert net(image).shape == (2, 5, 64, 64)  # evaluation: main logits only
+
+
+def test_head_none_is_the_plain_fcn_and_aux_optional():
+    plain = SegNet(3, EXTERNAL, backbone="resnet18", head="none", aux=False, head_channels=32)
+    assert isinstance(plain.attention, nn.Identity) and plain.aux is None
+    out = plain(torch.randn(2, 3, 32, 32))
+    assert isinstance(out, torch.Tensor) and out.shape == (2, 3, 32, 32)
+    with pytest.raises(UserError, match="model.head"):
+        SegNet(3, EXTERNAL, backbone="resnet18", head="psp")
+    with pytest.raises(UserError, match="model.backbone"):
+        SegNet(3, EXTERNAL, backbone="vgg16")
+
+
+def test_weights_from_a_file(tmp_path):
+    torch.manual_seed(1)
+    reference = torchvision.models.resnet18()
+    path = tmp_path / "r18.pth"
+    torch.save(reference.state_dict(), path)
+    net = Backbone("resnet18", weights=str(path))
+    assert torch.equal(net.layer4[1].conv2.weight, reference.layer4[1].conv2.weight)
+    assert torch.equal(net.stem[1].running_var, reference.bn1.running_var)
+    with pytest.raises(UserError, match="does not fit a resnet50"):
+        Backbone("resnet50", weights=str(path))
+    with pytest.raises(UserError, match="not a file"):
+        Backbone("resnet18", weights=str(tmp_path / "missing.pth"))
+    evil = tmp_path / "evil.pth"
+    torch.save({"fn": os.system}, evil)
+    with pytest.raises(UserError, match="weights_only"):
+        Backbone("resnet18", weights=str(evil))
+
+
+def test_pretrained_offline_says_where_to_put_the_file():
+    enum = torchvision.models.ResNet50_Weights.IMAGENET1K_V1
+    with mock.patch.object(type(enum), "get_state_dict", side_effect=OSError("network unreachable")):
+        with pytest.raises(UserError) as err:
+            Backbone("resnet50", pretrained=True)
+    message = str(err.value)
+    assert os.path.basename(enum.url) in message and "model.weights" in message and "model.pretrained=false" in message
+
+
+def test_no_weight_decay_on_norms_and_biases():
+    net = SegNet(3, EXTERNAL, backbone="resnet18", head_channels=32)
+    decay, no_decay = param_groups(net, 1e-4)
+    bn_weights = {id(m.weight) for m in net.modules() if isinstance(m, nn.BatchNorm2d)}
+    assert bn_weights <= {id(p) for p in no_decay["params"]}
+    assert all(p.dim() > 1 for p in decay["params"]) and decay["weight_decay"] == 1e-4
+    assert no_decay["weight_decay"] == 0.0
+    total = sum(p.numel() for p in net.parameters())
+    assert sum(p.numel() for g in (decay, no_decay) for p in g["params"]) == total
+
+
+def test_poly_schedule():
+    f = poly_lambda(100, 0.9)
+    assert f(0) == 1.0 and f(100) == 0.0 and f(150) == 0.0
+    assert f(50) == pytest.approx(0.5 ** 0.9)
