@@ -19,7 +19,7 @@ demo: $(STAMP)
 	$(PY) run.py experiment=demo
 
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadgroup   # two workers: CI has 2 cores (see tests/conftest.py)
 
 clean:
 	rm -rf outputs multirun wandb .pytest_cache

@@ -3,12 +3,19 @@
 import functools
 import http.server
 import json
+import os
 import threading
 from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
+import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs two xdist workers on the 2-core CI machine: one intra-op thread each, so that two
+    # multi-threaded workers do not spin-wait on each other's cores.
+    torch.set_num_threads(1)
 
 
 @pytest.fixture

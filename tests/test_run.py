@@ -26,6 +26,8 @@ def env(tmp_path_factory):
     home = tmp_path_factory.mktemp("home")
     e = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     e.update(HOME=str(home), NETRC=str(home / "netrc-missing"), PYTHONUNBUFFERED="1")
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs two workers on 2 cores: one thread each,
+        e["OMP_NUM_THREADS"] = "1"               # or two multi-threaded runs spin-wait on each other
     return e
 
 
@@ -153,6 +155,7 @@ def test_shapenet_missing_dataset_says_how_to_get_it(env, tmp_path):
                "shapenetcore_partanno_segmentation_benchmark_v0_normal", "data.download=true", "data=parts")
 
 
+# Tests sharing the module fixtures wandb_run / gan_run carry one xdist group, so one worker builds them once.
 @pytest.fixture(scope="module")
 def wandb_run(env, tmp_path_factory):
     out = tmp_path_factory.mktemp("wandb-run")
@@ -160,6 +163,7 @@ def wandb_run(env, tmp_path_factory):
     return out, proc
 
 
+@pytest.mark.xdist_group("runs")
 def test_train_writes_metrics_and_checkpoints(wandb_run):
     out, proc = wandb_run
     metrics = json.loads((out / "metrics.json").read_text())
@@ -170,6 +174,7 @@ def test_train_writes_metrics_and_checkpoints(wandb_run):
     assert "test/oa" in proc.stdout and "metrics.json" in proc.stdout
 
 
+@pytest.mark.xdist_group("runs")
 def test_wandb_offline_without_credentials_and_readable(wandb_run):
     out, proc = wandb_run
     assert "wandb sync" in proc.stdout + proc.stderr  # says how to upload
@@ -203,6 +208,7 @@ def test_wandb_offline_without_credentials_and_readable(wandb_run):
     assert "history" in kinds
 
 
+@pytest.mark.xdist_group("runs")
 def test_test_mode_reproduces_the_tested_checkpoint(wandb_run, env, tmp_path):
     out, _ = wandb_run
     trained = json.loads((out / "metrics.json").read_text())
@@ -224,6 +230,7 @@ def test_seed_makes_cpu_runs_reproducible(env, tmp_path):
     assert results[0] != results[2]
 
 
+@pytest.mark.xdist_group("runs")
 def test_hydra_config_saved_for_the_run(wandb_run):
     out, _ = wandb_run
     saved = yaml.safe_load((out / ".hydra" / "config.yaml").read_text())
@@ -278,6 +285,7 @@ def gan_run(env, tmp_path_factory):
     return out, proc
 
 
+@pytest.mark.xdist_group("runs")
 def test_gan_train_logs_fid_grid_and_checkpoints(gan_run):
     out, proc = gan_run
     metrics = json.loads((out / "metrics.json").read_text())
@@ -298,6 +306,7 @@ def test_gan_train_logs_fid_grid_and_checkpoints(gan_run):
     assert len(list((run_dir / "files" / "media" / "images" / "val").glob("samples_*.png"))) == 2
 
 
+@pytest.mark.xdist_group("runs")
 def test_gan_eval_mode_reproduces_and_saves_samples(gan_run, env, tmp_path):
     out, _ = gan_run
     trained = json.loads((out / "metrics.json").read_text())
@@ -311,6 +320,7 @@ def test_gan_eval_mode_reproduces_and_saves_samples(gan_run, env, tmp_path):
     assert len(list(samples.glob("*.png"))) == 8
 
 
+@pytest.mark.xdist_group("runs")
 def test_gan_checkpoint_of_another_variant_or_task_is_refused(gan_run, wandb_run, env):
     out, _ = gan_run
     last = out / "checkpoints" / "last.ckpt"
