@@ -53,6 +53,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from attention.errors import UserError
 from datamodules.download import ensure_release
+from datamodules.options import int_option
 
 log = logging.getLogger(__name__)
 
@@ -62,18 +63,7 @@ OPTION_EXAMPLES = {"resolution": 32, "batch_size": 64, "batches_per_step": 1, "n
 
 
 def _int_option(name: str, value, minimum: int) -> int:
-    """``value`` as an int >= ``minimum``; UserError naming ``data.<name>`` otherwise."""
-    try:
-        ok = not isinstance(value, bool) and int(value) == value and int(value) >= minimum
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise UserError(
-            f"data.{name} must be {what}, got {value!r}; fix it in the data config or override it, "
-            f"e.g. data.{name}={OPTION_EXAMPLES.get(name, minimum)}."
-        )
-    return int(value)
+    return int_option(name, value, minimum, OPTION_EXAMPLES.get(name, minimum))
 
 
 def _fingerprint(name: str, images: torch.Tensor, labels: torch.Tensor) -> str:

@@ -65,6 +65,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from attention.errors import UserError
+from datamodules.options import int_option
 
 log = logging.getLogger(__name__)
 
@@ -83,18 +84,7 @@ MAX_NAMES = 5  # files named in a "skipped" warning
 # option checks
 
 
-def _int_option(name: str, value, minimum: int, example) -> int:
-    try:
-        ok = not isinstance(value, bool) and int(value) == value and int(value) >= minimum
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise UserError(
-            f"data.{name} must be {what}, got {value!r}; fix it in the data config or override it, "
-            f"e.g. data.{name}={example}."
-        )
-    return int(value)
+_int_option = int_option
 
 
 def _float_option(name: str, value, example) -> float:

@@ -1,0 +1,20 @@
+"""Validation of data-module options: one message style for every ``data.<option>``."""
+
+from __future__ import annotations
+
+from attention.errors import UserError
+
+
+def int_option(name: str, value, minimum: int, example) -> int:
+    """``value`` as an int >= ``minimum``; UserError naming ``data.<name>`` with an example value otherwise."""
+    try:
+        ok = not isinstance(value, bool) and int(value) == value and int(value) >= minimum
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise UserError(
+            f"data.{name} must be {what}, got {value!r}; fix it in the data config or override it, "
+            f"e.g. data.{name}={example}."
+        )
+    return int(value)
