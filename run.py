@@ -123,7 +123,7 @@ def run(cfg: DictConfig) -> dict:
     loggers = build_loggers(cfg.logger, out_dir, container)
     callbacks = [instantiate(c) for c in (container.get("callbacks") or {}).values() if c]
     checkpoint = L.pytorch.callbacks.ModelCheckpoint(
-        dirpath=out_dir / "checkpoints", filename="best-epoch{epoch:03d}", monitor=cfg.monitor.metric,
+        dirpath=out_dir / "checkpoints", filename="best-epoch{epoch:03d}-step{step:06d}", monitor=cfg.monitor.metric,
         mode=cfg.monitor.mode, save_last=True, auto_insert_metric_name=False)
     callbacks += [checkpoint, identity_callback(identity)]
     if loggers:
