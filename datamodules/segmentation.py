@@ -51,7 +51,6 @@ from __future__ import annotations
 import colorsys
 import hashlib
 import logging
-import os
 import struct
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -65,6 +64,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from attention.errors import UserError
+from datamodules.cache import read_cache, write_cache
 from datamodules.options import int_option
 
 log = logging.getLogger(__name__)
@@ -82,9 +82,6 @@ MAX_NAMES = 5  # files named in a "skipped" warning
 
 # ---------------------------------------------------------------------------
 # option checks
-
-
-_int_option = int_option
 
 
 def _float_option(name: str, value, example) -> float:
@@ -113,8 +110,8 @@ def _crop_option(value) -> tuple[int, int]:
     if _is_sequence(value):
         if len(value) != 2:
             raise UserError(f"{fix}, got {list(value)!r}; e.g. data.crop=512 or data.crop=[512,1024].")
-        return (_int_option("crop", value[0], 1, "[512,1024]"), _int_option("crop", value[1], 1, "[512,1024]"))
-    size = _int_option("crop", value, 1, 512)
+        return (int_option("crop", value[0], 1, "[512,1024]"), int_option("crop", value[1], 1, "[512,1024]"))
+    size = int_option("crop", value, 1, 512)
     return size, size
 
 
@@ -412,14 +409,14 @@ class SegDataModule(L.LightningDataModule):
         self.crop = _crop_option(crop)
         self.scale_range = _scale_range_option(scale_range)
         self.flip = _bool_option("flip", flip)
-        self.batch_size = _int_option("batch_size", batch_size, 1, 16)
-        self.eval_batch_size = _int_option("eval_batch_size", eval_batch_size, 1, 1)
-        self.num_workers = _int_option("num_workers", num_workers, 0, 4)
+        self.batch_size = int_option("batch_size", batch_size, 1, 16)
+        self.eval_batch_size = int_option("eval_batch_size", eval_batch_size, 1, 1)
+        self.num_workers = int_option("num_workers", num_workers, 0, 4)
         if on_bad_file not in ON_BAD_FILE:
             raise UserError(f"data.on_bad_file must be 'error' or 'skip', got {on_bad_file!r}.")
         self.on_bad_file = on_bad_file
         self.lr = _float_option("lr", lr, 0.01)
-        self.seed = _int_option("seed", seed, 0, 0)
+        self.seed = int_option("seed", seed, 0, 0)
         self.skipped: list[str] = []  # files of the samples dropped in setup (on_bad_file=skip)
         self.train_set: SegmentationDataset | None = None
         self.val_set: SegmentationDataset | None = None
@@ -981,8 +978,8 @@ class GID(SegDataModule):
         super().__init__(root, crop, scale_range, flip, batch_size, eval_batch_size, num_workers, on_bad_file,
                          lr, seed)  # fmt: skip
         self.save_hyperparameters()
-        self.patch = _int_option("patch", patch, 8, 256)
-        self.split_seed = _int_option("split_seed", split_seed, 0, 0)
+        self.patch = int_option("patch", patch, 8, 256)
+        self.split_seed = int_option("split_seed", split_seed, 0, 0)
         self._cache: tuple[Path, str, list[tuple[Path, Path]]] | None = None
         self.num_classes = len(GID_CLASSES)
         self.class_names = list(GID_CLASSES)
@@ -1040,7 +1037,7 @@ class GID(SegDataModule):
             self._store(path, self._build(pairs, fingerprint))
 
     def _store(self, path: Path, arrays: dict[str, np.ndarray]) -> None:
-        _write_npz(path, arrays)
+        write_cache(path, str(arrays["fingerprint"]), arrays)
         for stale in path.parent.glob(f"patches_{self.patch}_*.npz"):
             if stale != path:
                 log.info("Deleting stale GID patch cache %s.", stale)
@@ -1049,7 +1046,7 @@ class GID(SegDataModule):
     def _patches(self) -> dict[str, np.ndarray]:
         """The cached patches, built first when the cache is missing, stale or unreadable."""
         path, fingerprint, pairs = self._cache_path()
-        arrays = _read_npz(path, fingerprint)
+        arrays = read_cache(path, fingerprint)
         if arrays is None:
             arrays = self._build(pairs, fingerprint)
             self._store(path, arrays)
@@ -1138,32 +1135,6 @@ def _header_size(path: Path) -> tuple[int, int]:
             return img.size
     except DECODE_ERRORS:
         return 0, 0
-
-
-def _read_npz(path: Path, fingerprint: str) -> dict[str, np.ndarray] | None:
-    """The arrays of the cache ``path`` when it exists, reads and matches ``fingerprint``; else None."""
-    if not path.is_file():
-        return None
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            if str(npz["fingerprint"]) != fingerprint:
-                return None
-            return {key: npz[key] for key in npz.files}
-    except (OSError, ValueError, KeyError, EOFError) as err:
-        log.warning("Rebuilding unreadable cache %s (%s).", path, err)
-        return None
-
-
-def _write_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    """Write atomically (a temporary file, then a rename): concurrent readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------
@@ -1270,15 +1241,15 @@ class Blobs(SegDataModule):
         seed: int = 0,
         pretrained: bool = False,
     ):
-        size = _int_option("size", size, 16, 64)
+        size = int_option("size", size, 16, 64)
         super().__init__(None, size if crop is None else crop, scale_range, flip, batch_size, eval_batch_size,
                          num_workers, on_bad_file, lr, seed)  # fmt: skip
         self.save_hyperparameters()
         self.size = size
         self.pretrained = _bool_option("pretrained", pretrained)
-        self.num_train = _int_option("num_train", num_train, 1, 2000)
-        self.num_val = _int_option("num_val", num_val, 1, 200)
-        self.num_test = _int_option("num_test", num_test, 1, 200)
+        self.num_train = int_option("num_train", num_train, 1, 2000)
+        self.num_val = int_option("num_val", num_val, 1, 200)
+        self.num_test = int_option("num_test", num_test, 1, 200)
         self.num_classes = len(BLOBS_CLASSES)
         self.class_names = list(BLOBS_CLASSES)
         self.palette = BLOBS_PALETTE.copy()

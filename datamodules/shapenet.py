@@ -69,7 +69,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -79,6 +78,7 @@ import torch
 from torch.utils.data import Dataset
 
 from attention.errors import UserError
+from datamodules.cache import read_cache, write_cache
 from datamodules.download import ensure_release
 from datamodules.points import PointCloudDataModule, read_h5, sample_rng, scale_shift
 
@@ -449,11 +449,11 @@ class ShapeNetPart(PartSegDataModule):
         fingerprint = hashlib.sha256(json.dumps([CACHE_VERSION, split, stats]).encode()).hexdigest()
         cache = Path(self.root).expanduser() / "processed" / f"shapenet_part_{split}.npz"
         keys = ("points", "parts", "offsets", "categories") + (("normals",) if self.normals else ()) if load else ()
-        arrays = _read_cache(cache, fingerprint, keys)
+        arrays = read_cache(cache, fingerprint, keys)
         if arrays is None:
             log.info("Parsing %d ShapeNetPart %s files into %s (once).", len(entries), split, cache)
             arrays = self._parse(entries, split)
-            _write_cache(cache, fingerprint, arrays)
+            write_cache(cache, fingerprint, arrays)
         if not load:
             return None
         return PackedSource(arrays["points"], arrays["parts"], arrays["offsets"], arrays["categories"],
@@ -530,32 +530,6 @@ def _read_txt(path: Path, category: int, fix: str) -> np.ndarray:
             f"{CATEGORY_NAMES[category]} range {lo}..{hi} (global ShapeNetPart part ids). {fix}"
         )
     return values.astype(np.float32)
-
-
-def _read_cache(path: Path, fingerprint: str, keys: Sequence[str]) -> dict[str, np.ndarray] | None:
-    """The arrays ``keys`` of the cache when ``path`` exists, reads and matches ``fingerprint``; else None."""
-    if not path.is_file():
-        return None
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            if str(npz["fingerprint"]) != fingerprint:
-                return None
-            return {key: npz[key] for key in keys}
-    except (OSError, ValueError, KeyError, EOFError) as err:
-        log.warning("Rebuilding unreadable cache %s (%s).", path, err)
-        return None
-
-
-def _write_cache(path: Path, fingerprint: str, arrays: dict[str, np.ndarray]) -> None:
-    """Write atomically (a temporary file, then a rename), so concurrent readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            np.savez(f, fingerprint=np.array(fingerprint), **arrays)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,39 @@
+"""Processed-data caches: ``.npz`` files tagged with a fingerprint of their sources, written atomically."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+def read_cache(path: Path, fingerprint: str, keys: Sequence[str] | None = None) -> dict[str, np.ndarray] | None:
+    """The arrays ``keys`` (None: all) of the cache when ``path`` exists, reads and matches ``fingerprint``;
+    else None (an unreadable file is logged and treated as missing, so the caller rebuilds it)."""
+    if not path.is_file():
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            if str(npz["fingerprint"]) != fingerprint:
+                return None
+            return {key: npz[key] for key in (npz.files if keys is None else keys)}
+    except (OSError, ValueError, KeyError, EOFError) as err:
+        log.warning("Rebuilding unreadable cache %s (%s).", path, err)
+        return None
+
+
+def write_cache(path: Path, fingerprint: str, arrays: dict[str, np.ndarray]) -> None:
+    """Write atomically (a temporary file, then a rename), so concurrent readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, **{**arrays, "fingerprint": np.array(fingerprint)})
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
