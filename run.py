@@ -25,6 +25,7 @@ import logging
 import os
 import sys
 import warnings
+from datetime import datetime
 from pathlib import Path
 
 import hydra
@@ -41,6 +42,19 @@ log = logging.getLogger("run")
 def user_error(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def run_stamp() -> str:
+    """The last part of a run's directory (``${run_stamp:}`` in configs/config.yaml): the start time, or
+    ``slurm-<job id>`` inside a SLURM batch job (interactive ``bash`` / ``interactive`` allocations, which host
+    many runs, keep the time, as Lightning's SLURM detection does)."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if job and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
+        return f"slurm-{job}"
+    return datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+
+
+OmegaConf.register_new_resolver("run_stamp", run_stamp, replace=True)
 
 
 def check_group_choices(argv: list[str]) -> None:
@@ -74,12 +88,15 @@ def run(cfg: DictConfig) -> dict:
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
     warnings.filterwarnings("ignore", message=r".*you need to define a `flops_per_batch`.*")
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda r: "litlogger" not in r.getMessage())
-    for name in ("lightning.pytorch", "lightning.fabric"):  # Lightning has its own handler; Hydra's root one
-        logging.getLogger(name).propagate = False       # would print every line twice
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        # Lightning's messages (restored checkpoints, SLURM requeues) once each, through Hydra's console and
+        # run.log handlers: drop any handler of Lightning's own, which would print every line twice.
+        logging.getLogger(name).handlers.clear()
+        logging.getLogger(name).propagate = True
     apply_attn_preset(cfg, HydraConfig.get().overrides.task)
     L.seed_everything(cfg.seed, workers=True)
     container = OmegaConf.to_container(cfg, resolve=True)
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0 and int(os.environ.get("NODE_RANK", 0)) == 0:
+    if is_rank_zero():
         # What actually ran: interpolations resolved and task presets applied (.hydra/config.yaml holds the input).
         out_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(container, out_dir / "resolved_config.yaml")
@@ -112,7 +129,12 @@ def run(cfg: DictConfig) -> dict:
         print(f"params={result['params']} flops={result['flops']}")
         return result
 
+    from tasks.distributed import adjust_trainer_kwargs, apply_lr_scaling, check_launch
+    from tasks.resume import RandomState, resume_checkpoint, save_wandb_run_id, wandb_run_id
+
     ckpt = cfg.get("ckpt_path")
+    if cfg.mode == "train" or ckpt == "last":
+        ckpt = resume_checkpoint(ckpt, cfg.mode == "train" and bool(cfg.get("resume")), out_dir)
     if (cfg.mode in ("test", "eval") or ckpt) and not (ckpt and Path(ckpt).is_file()):
         raise UserError(f"mode={cfg.mode} needs an existing checkpoint: ckpt_path={ckpt!r} is "
                         f"{'not set' if not ckpt else 'not a file'}. Pass e.g. "
@@ -120,16 +142,32 @@ def run(cfg: DictConfig) -> dict:
     identity = {"task": cfg.task.name, "attn": container["attn"]}
     if ckpt:
         check_checkpoint(ckpt, identity)
-    loggers = build_loggers(cfg.logger, out_dir, container)
+    # A resumed run (ckpt_path=last / resume=true, or a SLURM requeue, whose hpc checkpoint Lightning finds
+    # itself) logs into the W&B run it started, whose id is kept beside its checkpoints.
+    resuming = cfg.mode == "train" and (ckpt is not None or (
+        bool(os.environ.get("SLURM_JOB_ID")) and any(out_dir.glob("hpc_ckpt_*.ckpt"))))
+    run_id = wandb_run_id(out_dir, resuming) if cfg.logger.get("name") == "wandb" else None
+    if run_id and cfg.mode == "train" and is_rank_zero():
+        save_wandb_run_id(out_dir, run_id)
+    loggers = build_loggers(cfg.logger, out_dir, container, run_id=run_id, resuming=resuming)
     callbacks = [instantiate(c) for c in (container.get("callbacks") or {}).values() if c]
     checkpoint = L.pytorch.callbacks.ModelCheckpoint(
         dirpath=out_dir / "checkpoints", filename="best-epoch{epoch:03d}-step{step:06d}", monitor=cfg.monitor.metric,
-        mode=cfg.monitor.mode, save_last=True, auto_insert_metric_name=False)
-    callbacks += [checkpoint, identity_callback(identity)]
+        mode=cfg.monitor.mode, auto_insert_metric_name=False)
+    # last.ckpt after every validation, improved or not: Lightning's save_last=True rewrites it only when a
+    # best checkpoint is saved, so a pre-empted run would lose every epoch since its last improvement.
+    last = L.pytorch.callbacks.ModelCheckpoint(dirpath=out_dir / "checkpoints", filename="last", monitor=None,
+                                               save_top_k=1, enable_version_counter=False)
+    callbacks += [checkpoint, last, identity_callback(identity), RandomState()]
     if loggers:
         callbacks.append(L.pytorch.callbacks.LearningRateMonitor(logging_interval="epoch"))
-    trainer = L.Trainer(**container["trainer"], callbacks=callbacks, logger=loggers or False,
+    trainer_kwargs = dict(container["trainer"])
+    adjust_trainer_kwargs(trainer_kwargs, module)
+    trainer = L.Trainer(**trainer_kwargs, callbacks=callbacks, logger=loggers or False,
                         default_root_dir=str(out_dir))
+    check_launch(trainer)
+    if cfg.mode == "train":
+        apply_lr_scaling(module.hparams.optim, trainer, int(datamodule.batch_size))
 
     metrics: dict[str, float] = {}
     if cfg.mode == "train":
@@ -143,13 +181,20 @@ def run(cfg: DictConfig) -> dict:
         results = trainer.test(module, datamodule=datamodule, ckpt_path=ckpt, weights_only=True)
     for result in results:
         metrics.update(_floats(result))
-    metrics = dict(sorted(metrics.items()))
+    # Last-batch values (``*_step``) differ per process and say little about a run: epoch means stand for them.
+    metrics = {k: v for k, v in sorted(metrics.items()) if not k.endswith("_step")}
+    log.info("rank %d metrics: %s", trainer.global_rank, json.dumps(metrics))  # each process logs what it saw
     if trainer.is_global_zero:
         (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
         print("\n".join(f"{k:>24} {v:.4f}" for k, v in metrics.items()))
         print(f"metrics written to {out_dir / 'metrics.json'}")
     close_loggers(loggers)
     return metrics
+
+
+def is_rank_zero() -> bool:
+    """Before the Trainer exists: the first process of the first node (Lightning's and SLURM's variables)."""
+    return all(int(os.environ.get(v, 0)) == 0 for v in ("LOCAL_RANK", "NODE_RANK", "RANK", "SLURM_PROCID"))
 
 
 def apply_attn_preset(cfg: DictConfig, overrides) -> None:

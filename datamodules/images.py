@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from attention.errors import UserError
+from datamodules.distributed import ResumableLoader, eval_loading, train_sampling
 from datamodules.download import ensure_release
 from datamodules.options import int_option
 
@@ -199,10 +200,11 @@ class ImageDataModule(L.LightningDataModule):
                 f"data.batch_size * data.batches_per_step = {self.batch_size} * {self.batches_per_step} = {size}; "
                 f"lower data.batch_size or data.batches_per_step, or add images."
             )
-        return DataLoader(
-            _TrainSet(self.train_images, self.train_labels),
+        dataset = _TrainSet(self.train_images, self.train_labels)
+        return ResumableLoader(
+            dataset,
             batch_size=size,
-            shuffle=True,
+            **train_sampling(dataset),
             drop_last=True,
             collate_fn=_Collate(self.flip),
             num_workers=self.num_workers,
@@ -222,8 +224,9 @@ class ImageDataModule(L.LightningDataModule):
     def _eval_loader(self, stage: str) -> DataLoader:
         # What a generative model evaluates on is which of its fixed latents to generate: batches
         # {"index": (B,)} in order, so that Lightning's distributed sampler splits them across ranks.
-        indices = torch.arange(self.eval_samples(stage))
-        return DataLoader(_IndexSet(indices), batch_size=self.eval_batch_size, shuffle=False)
+        dataset = _IndexSet(torch.arange(self.eval_samples(stage)))
+        return DataLoader(dataset, batch_size=self.eval_batch_size, shuffle=False,
+                          **eval_loading(dataset, f"{stage} sample set ({stage}_samples)"))
 
     def val_dataloader(self) -> DataLoader:
         """``{"index": (B,)}`` over ``range(val_samples)``, in order."""

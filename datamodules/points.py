@@ -40,6 +40,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from attention.errors import UserError
+from datamodules.distributed import ResumableLoader, eval_loading, train_sampling
 
 MAX_DROPOUT_RATIO = 0.875
 SCALE_RANGE = (2.0 / 3.0, 3.0 / 2.0)
@@ -282,10 +283,11 @@ class PointCloudDataModule(L.LightningDataModule):
         dataset = getattr(self, f"{split}_set")
         train = split == "train"
         batch_size = self.batch_size if train else self.eval_batch_size
-        return DataLoader(
+        return (ResumableLoader if train else DataLoader)(
             dataset,
             batch_size=batch_size,
-            shuffle=train,
+            **(train_sampling(dataset) if train else
+               eval_loading(dataset, f"{type(self).__name__} {split} split")),
             drop_last=train and len(dataset) > batch_size,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,

@@ -64,6 +64,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from attention.errors import UserError
+from datamodules.distributed import ResumableLoader, eval_loading, train_sampling
 from datamodules.cache import read_cache, write_cache
 from datamodules.options import int_option
 
@@ -481,10 +482,11 @@ class SegDataModule(L.LightningDataModule):
                 f"The {self.name} training split has {len(dataset)} samples, fewer than one batch of "
                 f"data.batch_size={self.batch_size}; lower data.batch_size or add data."
             )
-        return DataLoader(
+        return (ResumableLoader if train else DataLoader)(
             dataset,
             batch_size=self.batch_size if train else self.eval_batch_size,
-            shuffle=train,
+            **(train_sampling(dataset) if train else
+               eval_loading(dataset, f"{self.name} {split} split")),
             drop_last=train,
             collate_fn=PadCollate(self.mean, self.std),
             num_workers=self.num_workers,

@@ -194,7 +194,9 @@ def _construct(
     returning that dict for the duration of the call, under a lock so that
     concurrent constructions cannot observe each other's patch.
     """
-    with _BUILD_LOCK:
+    # The layers' default initialisation (then overwritten by the weights) must not move the caller's global
+    # generator: the extractor is built lazily, at the first evaluation, which a resumed run reaches elsewhere.
+    with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
         if state_dict is None:
             return cls(EXTRACTOR_NAME, list(FEATURES), verbose=True)
         saved = _tf_inception.load_state_dict_from_url

@@ -45,12 +45,14 @@ LOSSES = ("hinge", "nonsaturating")
 
 
 def d_loss(kind: str, real: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
+    real, fake = real.float(), fake.float()  # under autocast D's logits are half precision; the loss is float32
     if kind == "hinge":
         return F.relu(1 - real).mean() + F.relu(1 + fake).mean()
     return F.softplus(-real).mean() + F.softplus(fake).mean()
 
 
 def g_loss(kind: str, fake: torch.Tensor) -> torch.Tensor:
+    fake = fake.float()
     return -fake.mean() if kind == "hinge" else F.softplus(-fake).mean()
 
 
@@ -101,6 +103,9 @@ def not_counted(optimizer):
 class GAN(L.LightningModule):
     """SAGAN-style conditional/unconditional GAN; batches ``{"image": (B, 3, H, W) in [-1, 1], "label": (B,)}``."""
 
+    # Under DDP each backward pass leaves one network without gradients (D's update does not reach G).
+    ddp_find_unused_parameters = True
+
     def __init__(self, num_classes: int, class_names: Sequence[str], resolution: int, model: Mapping,
                  attn: Mapping, optim: Mapping, loss: str = "hinge", d_steps: int = 5, ema: Mapping | None = None,
                  metrics: Mapping | None = None, eval: Mapping | None = None, grid_per_class: int = 8):
@@ -128,6 +133,7 @@ class GAN(L.LightningModule):
         self.metrics_cfg = dict(metrics or {})
         self.eval_cfg = dict(eval or {})
         self.val_fid_best = MinMetric()
+        self.val_fid_best.persistent(True)  # in the checkpoint: a resumed run keeps its best so far
         self._aux: dict = {}  # the Inception network: kept out of the module so it is never checkpointed
         self._features: list[tuple[torch.Tensor, ...]] = []
         # Fixed inputs of the logged sample grid: grid_per_class samples of each class (or a square of them).
@@ -194,7 +200,7 @@ class GAN(L.LightningModule):
 
         self.log_dict({"train/loss_d": loss_d.detach(), "train/loss_g": loss_g.detach(),
                        "train/d_real": out_real.detach().mean(), "train/d_fake": out_fake.detach().mean()},
-                      prog_bar=True, on_step=True, on_epoch=False)
+                      prog_bar=True, on_step=True, on_epoch=False, sync_dist=True)  # means over ranks
 
     def configure_optimizers(self):
         optim = self.hparams.optim
@@ -232,7 +238,8 @@ class GAN(L.LightningModule):
         n = self.trainer.datamodule.eval_samples(stage)
         z, y = self._eval_inputs(stage, n)
         images = fid.to_uint8(self.generator(z[index], y[index] if self.num_classes else None))
-        pool, logits = fid.inception_features(self._inception(), images, batch_size=len(images))
+        with torch.autocast(self.device.type, enabled=False):  # float32 features, as the reference statistics
+            pool, logits = fid.inception_features(self._inception(), images, batch_size=len(images))
         self._features.append((index, pool, logits))
         folder = self.eval_cfg.get("save_samples") if stage == "test" else None
         if folder:
@@ -242,8 +249,12 @@ class GAN(L.LightningModule):
     def _score(self, stage: str) -> dict[str, float]:
         index, pool, logits = (torch.cat(t) for t in zip(*self._features))
         self._features = []
-        if self.trainer.world_size > 1:  # every rank's samples, once each (samplers pad the last batch)
-            index, pool, logits = (self.all_gather(t).flatten(0, 1) for t in (index, pool, logits))
+        if self.trainer.world_size > 1:
+            # Every rank's samples; ranks may hold one more or one fewer (torchmetrics' gather allows that,
+            # Lightning's all_gather does not). De-duplicating by index also undoes any sampler padding.
+            from torchmetrics.utilities.distributed import gather_all_tensors
+
+            index, pool, logits = (torch.cat(gather_all_tensors(t)) for t in (index, pool, logits))
         keep = first_of_each(index)
         pool, logits = pool[keep].cpu(), logits[keep].cpu()
         scores = torch.zeros(3, dtype=torch.float64)

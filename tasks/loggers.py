@@ -40,8 +40,12 @@ def wandb_mode(requested: str) -> str:
     return requested
 
 
-def build_loggers(cfg: Mapping, save_dir: str | Path, config: Mapping) -> list:
-    """Instantiate the configured logger(s) writing under ``save_dir``; ``config`` is logged whole."""
+def build_loggers(cfg: Mapping, save_dir: str | Path, config: Mapping, run_id: str | None = None,
+                  resuming: bool = False) -> list:
+    """Instantiate the configured logger(s) writing under ``save_dir``; ``config`` is logged whole.
+
+    ``run_id`` fixes the W&B run id; with ``resuming`` the run continues that W&B run (``resume="allow"``).
+    """
     from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
     kind = cfg.get("name", "none")
@@ -54,7 +58,7 @@ def build_loggers(cfg: Mapping, save_dir: str | Path, config: Mapping) -> list:
         mode = wandb_mode(cfg.get("mode", "auto"))
         logger = WandbLogger(project=cfg["project"], entity=cfg.get("entity"), group=cfg.get("group"),
                              name=cfg.get("run_name"), tags=list(cfg.get("tags") or []), save_dir=str(save_dir),
-                             mode=mode, log_model=False)
+                             mode=mode, log_model=False, id=run_id, resume="allow" if resuming else None)
         if mode == "offline":
             log.warning("W&B is logging offline (no credentials found; `wandb login` or WANDB_API_KEY enables "
                         "online logging). Upload this run later with: wandb sync %s", save_dir / "wandb")

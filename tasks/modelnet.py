@@ -43,10 +43,15 @@ class PointCloudClassification(L.LightningModule):
         self.smoothing = reference_smoothing(label_smoothing, num_classes)
         self.log_samples = log_samples
         self.train_loss = MeanMetric()
+        # Evaluation losses as torchmetrics means weighted by batch size: exact across ranks that evaluate
+        # different numbers of samples (self.log's sync_dist would average the ranks' means).
+        self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
         self.train_oa = MulticlassAccuracy(num_classes, average="micro")
         self.val_oa = MulticlassAccuracy(num_classes, average="micro")
         self.val_macc = MulticlassAccuracy(num_classes, average="macro")
         self.val_oa_best, self.val_macc_best = MaxMetric(), MaxMetric()
+        for best in (self.val_oa_best, self.val_macc_best):  # in the checkpoint: a resumed run keeps its best so far
+            best.persistent(True)
         self.test_oa = MulticlassAccuracy(num_classes, average="micro")
         self.test_macc = MulticlassAccuracy(num_classes, average="macro")
         self.test_confusion = MulticlassConfusionMatrix(num_classes)
@@ -73,7 +78,8 @@ class PointCloudClassification(L.LightningModule):
         loss, logits = self._step(batch)
         self.val_oa(logits, batch["label"])
         self.val_macc(logits, batch["label"])
-        self.log("val/loss", loss, sync_dist=True)
+        self.val_loss(loss, len(batch["label"]))
+        self.log("val/loss", self.val_loss)
         self.log("val/oa", self.val_oa, prog_bar=True)
         self.log("val/macc", self.val_macc)
 
@@ -94,7 +100,8 @@ class PointCloudClassification(L.LightningModule):
         self.test_oa(pred, batch["label"])
         self.test_macc(pred, batch["label"])
         self.test_confusion(pred, batch["label"])
-        self.log("test/loss", loss, sync_dist=True)
+        self.test_loss(loss, len(batch["label"]))
+        self.log("test/loss", self.test_loss)
         self.log("test/oa", self.test_oa)
         self.log("test/macc", self.test_macc)
         room = self.log_samples - len(self._samples)

@@ -70,6 +70,7 @@ class Segmentation(L.LightningModule):
         self.val_confusion = SegConfusion(num_classes, ignore_index)
         self.test_confusion = SegConfusion(num_classes, ignore_index)
         self.val_miou_best = MaxMetric()
+        self.val_miou_best.persistent(True)  # in the checkpoint: a resumed run keeps its best so far
         self._images: list = []
         self.example_input_array = torch.zeros(1, 3, *self.crop)
 
@@ -80,12 +81,12 @@ class Segmentation(L.LightningModule):
         out = self.net(batch["image"])
         logits, aux = out if isinstance(out, tuple) else (out, None)
         loss = F.cross_entropy(logits, batch["mask"], ignore_index=self.ignore_index)
-        self.log("train/loss_main", loss.detach(), on_step=True, on_epoch=False)
+        self.log("train/loss_main", loss.detach(), on_step=True, on_epoch=False, sync_dist=True)
         if aux is not None:
             aux_loss = F.cross_entropy(aux, batch["mask"], ignore_index=self.ignore_index)
-            self.log("train/loss_aux", aux_loss.detach(), on_step=True, on_epoch=False)
+            self.log("train/loss_aux", aux_loss.detach(), on_step=True, on_epoch=False, sync_dist=True)
             loss = loss + self.aux_weight * aux_loss
-        self.log("train/loss", loss.detach(), on_step=True, on_epoch=False, prog_bar=True)
+        self.log("train/loss", loss.detach(), on_step=True, on_epoch=False, prog_bar=True, sync_dist=True)
         return loss
 
     def _predict(self, image: torch.Tensor) -> torch.Tensor:

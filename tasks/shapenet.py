@@ -37,9 +37,14 @@ class PartSegmentation(L.LightningModule):
         self.category_names = list(category_names)
         self.register_buffer("part_mask", category_part_mask(category_parts, num_parts), persistent=False)
         self.train_loss = MeanMetric()
+        # Evaluation losses as torchmetrics means weighted by batch size: exact across ranks that evaluate
+        # different numbers of samples (self.log's sync_dist would average the ranks' means).
+        self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
         self.val_iou = PartIoU(category_parts, num_parts)
         self.test_iou = PartIoU(category_parts, num_parts)
         self.val_imiou_best, self.val_cmiou_best = MaxMetric(), MaxMetric()
+        for best in (self.val_imiou_best, self.val_cmiou_best):  # in the checkpoint: a resumed run keeps its best so far
+            best.persistent(True)
         self.example_input_array = (torch.zeros(1, input_points, 6 if normals else 3),
                                     torch.zeros(1, dtype=torch.long))
         self._samples: list[tuple] = []
@@ -66,7 +71,8 @@ class PartSegmentation(L.LightningModule):
     def validation_step(self, batch, batch_idx):
         loss, pred = self._step(batch)
         self.val_iou.update(pred, batch["parts"], batch["category"])
-        self.log("val/loss", loss, sync_dist=True)
+        self.val_loss(loss, len(batch["parts"]))
+        self.log("val/loss", self.val_loss)
 
     def on_validation_epoch_end(self):
         out = self.val_iou.compute()
@@ -85,7 +91,8 @@ class PartSegmentation(L.LightningModule):
     def test_step(self, batch, batch_idx):
         loss, pred = self._step(batch)
         self.test_iou.update(pred, batch["parts"], batch["category"])
-        self.log("test/loss", loss, sync_dist=True)
+        self.test_loss(loss, len(batch["parts"]))
+        self.log("test/loss", self.test_loss)
         for i in range(min(self.hparams.log_samples - len(self._samples), len(pred))):
             self._samples.append((batch["points"][i].cpu(), batch["parts"][i].cpu(), pred[i].cpu(),
                                   int(batch["category"][i])))

@@ -1,0 +1,127 @@
+"""Sampling that survives DDP and resumption.
+
+Training: the shuffle of epoch ``e`` is a function of (seed, e), as
+``DistributedSampler``'s is, and no loader draws from the global torch
+generator. A run resumed from an end-of-epoch checkpoint therefore gets the
+same order as one that never stopped (the global generators, which draw the
+augmentations and dropout masks, are restored by ``tasks.resume``), and under
+DDP Lightning swaps in its ``DistributedSampler`` with the same rule.
+
+Evaluation: every sample scored exactly once.
+
+Lightning gives evaluation loaders a ``DistributedSampler`` when it runs on
+several processes, and that sampler pads the last round by repeating samples
+so every rank gets as many; a metric summed over ranks then counts those
+samples twice. Our evaluation loaders use Lightning's own
+``UnrepeatedDistributedSampler`` instead (ranks may differ by one sample;
+safe because evaluation does no per-batch collective), and metrics are
+torchmetrics states summed across ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler
+
+from attention.errors import UserError
+
+
+def eval_loading(dataset: Dataset, what: str) -> dict:
+    """Keyword arguments of an evaluation ``DataLoader``: :func:`eval_sampler` and a generator of its own.
+
+    A loader without one draws its worker seed from the global torch generator each time it is iterated, so
+    how often (and, after a resume, whether) validation ran would shift the random numbers of training.
+    """
+    return {"sampler": eval_sampler(dataset, what), "generator": torch.Generator().manual_seed(0)}
+
+
+def eval_sampler(dataset: Dataset, what: str) -> Sampler | None:
+    """An unpadded rank slice of ``dataset`` in order under DDP; ``None`` (the default sequential one) otherwise."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+
+    world = dist.get_world_size()
+    if len(dataset) < world:
+        raise UserError(f"The {what} has {len(dataset)} samples, fewer than the {world} processes evaluating it: "
+                        "every process needs at least one. Use fewer devices (trainer.devices) or more samples.")
+    return UnrepeatedDistributedSampler(dataset, shuffle=False)
+
+
+class EpochRandomSampler(RandomSampler):
+    """A random permutation seeded by ``seed + epoch`` (Lightning calls ``set_epoch`` before every epoch)."""
+
+    def __init__(self, data_source: Dataset, seed: int):
+        super().__init__(data_source, generator=torch.Generator())
+        self.seed = seed
+        self.set_epoch(0)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.generator.manual_seed(self.seed + epoch)
+
+
+class _SkipFirst:
+    """Batches of ``batches`` after the first ``skip`` (whose samples are never loaded); full length."""
+
+    def __init__(self, batches: Iterable, skip: int):
+        self.batches, self.skip = batches, skip
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator:
+        skip, self.skip = self.skip, 0  # once: a persistent-worker iterator re-iterates this object every epoch
+        for i, batch in enumerate(self.batches):
+            if i >= skip:
+                yield batch
+
+
+class ResumableLoader(DataLoader):
+    """A training ``DataLoader`` whose position is saved in checkpoints.
+
+    Lightning stores ``state_dict()`` of every training loader that has one and hands it back on resume:
+    here the epoch and the batches already served, so a run resumed from a mid-epoch checkpoint (the GAN and
+    segmentation validate every N steps) continues with the next batch of the same permutation instead of
+    starting the epoch over, as a plain loader would. Works with the sampler Lightning puts in under DDP.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._served = 0
+        self._skip = 0
+
+    def _epoch(self) -> int:
+        return int(getattr(self.sampler, "epoch", 0))
+
+    def state_dict(self) -> dict:
+        if self._served >= len(self):  # the epoch is complete: the next one starts at its beginning
+            return {"epoch": self._epoch() + 1, "batches": 0}
+        return {"epoch": self._epoch(), "batches": self._served}
+
+    def load_state_dict(self, state: dict) -> None:
+        if hasattr(self.sampler, "set_epoch"):  # worker processes draw indices as soon as they start
+            self.sampler.set_epoch(int(state["epoch"]))
+        self._skip = int(state["batches"])
+
+    @property
+    def _index_sampler(self):
+        base = super()._index_sampler
+        return _SkipFirst(base, self._skip) if self._skip else base
+
+    def __iter__(self) -> Iterator:
+        iterator = super().__iter__()  # builds its index iterator from _index_sampler, skipping what was served
+        self._served, self._skip = self._skip, 0
+        for batch in iterator:
+            self._served += 1
+            yield batch
+
+
+def train_sampling(dataset: Dataset) -> dict:
+    """Keyword arguments of a shuffled training split's :class:`ResumableLoader`: the sampler above and a
+    generator of its own for the loader's worker seeds, both seeded from the run's seed (``seed_everything``)."""
+    seed = torch.initial_seed()
+    return {"sampler": EpochRandomSampler(dataset, seed), "generator": torch.Generator().manual_seed(seed)}

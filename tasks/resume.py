@@ -1,0 +1,111 @@
+"""Resuming a run in its own directory: which checkpoint, the same W&B run, the same random numbers.
+
+``ckpt_path=last`` continues from ``<run dir>/checkpoints/last.ckpt`` and
+fails if there is none; ``resume=true`` does the same but starts afresh when
+there is nothing yet (what a job script that may be requeued wants). Under
+SLURM, Lightning's own ``hpc_ckpt_<n>.ckpt`` (written on the pre-emption
+signal) counts too, whichever is newest wins. The W&B run id is kept in
+``checkpoints/wandb_run_id`` so a resumed run logs into the same W&B run.
+
+Lightning restores model, optimisers, schedulers, loops and callbacks, but not
+the random number generators; :class:`RandomState` stores them in every
+checkpoint and puts them back when training restarts, so a run resumed at an
+epoch boundary draws the same shuffles, augmentations and dropout masks as one
+that never stopped (exactly so with ``data.num_workers=0``; worker processes
+are seeded afresh when they are restarted).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import string
+from pathlib import Path
+
+import lightning as L
+
+from attention.errors import UserError
+
+log = logging.getLogger(__name__)
+WANDB_ID_FILE = "wandb_run_id"
+
+
+def resume_checkpoint(ckpt_path: str | None, resume: bool, out_dir: Path) -> str | None:
+    """The checkpoint this run starts from: ``ckpt_path`` as given, or the newest of the run directory's own."""
+    if not resume and ckpt_path != "last":
+        return ckpt_path
+    if ckpt_path is not None and ckpt_path != "last":
+        raise UserError(f"resume=true continues from this run directory's own checkpoints; it cannot be combined "
+                        f"with ckpt_path={ckpt_path}. Pass one or the other.")
+    candidates = [p for p in [out_dir / "checkpoints" / "last.ckpt", *out_dir.glob("hpc_ckpt_*.ckpt")] if p.is_file()]
+    if candidates:
+        newest = max(candidates, key=lambda p: p.stat().st_mtime)
+        log.info("resuming from %s", newest)
+        return str(newest)
+    if ckpt_path == "last":
+        raise UserError(f"ckpt_path=last found no checkpoint in {out_dir / 'checkpoints'}: resume in the directory "
+                        "of the run to continue with `hydra.run.dir=<that run's directory>` (it is printed at the "
+                        "start of every run and holds .hydra/ and checkpoints/), or use resume=true to start afresh "
+                        "when there is nothing to resume.")
+    log.info("resume=true: no checkpoint in %s yet, starting from scratch", out_dir / "checkpoints")
+    return None
+
+
+def wandb_run_id(out_dir: Path, resuming: bool) -> str:
+    """The W&B run id of a resumed run (saved beside its checkpoints), or a new one for a new run."""
+    path = out_dir / "checkpoints" / WANDB_ID_FILE
+    if resuming and path.is_file():
+        return path.read_text().strip()
+    # W&B's own id format (8 characters of [a-z0-9]), from `secrets`: drawing it from `random` would move the
+    # seeded python generator and make a run with W&B differ from one without.
+    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+
+
+def save_wandb_run_id(out_dir: Path, run_id: str) -> None:
+    path = out_dir / "checkpoints" / WANDB_ID_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(run_id + "\n")
+
+
+class RandomState(L.pytorch.callbacks.Callback):
+    """Saves python, numpy and torch (CPU and CUDA) generator states in checkpoints; restores them on resume.
+
+    They are put back at ``on_train_start``: after the sanity-check validation (which draws from the generators
+    too) and before the first training batch, where the uninterrupted run stood when it saved them.
+    """
+
+    def __init__(self):
+        self._pending = None
+
+    def state_dict(self):
+        import random
+
+        import numpy as np
+        import torch
+
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        # Tensors and plain python values only: checkpoints are read with torch.load(weights_only=True).
+        return {"torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+                "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
+                "python": random.getstate()}
+
+    def load_state_dict(self, state_dict):
+        self._pending = state_dict
+
+    def on_train_start(self, trainer, pl_module):
+        import random
+
+        import numpy as np
+        import torch
+
+        state, self._pending = self._pending, None
+        if not state:
+            return
+        torch.set_rng_state(state["torch"])
+        if state["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+        version, internal, gauss_next = state["python"]
+        random.setstate((version, tuple(internal), gauss_next))

@@ -1,0 +1,94 @@
+"""``trainer=ddp``: two processes on CPU (gloo) for every task, as ``python run.py trainer=ddp ...`` runs them.
+
+Each run must finish, every process must end with the same metrics, only the first writes ``metrics.json``,
+and evaluation must score every sample exactly once: the test metrics equal those of a single process testing
+the same checkpoint. The evaluation sets have odd sizes, so a sampler that pads the last round by repeating a
+sample (Lightning's default) would change them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from test_run import GAN_TINY, SEG_TINY, TINY, env, run, user_error  # noqa: F401  (env is a fixture)
+
+from tasks.distributed import lr_scale, scale_learning_rates
+
+DDP = ["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "logger=csv"]
+RANK_METRICS = re.compile(r"rank (\d+) metrics: (\{.*\})")
+
+CASES = {
+    # 3 classes x 3 = 9 validation and 9 test shapes
+    "modelnet": [*TINY, "data.num_classes=3", "data.train_per_class=8", "data.val_per_class=3",
+                 "data.test_per_class=3", "data.eval_batch_size=2", "trainer.max_epochs=2", "optim.scale_lr=linear"],
+    "shapenet": ["experiment=parts_demo", "data.num_categories=3", "data.train_per_category=4",
+                 "data.val_per_category=3", "data.test_per_category=3", "data.npoints=64", "data.batch_size=4",
+                 "data.eval_batch_size=2", "trainer.max_epochs=2", "trainer.enable_progress_bar=false"],
+    "gan": [*GAN_TINY, "attn=external", "trainer.max_steps=4", "metrics.every_n_steps=2", "metrics.num_samples=9",
+            "eval.num_samples=9"],
+    "segmentation": [*SEG_TINY, "attn=external", "data.num_val=5", "data.num_test=5", "data.eval_batch_size=2",
+                     "trainer.max_steps=4", "eval.every_n_steps=2"],
+}
+
+
+def rank_metrics(out: Path) -> dict[int, dict]:
+    """What each process logged as its final metrics (Hydra gives every process its own log file)."""
+    found = {}
+    for log in out.glob("*.log"):
+        for rank, metrics in RANK_METRICS.findall(log.read_text()):
+            found[int(rank)] = json.loads(metrics)
+    return found
+
+
+@pytest.mark.parametrize("task", list(CASES))
+def test_two_process_ddp(task, env, tmp_path):
+    out = tmp_path / "ddp"
+    extra = [f"metrics.cache_dir={tmp_path / 'fid'}"] if task == "gan" else []
+    proc = run([*CASES[task], *extra, *DDP, f"hydra.run.dir={out}"], env)
+
+    per_rank = rank_metrics(out)
+    assert sorted(per_rank) == [0, 1], proc.stdout[-2000:]
+    assert per_rank[0] == per_rank[1]  # synced: every process ends with the same numbers
+    written = json.loads((out / "metrics.json").read_text())
+    assert written == per_rank[0]
+    assert proc.stdout.count("metrics written to") == 1  # by the first process only
+    assert all(math.isfinite(v) for v in written.values())
+
+    best = sorted((out / "checkpoints").glob("best-*.ckpt"))
+    assert best, list((out / "checkpoints").iterdir())
+    single = tmp_path / "single"
+    run([*CASES[task], *extra, "mode=test", f"ckpt_path={best[-1]}", "logger=none", f"hydra.run.dir={single}"], env)
+    alone = json.loads((single / "metrics.json").read_text())
+    tested = {k: v for k, v in written.items() if k.startswith("test/")}
+    assert tested and set(tested) == {k for k in alone if k.startswith("test/")}
+    for key, value in tested.items():
+        assert value == pytest.approx(alone[key], rel=1e-5, abs=1e-6), key
+    if task == "gan":
+        assert written["test/samples"] == 9  # each generated image scored once, none twice
+    if task == "modelnet":  # optim.scale_lr=linear: 2 processes x batch 4 = 8, twice the batch lr=0.01 was set for
+        state = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+        assert state["hyper_parameters"]["optim"]["optimizer"]["lr"] == pytest.approx(0.02)
+        assert state["optimizer_states"][0]["param_groups"][0]["initial_lr"] == pytest.approx(0.02)
+
+
+def test_lr_scaling_rules():
+    assert lr_scale(None, 512, 64) == 1.0
+    assert lr_scale("linear", 512, 64) == 8.0
+    assert lr_scale("sqrt", 512, 128) == 2.0
+    optim = {"scale_lr": "linear", "generator": {"_target_": "torch.optim.Adam", "lr": 2e-4},
+             "discriminator": {"_target_": "torch.optim.Adam", "lr": 1e-4}, "weight_decay": 1e-4}
+    assert sorted(scale_learning_rates(optim, 4.0)) == ["optim.discriminator.lr", "optim.generator.lr"]
+    assert optim["generator"]["lr"] == pytest.approx(8e-4) and optim["discriminator"]["lr"] == pytest.approx(4e-4)
+    assert optim["weight_decay"] == 1e-4
+
+
+def test_bad_scaling_rule_and_ddp_inside_a_local_multirun_are_refused(env, tmp_path):
+    user_error([*TINY, "optim.scale_lr=cubic", "logger=none", f"hydra.run.dir={tmp_path / 'a'}"], env,
+               "optim.scale_lr", "linear", "sqrt")
+    user_error(["-m", *TINY, *DDP, "attn=self,external", f"hydra.sweep.dir={tmp_path / 'b'}"], env,
+               "trainer=ddp", "multirun", "hydra/launcher=slurm")

@@ -1,0 +1,96 @@
+"""Resume after pre-emption: a run killed with SIGKILL and resumed ends exactly where an uninterrupted one does."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_run import GAN_TINY, ROOT, TINY, env, run, user_error  # noqa: F401  (env is a fixture)
+
+# 5 epochs of a small PCT on 3 generated classes, a checkpoint after each: slow enough to be killed mid-run.
+ARGS = [*TINY, "data.num_classes=3", "data.train_per_class=12", "data.val_per_class=3", "data.test_per_class=3",
+        "data.batch_size=4", "trainer.max_epochs=5", "logger=wandb"]
+
+
+def checkpoint_epoch(path: Path) -> int | None:
+    """The epoch of a complete checkpoint file, None while it is missing or still being written."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)["epoch"]
+    except Exception:  # noqa: BLE001  (absent, empty or half-written)
+        return None
+
+
+def wandb_ids(out: Path) -> set[str]:
+    return {p.name.rsplit("-", 1)[-1] for p in (out / "wandb").glob("offline-run-*")}
+
+
+@pytest.mark.xdist_group("resume")
+def test_sigkill_then_resume_matches_an_uninterrupted_run(env, tmp_path):
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    run([*ARGS, f"hydra.run.dir={straight}"], env)
+
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *ARGS, f"hydra.run.dir={killed}"], cwd=env["HOME"],
+                            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    last, deadline = killed / "checkpoints" / "last.ckpt", time.monotonic() + 300
+    while checkpoint_epoch(last) is None and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    stopped_at = checkpoint_epoch(last)
+    assert stopped_at is not None and stopped_at < 4, "the run was not interrupted before its end"
+    assert not (killed / "metrics.json").exists()
+    first_id = (killed / "checkpoints" / "wandb_run_id").read_text().strip()
+
+    resumed = run([*ARGS, f"hydra.run.dir={killed}", "resume=true"], env)
+    assert f"resuming from {last}" in resumed.stdout + resumed.stderr
+
+    a = json.loads((straight / "metrics.json").read_text())
+    b = json.loads((killed / "metrics.json").read_text())
+    assert a.keys() == b.keys()
+    for key in a:
+        assert b[key] == pytest.approx(a[key], abs=1e-6), key
+    steps = [torch.load(d / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"]
+             for d in (straight, killed)]
+    assert steps[0] == steps[1] == 5 * 9  # 5 epochs of 36 shapes in batches of 4
+    # One W&B run: the resumed process logged into the run the killed one started.
+    assert wandb_ids(killed) == {first_id}
+
+
+def test_ckpt_path_last_needs_a_checkpoint_in_the_run_directory(env, tmp_path):
+    user_error([*TINY, "ckpt_path=last", "logger=none", f"hydra.run.dir={tmp_path}"], env,
+               "ckpt_path=last", str(tmp_path / "checkpoints"), "hydra.run.dir")
+
+
+def test_resume_true_starts_afresh_when_nothing_to_resume(env, tmp_path):
+    proc = run([*TINY, "resume=true", "logger=none", f"hydra.run.dir={tmp_path}"], env)
+    assert "no checkpoint" in proc.stdout + proc.stderr
+    assert (tmp_path / "metrics.json").is_file()
+
+
+@pytest.mark.xdist_group("resume")
+def test_gan_resumed_mid_epoch_continues_where_it_stopped(env, tmp_path):
+    """GAN checkpoints fall mid-epoch (validation every 2 steps of a 224-step epoch): stopping at step 2 and
+    continuing to step 6 gives the 6-step run, batch for batch (the loader's position is in the checkpoint)."""
+    args = [*GAN_TINY, "attn=external", "metrics.every_n_steps=2", "metrics.num_samples=8", "eval.num_samples=8",
+            f"metrics.cache_dir={tmp_path / 'fid'}", "logger=none"]
+    run([*args, "trainer.max_steps=6", f"hydra.run.dir={tmp_path / 'straight'}"], env)
+    run([*args, "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'split'}"], env)
+    proc = run([*args, "trainer.max_steps=6", "ckpt_path=last", f"hydra.run.dir={tmp_path / 'split'}"], env)
+    assert "resuming from" in proc.stdout + proc.stderr
+    a = json.loads((tmp_path / "straight" / "metrics.json").read_text())
+    b = json.loads((tmp_path / "split" / "metrics.json").read_text())
+    assert a.keys() == b.keys()
+    for key in a:
+        assert b[key] == pytest.approx(a[key], abs=1e-6), key
+    steps = [torch.load(tmp_path / d / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+             for d in ("straight", "split")]
+    assert steps[0]["global_step"] == steps[1]["global_step"] == 6
+    for key, value in steps[0]["state_dict"].items():  # G, D and the EMA generator, bit for bit
+        assert torch.equal(value, steps[1]["state_dict"][key]), key
