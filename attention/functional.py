@@ -5,13 +5,51 @@ Every kernel takes ``q`` of shape (B, heads, N, d) and keys/values of shape
 implements its paper's formula and nothing else: projections, heads and
 layouts belong to the modules in ``attention.variants``. Each kernel is tested
 against a brute-force O(N^2) float64 reference in ``tests/attention``.
+
+Mixed precision: every kernel but ``softmax_attention`` computes in float32
+when it gets float16/bfloat16 tensors or runs under autocast, and returns
+``q``'s dtype (see :func:`float32_kernel`); ``softmax_attention`` is SDPA, whose
+kernels accumulate in float32 themselves.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import register_flop_formula
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+def _upcast(t):
+    return t.float() if isinstance(t, torch.Tensor) and t.dtype in HALF else t
+
+
+def float32_kernel(kernel):
+    """Run ``kernel`` in float32 when it is given float16/bfloat16 tensors or called under autocast.
+
+    Half precision cannot hold what the kernels' normalisations need: eps = 1e-9 is 0 in float16, so a column
+    or row of attention weights that underflows gives 0 / 0; exp, and sums over thousands of tokens, overflow
+    float16's 65504; bfloat16's 8-bit mantissa counts a sum of 4096 terms in steps of 32; autocast would also
+    run the logits' matmuls in half precision. So half tensors are upcast (exactly) to float32, autocast is
+    switched off on their device for the whole kernel, and the result is cast to ``q``'s dtype (the first
+    argument): under autocast the projections around the kernel stay in half precision, and SDPA does the same
+    (half inputs, float32 accumulation). float32 and float64 inputs outside autocast take the unchanged path.
+    """
+    @functools.wraps(kernel)
+    def wrapper(q, *args, **kwargs):
+        device = q.device.type
+        tensors = (q, *args, *kwargs.values())
+        if not torch.is_autocast_enabled(device) and not any(
+                isinstance(t, torch.Tensor) and t.dtype in HALF for t in tensors):
+            return kernel(q, *args, **kwargs)
+        with torch.autocast(device, enabled=False):
+            out = kernel(_upcast(q), *map(_upcast, args), **{k: _upcast(v) for k, v in kwargs.items()})
+        return out.to(q.dtype)
+
+    return wrapper
 
 
 def softmax_attention(q, k, v, scale: float | None = None):
@@ -19,6 +57,7 @@ def softmax_attention(q, k, v, scale: float | None = None):
     return F.scaled_dot_product_attention(q, k, v, scale=scale)  # (B, heads, N, d_v)
 
 
+@float32_kernel
 def offset_attention(q, k, v, eps: float = 1e-9):
     """PCT's attention (Guo et al., 2021), as in its reference code.
 
@@ -35,6 +74,7 @@ def offset_attention(q, k, v, eps: float = 1e-9):
     return attn.transpose(-2, -1) @ v  # (B, h, M, d_v)
 
 
+@float32_kernel
 def external_attention(q, mem_k, mem_v, eps: float = 1e-9):
     """External attention (Guo et al., 2021) with double normalisation.
 
@@ -47,6 +87,7 @@ def external_attention(q, mem_k, mem_v, eps: float = 1e-9):
     return attn @ mem_v  # (B, h, N, d)
 
 
+@float32_kernel
 def taylor_linear_attention(q, k, v, eps: float = 1e-6):
     """LAM (Li et al., 2021): softmax approximated by its first-order Taylor expansion.
 
@@ -61,6 +102,7 @@ def taylor_linear_attention(q, k, v, eps: float = 1e-6):
     return num / den
 
 
+@float32_kernel
 def elu_linear_attention(q, k, v, eps: float = 1e-6):
     """Linear attention (Katharopoulos et al., 2020) with phi(x) = elu(x) + 1.
 
@@ -73,6 +115,7 @@ def elu_linear_attention(q, k, v, eps: float = 1e-6):
     return (q @ kv) / den  # (B, h, N, d_v)
 
 
+@float32_kernel
 def focal_attention(q, k, v, mask=None, bias=None, scale: float | None = None):
     """Focal self-attention's kernel (Yang et al., 2021): softmax attention of a group of queries
     over the keys gathered for that group (fine tokens and pooled tokens of every level).
@@ -99,6 +142,7 @@ def focal_attention(q, k, v, mask=None, bias=None, scale: float | None = None):
 DILATED_BORDERS = ("zeros", "mask")
 
 
+@float32_kernel
 def dilated_attention(q, k, v, grid: tuple[int, int], kernel_size: int = 3, dilation: int = 1,
                       border: str = "zeros", scale: float | None = None):
     """DilateFormer's sliding-window dilated attention (DilateAttention) on a grid.
@@ -136,6 +180,7 @@ def dilated_attention(q, k, v, grid: tuple[int, int], kernel_size: int = 3, dila
     return out  # (B, heads, N, d_v)
 
 
+@float32_kernel
 def dilated_point_attention(q, k, v, scale: float | None = None):
     """Softmax attention of each token over its own gathered neighbours (dilated kNN on point sets).
 
@@ -236,8 +281,9 @@ def _dilated_setup_context(ctx, inputs, output):
 def _dilated_grad(ctx, grad, grad_attn):
     if grad is None:
         return (None,) * 9
-    q, k, v, attn = ctx.saved_tensors
-    dq, dk, dv = _dilated_backward_op(grad, q, k, v, attn, *ctx.args)
+    q, k, v, attn = ctx.saved_tensors  # float32 or float64: dilated_attention upcasts half precision
+    with torch.autocast(q.device.type, enabled=False):  # a backward called under autocast stays in q's dtype
+        dq, dk, dv = _dilated_backward_op(grad.to(q.dtype), q, k, v, attn, *ctx.args)
     return dq, dk, dv, None, None, None, None, None, None
 
 

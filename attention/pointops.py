@@ -43,11 +43,17 @@ def farthest_point_sample(xyz: torch.Tensor, m: int, start: int | torch.Tensor =
 
 
 def square_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Pairwise squared distances (B, N, M) between a (B, N, 3) and b (B, M, 3)."""
-    d = -2 * a @ b.transpose(1, 2)  # (B, N, M)
-    d += a.square().sum(-1, keepdim=True)
-    d += b.square().sum(-1).unsqueeze(1)
-    return d.clamp_min_(0)
+    """Pairwise squared distances (B, N, M) between a (B, N, 3) and b (B, M, 3), in float32 at least.
+
+    Under autocast the matmul would run in half precision, whose rounding (about 1e-3 of |a|^2 in float16,
+    4e-3 in bfloat16) reorders near neighbours; so half inputs are upcast and autocast is off here.
+    """
+    with torch.autocast(a.device.type, enabled=False):
+        a, b = (t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for t in (a, b))
+        d = -2 * a @ b.transpose(1, 2)  # (B, N, M)
+        d += a.square().sum(-1, keepdim=True)
+        d += b.square().sum(-1).unsqueeze(1)
+        return d.clamp_min_(0)
 
 
 @torch.no_grad()
