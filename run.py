@@ -8,6 +8,7 @@ logger and experiment, then runs ``mode``:
 - ``test``: test ``ckpt_path`` (``eval`` is the same: the GAN task's name for it);
 - ``summary``: per-module parameters and FLOPs, ending ``params=<int> flops=<int>``
   (a task with several networks, like the GAN's G and D, prints each first).
+- ``bench``: what every attention variant costs on this machine (``benchmarks/cost.py``, ``configs/bench``).
 
 A task may carry ``attn_presets: {<variant>: {option: value}}``: the options
 its paper uses for that variant (SAGAN's block for ``self``), applied under
@@ -35,7 +36,7 @@ from attention.errors import UserError
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 GROUPS = ("task", "attn", "data", "trainer", "logger", "experiment")
-MODES = ("train", "test", "eval", "summary")
+MODES = ("train", "test", "eval", "summary", "bench")
 log = logging.getLogger("run")
 
 
@@ -82,6 +83,10 @@ def run(cfg: DictConfig) -> dict:
 
     if cfg.mode not in MODES:
         raise UserError(f"mode={cfg.mode!r} is not known: use one of {', '.join(MODES)}.")
+    if cfg.mode == "bench":  # no data or task: the attention package and the machine
+        from benchmarks.cost import bench
+
+        return bench(cfg)
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     # Library chatter a user cannot act on: Lightning's own pytree deprecation, ThroughputMonitor's request
     # for a FLOP count (samples/s is what we log), and the litlogger advertisement.
@@ -101,6 +106,9 @@ def run(cfg: DictConfig) -> dict:
         out_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(container, out_dir / "resolved_config.yaml")
 
+    from tasks.distributed import check_scale_rule
+
+    check_scale_rule((cfg.get("optim") or {}).get("scale_lr"))  # before any data is read
     datamodule = instantiate(cfg.data, _convert_="all")
     if cfg.mode != "summary":
         # Check the data before building the network: a missing data set is reported before any weights

@@ -52,16 +52,23 @@ def eval_sampler(dataset: Dataset, what: str) -> Sampler | None:
 
 
 class EpochRandomSampler(RandomSampler):
-    """A random permutation seeded by ``seed + epoch`` (Lightning calls ``set_epoch`` before every epoch)."""
+    """A random permutation seeded by ``seed + epoch`` (Lightning calls ``set_epoch`` before every epoch).
 
-    def __init__(self, data_source: Dataset, seed: int):
+    ``worker_generator``, the loader's own generator, is re-seeded with the epoch too: the worker processes
+    of an epoch get seeds that depend on (seed, epoch) alone.
+    """
+
+    def __init__(self, data_source: Dataset, seed: int, worker_generator: torch.Generator | None = None):
         super().__init__(data_source, generator=torch.Generator())
         self.seed = seed
+        self.worker_generator = worker_generator
         self.set_epoch(0)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
         self.generator.manual_seed(self.seed + epoch)
+        if self.worker_generator is not None:
+            self.worker_generator.manual_seed((self.seed + epoch) * 1_000_003 % 2**63)
 
 
 class _SkipFirst:
@@ -122,6 +129,8 @@ class ResumableLoader(DataLoader):
 
 def train_sampling(dataset: Dataset) -> dict:
     """Keyword arguments of a shuffled training split's :class:`ResumableLoader`: the sampler above and a
-    generator of its own for the loader's worker seeds, both seeded from the run's seed (``seed_everything``)."""
+    generator of its own for the loader's worker seeds, both seeded from the run's seed (``seed_everything``,
+    read when the loader is made) and the epoch."""
     seed = torch.initial_seed()
-    return {"sampler": EpochRandomSampler(dataset, seed), "generator": torch.Generator().manual_seed(seed)}
+    workers = torch.Generator()
+    return {"sampler": EpochRandomSampler(dataset, seed, workers), "generator": workers}

@@ -208,7 +208,7 @@ class ImageDataModule(L.LightningDataModule):
             drop_last=True,
             collate_fn=_Collate(self.flip),
             num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
+            persistent_workers=False,  # new workers every epoch, seeded by (seed, epoch): exact resumes
             pin_memory=torch.cuda.is_available(),
         )
 

@@ -290,7 +290,7 @@ class PointCloudDataModule(L.LightningDataModule):
                eval_loading(dataset, f"{type(self).__name__} {split} split")),
             drop_last=train and len(dataset) > batch_size,
             num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
+            persistent_workers=self.num_workers > 0 and not train,  # training: new ones seeded per epoch
             pin_memory=torch.cuda.is_available(),
         )
 

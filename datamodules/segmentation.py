@@ -490,7 +490,7 @@ class SegDataModule(L.LightningDataModule):
             drop_last=train,
             collate_fn=PadCollate(self.mean, self.std),
             num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
+            persistent_workers=self.num_workers > 0 and not train,  # training: new ones seeded per epoch
             pin_memory=torch.cuda.is_available(),
         )
 

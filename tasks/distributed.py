@@ -50,9 +50,13 @@ def check_launch(trainer) -> None:
                         "the sweep to SLURM with hydra/launcher=slurm, or run each configuration as its own command.")
 
 
-def lr_scale(rule: str | None, global_batch: int, base_batch: int) -> float:
+def check_scale_rule(rule) -> None:
     if rule not in SCALE_RULES:
         raise UserError(f"optim.scale_lr={rule!r} is not known: use null (off), linear or sqrt.")
+
+
+def lr_scale(rule: str | None, global_batch: int, base_batch: int) -> float:
+    check_scale_rule(rule)
     if rule is None:
         return 1.0
     if base_batch <= 0:

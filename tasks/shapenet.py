@@ -43,7 +43,7 @@ class PartSegmentation(L.LightningModule):
         self.val_iou = PartIoU(category_parts, num_parts)
         self.test_iou = PartIoU(category_parts, num_parts)
         self.val_imiou_best, self.val_cmiou_best = MaxMetric(), MaxMetric()
-        for best in (self.val_imiou_best, self.val_cmiou_best):  # in the checkpoint: a resumed run keeps its best so far
+        for best in (self.val_imiou_best, self.val_cmiou_best):  # in checkpoints: a resumed run keeps its best
             best.persistent(True)
         self.example_input_array = (torch.zeros(1, input_points, 6 if normals else 3),
                                     torch.zeros(1, dtype=torch.long))

@@ -18,6 +18,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of small-tensor tests: on a busy 2-core machine more threads only
+    spin-wait on each other."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def modelnet_release():
     """Factory writing a tiny ModelNet40 HDF5 release (official layout) into ``folder``.

@@ -29,8 +29,8 @@ CASES = {
     "shapenet": ["experiment=parts_demo", "data.num_categories=3", "data.train_per_category=4",
                  "data.val_per_category=3", "data.test_per_category=3", "data.npoints=64", "data.batch_size=4",
                  "data.eval_batch_size=2", "trainer.max_epochs=2", "trainer.enable_progress_bar=false"],
-    "gan": [*GAN_TINY, "attn=external", "trainer.max_steps=4", "metrics.every_n_steps=2", "metrics.num_samples=9",
-            "eval.num_samples=9"],
+    "gan": [*GAN_TINY, "attn=external", "trainer.max_steps=2", "metrics.every_n_steps=2", "metrics.num_samples=9",
+            "eval.num_samples=9", "+trainer.num_sanity_val_steps=0"],
     "segmentation": [*SEG_TINY, "attn=external", "data.num_val=5", "data.num_test=5", "data.eval_batch_size=2",
                      "trainer.max_steps=4", "eval.every_n_steps=2"],
 }

@@ -33,13 +33,7 @@ from attention.pointops import knn
 HALF = [torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors: on a busy 2-core machine intra-op threads only add spin-waiting (as tests/attention)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # small tensors: one intra-op thread (tests/conftest.py)
 # A few roundings of a bfloat16 (2^-8) / float16 (2^-11) value: the output's own rounding and the projections'.
 TOL = {torch.bfloat16: 2e-2, torch.float16: 3e-3}
 

@@ -78,8 +78,8 @@ def test_resume_true_starts_afresh_when_nothing_to_resume(env, tmp_path):
 def test_gan_resumed_mid_epoch_continues_where_it_stopped(env, tmp_path):
     """GAN checkpoints fall mid-epoch (validation every 2 steps of a 224-step epoch): stopping at step 2 and
     continuing to step 6 gives the 6-step run, batch for batch (the loader's position is in the checkpoint)."""
-    args = [*GAN_TINY, "attn=external", "metrics.every_n_steps=2", "metrics.num_samples=8", "eval.num_samples=8",
-            f"metrics.cache_dir={tmp_path / 'fid'}", "logger=none"]
+    args = [*GAN_TINY, "attn=external", "metrics.every_n_steps=2", "metrics.num_samples=4", "eval.num_samples=4",
+            f"metrics.cache_dir={tmp_path / 'fid'}", "logger=none", "+trainer.num_sanity_val_steps=0"]
     run([*args, "trainer.max_steps=6", f"hydra.run.dir={tmp_path / 'straight'}"], env)
     run([*args, "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'split'}"], env)
     proc = run([*args, "trainer.max_steps=6", "ckpt_path=last", f"hydra.run.dir={tmp_path / 'split'}"], env)

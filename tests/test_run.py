@@ -132,7 +132,8 @@ def test_shapenet_fast_dev_run_every_variant(env, tmp_path):
     each job with its own offline W&B run tagged with its variant (jobs share one process)."""
     variants = attention.names()
     run(["-m", "task=shapenet", f"attn={','.join(variants)}", "data=parts", "trainer.fast_dev_run=true",
-         "data.batch_size=4", "data.eval_batch_size=4", f"hydra.sweep.dir={tmp_path}"], env)
+         "data.batch_size=4", "data.eval_batch_size=4", "data.npoints=512", "data.train_per_category=4",
+         "data.val_per_category=2", "data.test_per_category=2", f"hydra.sweep.dir={tmp_path}"], env)
     run_ids = set()
     for i, variant in enumerate(variants):
         job = tmp_path / f"{i}_shapenet_{variant}"

@@ -99,7 +99,12 @@ def test_seeded_runs_give_identical_batches(release, num_workers):
         L.seed_everything(seed, workers=True)
         dm = ModelNet40(root=str(root), npoints=32, batch_size=4, num_workers=num_workers)
         dm.setup()
-        runs.append([batches(dm.train_dataloader()) for _ in range(2)])  # two epochs
+        loader = dm.train_dataloader()
+        epochs = []
+        for epoch in range(2):
+            loader.sampler.set_epoch(epoch)  # as Lightning does before every epoch
+            epochs.append(batches(loader))
+        runs.append(epochs)
     first, again, other = runs
     assert [len(epoch) for epoch in first] == [2, 2]  # 9 samples, batch 4: last partial batch dropped
     for a, b in zip(sum(first, []), sum(again, [])):
