@@ -401,7 +401,7 @@ def test_demo_reaches_target_accuracy(env, tmp_path):
 
 @pytest.mark.slow
 def test_parts_demo_reaches_target_miou(env, tmp_path):
-    """PCT part segmentation with external attention on generated parts: test instance mIoU >= 0.7 (~2.5 min)."""
+    """PCT part segmentation with external attention on generated parts: test instance mIoU >= 0.7 (~2 min)."""
     proc = run(["experiment=parts_demo", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path}"], env)
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["test/imiou"] >= 0.7, metrics
