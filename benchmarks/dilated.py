@@ -28,25 +28,21 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
-import platform
-import statistics
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from attention import functional  # noqa: E402
+from benchmarks.baselines import DilateAttention, unfold_dilated_attention  # noqa: E402,F401 (re-exported)
+from benchmarks.measure import cpu_name, cuda_peak_bytes, median_ms, profiler_peak_bytes  # noqa: E402
 
 MiB = 2 ** 20
 
@@ -57,49 +53,6 @@ SIZES = [
     ("C=72 (3x24), 56x56, r=1", 8, 3, 24, 56, 56, 3, 1),
 ]
 IMPLS = ["unfold", "shifted, autograd", "ours"]
-
-
-# --------------------------------------------------------------------------------------------
-# The baseline: DilateFormer's DilateAttention (github.com/JIAOJIAYUASD/dilateformer), as published
-# --------------------------------------------------------------------------------------------
-
-class DilateAttention(nn.Module):
-    """Implementation of Dilate-attention (DilateFormer's code; attention dropout left at 0)."""
-
-    def __init__(self, head_dim, qk_scale=None, attn_drop=0, kernel_size=3, dilation=1):
-        super().__init__()
-        self.head_dim = head_dim
-        self.scale = qk_scale or head_dim ** -0.5
-        self.kernel_size = kernel_size
-        self.unfold = nn.Unfold(kernel_size, dilation, dilation * (kernel_size - 1) // 2, 1)
-        self.attn_drop = nn.Dropout(attn_drop)
-
-    def forward(self, q, k, v):
-        # B, C//3, H, W
-        B, d, H, W = q.shape
-        q = q.reshape([B, d // self.head_dim, self.head_dim, 1, H * W]).permute(0, 1, 4, 3, 2)  # B,h,N,1,d
-        k = self.unfold(k).reshape(
-            [B, d // self.head_dim, self.head_dim, self.kernel_size * self.kernel_size, H * W]
-        ).permute(0, 1, 4, 2, 3)  # B,h,N,d,k*k
-        attn = (q @ k) * self.scale  # B,h,N,1,k*k
-        attn = attn.softmax(dim=-1)
-        attn = self.attn_drop(attn)
-        v = self.unfold(v).reshape(
-            [B, d // self.head_dim, self.head_dim, self.kernel_size * self.kernel_size, H * W]
-        ).permute(0, 1, 4, 3, 2)  # B,h,N,k*k,d
-        x = (attn @ v).transpose(1, 2).reshape(B, H, W, d)
-        return x
-
-
-def unfold_dilated_attention(q, k, v, grid, kernel_size=3, dilation=1, scale=None):
-    """DilateAttention on our layout: q, k, v (B, heads, N, d) -> (B, heads, N, d), zero-padded borders."""
-    (h, w), (B, H, N, d) = grid, q.shape
-
-    def to_image(t):  # (B, heads, N, d) -> (B, heads * d, h, w), DilateFormer's channel order
-        return t.permute(0, 1, 3, 2).reshape(B, H * d, h, w)
-
-    out = DilateAttention(d, scale, 0, kernel_size, dilation)(*map(to_image, (q, k, v)))  # (B, h, w, H*d)
-    return out.reshape(B, N, H, d).permute(0, 2, 1, 3)  # (B, heads, N, d)
 
 
 def shifted_autograd_attention(q, k, v, grid, kernel_size=3, dilation=1, scale=None):
@@ -117,7 +70,7 @@ def shifted_autograd_attention(q, k, v, grid, kernel_size=3, dilation=1, scale=N
 
 
 # --------------------------------------------------------------------------------------------
-# Measurement
+# Measurement (timing and peak memory: benchmarks/measure.py, shared with `run.py mode=bench`)
 # --------------------------------------------------------------------------------------------
 
 def make_case(impl, batch, heads, d, h, w, kernel_size, dilation, device="cpu"):
@@ -141,53 +94,6 @@ def make_case(impl, batch, heads, d, h, w, kernel_size, dilation, device="cpu"):
         fn(q, k, v).backward(grad)
 
     return step, (q, k, v, grad)
-
-
-def sync(device):
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def median_ms(step, device, warmup, repeats):
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        step()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
-
-
-def profiler_peak_bytes(step):
-    """Peak of the running sum of the CPU allocator's allocation (+) and free (-) events during ``step``."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        events = json.loads(path.read_text())["traceEvents"]
-    mem = sorted(((e["ts"], e["args"]["Bytes"]) for e in events
-                  if e.get("name") == "[memory]" and e["args"].get("Device Type", 0) == 0),
-                 key=lambda event: event[0])  # stable: events within one microsecond keep their recorded order
-    total = peak = 0
-    for _, nbytes in mem:
-        total += nbytes
-        peak = max(peak, total)
-    return peak
-
-
-def cuda_peak_bytes(step):
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
 
 
 def _status_kib(field):
@@ -251,15 +157,6 @@ def run(sizes, device, threads, warmup, repeats, rss):
     return rows
 
 
-def cpu_name():
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
 def result_floor_bytes(batch, heads, d, h, w, *_):
     """What any implementation allocates during forward + backward: the output and the q, k, v gradients."""
     return 4 * batch * heads * h * w * d * 4
@@ -286,7 +183,7 @@ def markdown(rows, device, threads, warmup, repeats, batch, command):
         f"float32, batch {batch}, kernel 3",
         f"- time: median over {repeats} repeats after {warmup} warm-up steps",
         f"- peak memory: {memory}",
-        "- `unfold`: DilateFormer's `DilateAttention` as published (written out in this script); "
+        "- `unfold`: DilateFormer's `DilateAttention` as published (written out in `benchmarks/baselines.py`); "
         "`shifted, autograd`: our shifted-view formula under plain autograd; `ours`: "
         "`attention.functional.dilated_attention` (shifted views, custom backward)",
         f"- any implementation allocates the output and the gradients of q, k and v: "

@@ -1,0 +1,148 @@
+"""Training throughput per task and the share of step time spent in attention (``bench.tasks=true``).
+
+Each task runs one short epoch of its demo recipe on generated data (``bench.task_overrides``), built from the
+real configs exactly as ``run.py`` builds it, with data loading in the loop. The clock starts after
+``bench.task_warmup`` batches: samples/s counts the samples of the later batches over the time from the end
+of the last warm-up batch to the end of the last batch (loading included). Every attention mixer of the
+network carries module hooks timing its forward and its backward (from the gradient reaching its output to
+the gradient reaching its input); their sum over the measured steps' time is attention's share.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import statistics
+import time
+
+from omegaconf import OmegaConf
+
+import attention
+from benchmarks.measure import sync
+
+log = logging.getLogger("bench")
+
+
+class AttentionClock:
+    """Forward and backward time inside every :class:`attention.Mixer` of ``module``, accumulated in ``total``."""
+
+    def __init__(self, module, device):
+        self.device, self.total, self._start = device, 0.0, {}
+        self.mixers = [m for m in module.modules() if isinstance(m, attention.Mixer)]
+        self.handles = []
+        for m in self.mixers:
+            self.handles += [m.register_forward_pre_hook(lambda mod, args: self._begin(mod, "f")),
+                             m.register_forward_hook(lambda mod, args, out: self._end(mod, "f")),
+                             m.register_full_backward_pre_hook(lambda mod, grad_out: self._begin(mod, "b")),
+                             m.register_full_backward_hook(lambda mod, grad_in, grad_out: self._end(mod, "b"))]
+
+    def _begin(self, mod, phase):
+        sync(self.device)
+        self._start[(id(mod), phase)] = time.perf_counter()
+
+    def _end(self, mod, phase):
+        sync(self.device)
+        start = self._start.pop((id(mod), phase), None)
+        if start is not None:
+            self.total += time.perf_counter() - start
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def _timer_callback(clock: AttentionClock, device):
+    import lightning as L
+
+    from tasks.callbacks import batch_size
+
+    class StepTimer(L.pytorch.callbacks.Callback):
+        """Per training batch: start, end, samples, attention seconds."""
+
+        def __init__(self):
+            self.steps = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            sync(device)
+            self._start, self._attn = time.perf_counter(), clock.total
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            sync(device)
+            self.steps.append((self._start, time.perf_counter(), batch_size(batch), clock.total - self._attn))
+
+    return StepTimer()
+
+
+def build_task(cfg):
+    """The data module and task module of a composed config, as ``run.py`` builds them."""
+    from hydra.utils import get_class, instantiate
+
+    container = OmegaConf.to_container(cfg, resolve=True)
+    datamodule = instantiate(cfg.data, _convert_="all")
+    datamodule.setup("fit")
+    task_kwargs = {k: v for k, v in container["task"].items() if k != "name"}
+    wanted = inspect.signature(get_class(task_kwargs["_target_"])).parameters
+    from_data = {k: getattr(datamodule, k) for k in wanted if k not in task_kwargs and hasattr(datamodule, k)}
+    module = instantiate(task_kwargs, **from_data, model=container["model"], attn=container["attn"],
+                         optim=container["optim"], _convert_="all", _recursive_=False)
+    return datamodule, module
+
+
+def measure_task(task: str, attn: str, overrides: list[str], s: dict, device) -> dict:
+    import lightning as L
+    from hydra import compose
+
+    from run import apply_attn_preset
+
+    overrides = [f"task={task}", *overrides, f"attn={attn}", "logger=none"]
+    cfg = compose(config_name="config", overrides=overrides)
+    apply_attn_preset(cfg, overrides)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    datamodule, module = build_task(cfg)
+    clock = AttentionClock(module, device)
+    timer = _timer_callback(clock, device)
+    trainer = L.Trainer(accelerator="gpu" if device.type == "cuda" else "cpu", devices=1, max_epochs=1,
+                        limit_train_batches=s["task_batches"] + s["task_warmup"], limit_val_batches=0,
+                        num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[timer], precision="32-true")
+    trainer.fit(module, datamodule=datamodule)
+    clock.remove()
+    steps = timer.steps[s["task_warmup"]:]
+    if not steps:
+        raise RuntimeError(f"task={task}: the epoch has {len(timer.steps)} batches, not more than "
+                           f"bench.task_warmup={s['task_warmup']}; give it more data in bench.task_overrides.")
+    first = timer.steps[s["task_warmup"] - 1][1] if s["task_warmup"] else steps[0][0]
+    busy = sum(end - start for start, end, _, _ in steps)
+    recipe = " ".join(o for o in overrides if o.startswith("experiment="))
+    return {"task": task, "attn": attn, "recipe": recipe, "batches": len(steps),
+            "samples_per_s": sum(n for _, _, n, _ in steps) / (steps[-1][1] - first),
+            "step_ms": 1e3 * statistics.median(end - start for start, end, _, _ in steps),
+            "attention_share": sum(a for _, _, _, a in steps) / busy, "mixers": len(clock.mixers)}
+
+
+def task_throughput(s: dict, device) -> list[dict]:
+    rows = []
+    quiet = [logging.getLogger(n) for n in ("lightning", "lightning.pytorch", "lightning.fabric")]
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.WARNING)
+    try:
+        for task in s["task_names"]:
+            for attn in s["task_attn"]:
+                started = time.perf_counter()
+                try:
+                    row = {**measure_task(task, attn, list(s["task_overrides"].get(task) or []), s, device),
+                           "status": "ok"}
+                except Exception as err:  # noqa: BLE001 - one task failing must not lose the benchmark
+                    log.exception("bench: task=%s attn=%s failed", task, attn)
+                    row = {"task": task, "attn": attn, "recipe": "", "batches": 0, "samples_per_s": float("nan"),
+                           "step_ms": float("nan"), "attention_share": float("nan"), "mixers": 0,
+                           "status": f"failed: {type(err).__name__}: {str(err).splitlines()[0][:100]}"}
+                rows.append(row)
+                log.info("task %-12s attn %-10s %8.1f samples/s, step %.1f ms, attention %.0f%% (%.0f s)", task, attn,
+                         row["samples_per_s"], row["step_ms"], 100 * row["attention_share"],
+                         time.perf_counter() - started)
+    finally:
+        for q, level in zip(quiet, levels):
+            q.setLevel(level)
+    return rows

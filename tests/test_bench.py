@@ -1,0 +1,220 @@
+"""``run.py mode=bench``: the outputs are well formed (never the timings), the exponent fit is exact on
+synthetic data, and sizes over the memory budget are estimated, skipped and marked without running."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import attention
+from benchmarks import cost, measure
+from benchmarks.baselines import BASELINES
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# --------------------------------------------------------------------------------------------
+# Pieces
+# --------------------------------------------------------------------------------------------
+
+def test_fit_exponent_is_exact_on_power_laws():
+    ns = [256, 1024, 4096, 16384]
+    assert measure.fit_exponent(ns, [3e-6 * n ** 1.5 for n in ns]) == pytest.approx(1.5, abs=1e-12)
+    assert measure.fit_exponent(ns, [7.0 * n ** 2 for n in ns]) == pytest.approx(2.0, abs=1e-12)
+    assert measure.fit_exponent(ns, [0.5] * 4) == pytest.approx(0.0, abs=1e-12)
+    # least squares, not the end points: one point off the line moves the slope by its share
+    assert measure.fit_exponent([1, 2, 4], [1, 2 * 2 ** 0.5, 4]) == pytest.approx(1.0, abs=1e-12)
+    assert math.isnan(measure.fit_exponent([256], [1.0]))
+    assert math.isnan(measure.fit_exponent([256, 1024], [1.0, None]))
+
+
+def test_estimate_calibrates_fake_counts_and_extrapolates():
+    seen = cost.Measured()
+    assert seen.estimate(256, None) == (None, None)  # nothing known: the smallest size runs
+    assert seen.estimate(256, {"peak": 100, "flops": 1, "bytes_moved": 1}) == (150, None)  # 1.5x safety
+    seen.add(1024, 0.01, 2e6, {"peak": 1e6, "flops": 1e9, "bytes_moved": 1e8})
+    # the fake estimate scaled by what the last size measured against its own estimate (2x), with a 1.2 margin...
+    peak, seconds = seen.estimate(4096, {"peak": 4e6, "flops": 16e9, "bytes_moved": 4e8})
+    assert peak == pytest.approx(1.2 * 8e6)
+    assert seconds == pytest.approx(0.16)  # ... and time by the larger growth of FLOPs and bytes
+    # without a fake count: the last two sizes' slope, at least linear, with a 1.25 margin on memory
+    seen.add(4096, 0.04, 8e6, None)
+    peak, seconds = seen.estimate(16384, None)
+    assert peak == pytest.approx(1.25 * 8e6 * 4)
+    assert seconds == pytest.approx(0.16)
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_fake_count_matches_a_real_step(one_thread):
+    mixer = cost.build_mixer("external", 64)
+    fake = cost.fake_count(mixer, 1024, "grid", 1, "cpu", torch.float32)
+    real = cost.Case(mixer, 1024, "grid", 1, "cpu", torch.float32).count()
+    assert fake["flops"] == real["flops"] > fake["flops_fwd"] == real["flops_fwd"] > 0
+    assert fake["bytes_moved"] == real["bytes_moved"] > 0
+    assert fake["peak"] == real["peak"] > 0
+
+
+def test_over_budget_sizes_are_skipped_and_marked_without_running(monkeypatch, one_thread):
+    mixer = cost.build_mixer("materialised", 64)
+    n = 65536
+    fake = cost.fake_count(mixer, n, "points", 1, "cpu", torch.float32)
+    assert fake["peak"] >= mixer.heads * n * n * 4  # the N x N matrix is in the estimate: 64 GiB
+    ran = []
+    real_measure = cost.measure_case
+    monkeypatch.setattr(cost, "measure_case", lambda case, *a: ran.append(len(case.layout)) or real_measure(case, *a))
+    s = {"sizes": [256, n], "batch": 1, "warmup": 1, "repeats": 1, "min_seconds": 0, "max_seconds": 1e9}
+    rows = cost.sweep_sizes(mixer, "materialised", "baseline", "points", 64, "float32", torch.float32, s,
+                            torch.device("cpu"), max_bytes=64 * measure.MiB)
+    assert ran == [256]
+    small, big = rows
+    assert small["status"] == "ok" and small["time_ms"] > 0 and small["peak_mib"] > 0
+    assert big["status"] == "skipped: memory" and "max_gb" in big["note"]
+    assert big["est_peak_mib"] * measure.MiB >= fake["peak"] and big.get("time_ms") is None
+    assert big["flops"] == fake["flops"]  # counted on fake tensors all the same
+
+
+def test_baselines_compute_what_their_variants_compute():
+    x = torch.randn(2, 64, 32, generator=torch.Generator().manual_seed(0))
+    for name, (cls, like) in BASELINES.items():
+        torch.manual_seed(0)
+        ours = cost.build_mixer(like, 32)
+        torch.manual_seed(0)
+        base = cost.build_mixer(name, 32)
+        assert isinstance(base, cls) and name not in attention.names()
+        base.load_state_dict(ours.state_dict())
+        grid = attention.Grid(8, 8)
+        torch.testing.assert_close(base(x, grid), ours(x, grid), rtol=1e-4, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# End to end: python run.py mode=bench bench.quick=true
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(PYTHONUNBUFFERED="1", MPLBACKEND="Agg")
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test`: two workers on two cores, one thread each
+        env["OMP_NUM_THREADS"] = "1"
+    args = ["mode=bench", "bench.quick=true", "logger=none", f"hydra.run.dir={out}", "bench.tasks=true",
+            "bench.task_names=[modelnet,segmentation]", f"bench.table_dir={out / 'table'}"]
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=out, env=env, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return out, proc
+
+
+def test_quick_bench_writes_a_well_formed_csv(quick_run):
+    out, _ = quick_run
+    with (out / "cost-cpu.csv").open() as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == cost.COLUMNS
+        rows = list(reader)
+    names = set(attention.names()) | set(BASELINES)
+    assert {r["variant"] for r in rows} == names
+    for name in attention.names():  # every variant on both layouts at every quick size
+        assert {(r["layout"], int(r["n"])) for r in rows if r["variant"] == name} == \
+            {(k, n) for k in ("grid", "points") for n in (256, 1024, 4096)}
+    assert {r["layout"] for r in rows if r["variant"] == "unfold"} == {"grid"}
+    for r in rows:
+        assert int(r["params"]) > 0, r
+        if r["status"] == "ok" or r["flops"]:  # skipped sizes have counts where fake tensors could run them
+            assert int(r["flops"]) >= int(r["flops_fwd"]) > 0, r
+        if r["status"] == "ok":
+            assert float(r["time_ms"]) > 0 and float(r["peak_mib"]) > 0 and int(r["bytes_moved"]) > 0, r
+            assert float(r["time_min_ms"]) <= float(r["time_ms"]) <= float(r["time_max_ms"]), r
+        else:
+            assert r["status"].startswith("skipped: ") and r["note"] and r["time_ms"] == "", r
+    skipped = {(r["variant"], r["layout"]) for r in rows if r["status"] == "skipped: memory"}
+    # quick's 0.2 GiB budget: the N x N matrices at N=4096 (4 heads: 256 MiB each) do not fit
+    assert ("materialised", "grid") in skipped and ("materialised", "points") in skipped
+
+
+def test_quick_bench_reports_exponents_targets_and_tasks(quick_run):
+    out, proc = quick_run
+    summary = json.loads((out / "cost-cpu.json").read_text())
+    exps = summary["exponents"]
+    assert {e["variant"] for e in exps} == set(attention.names()) | set(BASELINES)
+    for e in exps:
+        if e["sizes"] >= 2:
+            assert math.isfinite(e["time_exponent"]) and math.isfinite(e["memory_exponent"]), e
+    assert all(e["sizes"] >= 2 for e in exps if e["variant"] in attention.names())
+    assert "scaling exponents" in proc.stdout and "targets:" in proc.stdout
+    results = {t["result"] for t in summary["targets"]}
+    assert results <= {"pass", "miss"} and results
+    kinds = " ".join(t["target"] for t in summary["targets"])
+    for needle in ("external vs self", "linear_elu vs self", "exponent of time", "dilated vs unfold (kernel)",
+                   "fraction of the machine"):
+        assert needle in kinds
+    assert summary["limits"]["flops_per_s_float32"] > 0 and summary["limits"]["bytes_per_s"] > 0
+    assert {r["bound"] for r in summary["roofline"]} <= {"compute", "memory"}
+    tasks = {t["task"]: t for t in summary["tasks"]}
+    assert set(tasks) == {"modelnet", "segmentation"}
+    for t in tasks.values():
+        assert t["status"] == "ok" and t["samples_per_s"] > 0 and 0 < t["attention_share"] < 1 and t["mixers"] > 0
+
+
+def test_quick_bench_markdown_and_plots(quick_run):
+    from PIL import Image
+
+    out, _ = quick_run
+    md = (out / "cost-cpu.md").read_text()
+    for section in ("## Machine limits", "## Targets", "## Scaling exponents", "## Time, forward + backward (ms)",
+                    "## Peak memory (MiB)", "## Training throughput per task"):
+        assert section in md
+    time_table = md.split("## Time, forward + backward (ms)")[1].split("\n## ")[0]
+    lines = [line for line in time_table.splitlines() if line.startswith("| ") and "---" not in line]
+    assert lines[0].startswith("| variant | layout | C | dtype | N=256 | N=1024 | N=4096 |")
+    body = [[c.strip() for c in line.strip("|").split("|")] for line in lines[1:]]
+    assert {row[0].replace(" (baseline)", "") for row in body} == set(attention.names()) | set(BASELINES)
+    assert all(len(row) == 7 for row in body)
+    assert any(cell.startswith("skip (mem)") for row in body for cell in row[4:])
+    assert f"torch {torch.__version__}" in md and "torch thread(s)" in md
+    for metric in ("time", "memory"):
+        png = out / f"cost-cpu-{metric}.png"
+        assert f"]({png.name})" in md
+        with Image.open(png) as image:
+            image.verify()
+        with Image.open(png) as image:
+            assert image.size[0] > 200 and image.size[1] > 200
+    copied = sorted(p.name for p in (out / "table").iterdir())
+    assert copied == sorted(["cost-cpu.md", "cost-cpu.csv", "cost-cpu.json", "cost-cpu-time.png",
+                             "cost-cpu-memory.png"])
+
+
+def test_results_reach_wandb_as_tables_and_images(quick_run, tmp_path, monkeypatch):
+    from tasks.loggers import build_loggers, close_loggers
+
+    out, _ = quick_run
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    summary = json.loads((out / "cost-cpu.json").read_text())
+    with (out / "cost-cpu.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    plots = [out / "cost-cpu-time.png", out / "cost-cpu-memory.png"]
+    loggers = build_loggers({"name": "wandb", "mode": "offline", "project": "attention-suite", "run_name": "bench"},
+                            tmp_path, {"bench": summary["settings"]})
+    cost.log_wandb(loggers, rows, summary["exponents"], summary["targets"], summary["tasks"], plots)
+    close_loggers(loggers)
+    media = next((tmp_path / "wandb").glob("offline-run-*")) / "files" / "media"
+    tables = sorted(p.name.split("_")[0] for p in (media / "table" / "bench").glob("*.table.json"))
+    assert tables == ["exponents", "results", "targets", "tasks"]
+    results = json.loads(next((media / "table" / "bench").glob("results_*.table.json")).read_text())
+    assert results["columns"] == cost.COLUMNS and len(results["data"]) == len(rows)
+    assert len(list((media / "images" / "bench").glob("plots_*.png"))) == 2
