@@ -50,6 +50,8 @@ def param_groups(net: nn.Module, weight_decay: float) -> list[dict]:
 
 
 class Segmentation(L.LightningModule):
+    layout = "grid"  # where attention tokens sit: run.py checks attn options against it
+
     def __init__(self, num_classes: int, class_names: Sequence[str], model: Mapping, attn: Mapping,
                  optim: Mapping, mean: Sequence[float] = (0.485, 0.456, 0.406),
                  std: Sequence[float] = (0.229, 0.224, 0.225), palette=None, ignore_index: int = 255,
@@ -57,11 +59,12 @@ class Segmentation(L.LightningModule):
                  log_images: int = 4):
         super().__init__()
         self.save_hyperparameters(ignore=["palette", "crop"])  # crop: the data module logs its own
-        self.net = SegNet(num_classes, dict(attn), **dict(model))
+        self.crop = tuple(crop) if not isinstance(crop, int) else (crop, crop)
+        # Transformer backbones are built for the training crop (Focal's window sizes depend on the map size).
+        self.net = SegNet(num_classes, dict(attn), **{"crop": min(self.crop), **dict(model)})
         self.num_classes, self.ignore_index = num_classes, ignore_index
         self.class_names = list(class_names)
         self.eval_cfg = dict(eval or {})
-        self.crop = tuple(crop) if not isinstance(crop, int) else (crop, crop)
         self.aux_weight = float(aux_weight)
         self.log_images = log_images
         self.palette = None if palette is None else np.asarray(palette, dtype=np.uint8)

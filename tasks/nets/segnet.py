@@ -17,6 +17,26 @@ the attention block (the plain dilated FCN every variant is compared with).
 BasicBlocks have no dilation support in torchvision (it raises for dilation > 1),
 so they are dilated here the way mmseg's ResNet does it: stride 1 and dilation
 2 / 4 in the 3x3 convolutions of layer3 / layer4.
+
+Transformer backbones: ``model.backbone`` may name any ImageNet backbone of
+``tasks.nets.backbones`` (``dilateformer_t``, ``focal_t``, ``vit_s``, ...), built at
+``img_size`` = the crop. Their multi-scale maps feed the same heads, FPN-lite:
+
+    main    concat(stage 3 (stride 16), stage 4 upsampled bilinearly to stride 16)  -> the head above
+    aux     stage 2 (stride 8)                                                         -> the aux head
+    plain   (ViT, EAMLP: one map at stride 16) that map feeds both
+
+so the attention head works at stride 16 (at stride 8 the ResNets). The image is
+padded with zeros (the mean after normalisation) at the bottom and right to a
+multiple of the backbone's stride (32, or 16) and the logits are cropped back.
+``model.backbone_attn`` picks the mixer of the backbone's local stages: ``native``
+(default: the paper's, e.g. MSDA for DilateFormer), ``same`` (the task's ``attn``,
+so ``attn=X`` swaps head and backbone together) or a variant name (with its
+``configs/attn`` options); ``model.backbone_options`` overrides the architecture
+(e.g. ``{depths: [1, 1, 1, 1]}``). No ImageNet weights are fetched for them:
+``model.pretrained=true`` logs a warning and trains from scratch, ``model.weights=PATH``
+loads a state dict (e.g. from ``task=classification``; a ``state_dict`` entry and a
+``net.`` / ``model.`` / ``backbone.`` prefix are understood, the classifier is skipped).
 """
 
 from __future__ import annotations
@@ -33,6 +53,9 @@ from torch import nn
 
 import attention
 from attention.errors import UserError
+
+from .backbones import MODELS, build_backbone, native_attn
+from .backbones.common import attn_defaults
 
 log = logging.getLogger(__name__)
 BACKBONES = {  # name: (torchvision builder, weights enum name, bottleneck?)
@@ -60,26 +83,35 @@ def _dilate_basic_layer(layer: nn.Sequential, dilation: int) -> None:
             conv.dilation, conv.padding = (dilation, dilation), (dilation, dilation)
 
 
+def _read_state(weights: str, what: str) -> dict:
+    """The state dict in ``weights`` (its ``state_dict`` entry if it has one), read with weights_only=True."""
+    if not os.path.isfile(weights):
+        raise UserError(f"model.weights={weights} is not a file: pass the path of a {what} state dict "
+                        f"(e.g. ImageNet weights), or drop model.weights.")
+    try:
+        state = torch.load(weights, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any unreadable or unsafe file is the user's to fix
+        raise UserError(f"model.weights={weights} cannot be loaded with torch.load(weights_only=True) "
+                        f"({str(err).splitlines()[0]}): pass a plain state dict of a {what}.") from None
+    return state.get("state_dict", state) if isinstance(state, dict) else state
+
+
+def _load_state(net: nn.Module, state: dict, name: str, weights: str, skip: str) -> None:
+    """Load ``state`` into ``net`` minus the classifier (keys starting with ``skip``); mismatches are UserErrors."""
+    own = net.state_dict()
+    state = {k: v for k, v in state.items() if not k.startswith(skip)}
+    missing = [k for k in own if k not in state and not k.startswith(skip)]
+    wrong = [k for k, v in state.items() if k not in own or own[k].shape != getattr(v, "shape", None)]
+    if missing or wrong:
+        raise UserError(f"model.weights={weights} does not fit a {name}: {len(missing)} missing tensors "
+                        f"(e.g. {missing[:3]}), {len(wrong)} unexpected or of the wrong shape (e.g. {wrong[:3]}). "
+                        "Pass the matching model.backbone or the right file.")
+    net.load_state_dict(state, strict=False)
+
+
 def _load_weights(net: nn.Module, name: str, pretrained: bool, weights: str | None) -> None:
     if weights:
-        if not os.path.isfile(weights):
-            raise UserError(f"model.weights={weights} is not a file: pass the path of a torchvision {name} state dict "
-                            f"(e.g. {name} ImageNet weights), or drop model.weights.")
-        try:
-            state = torch.load(weights, map_location="cpu", weights_only=True)
-        except Exception as err:  # noqa: BLE001 - any unreadable or unsafe file is the user's to fix
-            raise UserError(f"model.weights={weights} cannot be loaded with torch.load(weights_only=True) "
-                            f"({str(err).splitlines()[0]}): pass a plain state dict of a torchvision {name}.") from None
-        state = state.get("state_dict", state) if isinstance(state, dict) else state
-        own = net.state_dict()
-        state = {k: v for k, v in state.items() if not k.startswith("fc.")}
-        missing = [k for k in own if k not in state and not k.startswith("fc.")]
-        wrong = [k for k, v in state.items() if k not in own or own[k].shape != getattr(v, "shape", None)]
-        if missing or wrong:
-            raise UserError(f"model.weights={weights} does not fit a {name}: {len(missing)} missing tensors "
-                            f"(e.g. {missing[:3]}), {len(wrong)} unexpected or of the wrong shape (e.g. {wrong[:3]}). "
-                            "Pass the matching model.backbone or the right file.")
-        net.load_state_dict(state, strict=False)
+        _load_state(net, _read_state(weights, f"torchvision {name}"), name, weights, skip="fc.")
         return
     if not pretrained:
         return
@@ -101,7 +133,8 @@ class Backbone(nn.Module):
     def __init__(self, name: str = "resnet50", pretrained: bool = False, weights: str | None = None):
         super().__init__()
         if name not in BACKBONES:
-            raise UserError(f"model.backbone={name!r} is not known: use one of {', '.join(BACKBONES)}.")
+            raise UserError(f"model.backbone={name!r} is not known: use one of {', '.join(BACKBONES)} (dilated "
+                            f"ResNets) or {', '.join(MODELS)} (transformer backbones).")
         builder, _, bottleneck = BACKBONES[name]
         if bottleneck:
             net = getattr(torchvision.models, builder)(weights=None, replace_stride_with_dilation=[False, True, True])
@@ -113,11 +146,54 @@ class Backbone(nn.Module):
         self.stem = nn.Sequential(net.conv1, net.bn1, net.relu, net.maxpool)
         self.layer1, self.layer2, self.layer3, self.layer4 = net.layer1, net.layer2, net.layer3, net.layer4
         self.channels = (1024, 2048) if bottleneck else (256, 512)  # (layer3, layer4)
+        self.size_divisor = 1  # any input size
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.layer2(self.layer1(self.stem(x)))  # (B, 512 | 128, H/8, W/8)
         c3 = self.layer3(x)  # (B, 1024 | 256, H/8, W/8)
         return c3, self.layer4(c3)  # (B, 2048 | 512, H/8, W/8)
+
+
+class TransformerBackbone(nn.Module):
+    """A ``tasks.nets.backbones`` model as a segmentation backbone: returns (aux, main) features (FPN-lite)."""
+
+    def __init__(self, name: str, attn: Mapping, crop: int, backbone_attn: str = "native",
+                 options: Mapping | None = None, pretrained: bool = False, weights: str | None = None):
+        super().__init__()
+        if backbone_attn == "native":
+            cfg = native_attn(name)
+        elif backbone_attn == "same":
+            cfg = dict(attn)
+        else:
+            cfg = {"name": backbone_attn, **attn_defaults(attention.get(backbone_attn).name)}
+        self.net = build_backbone({"name": name, **dict(options or {})}, cfg, num_classes=0, img_size=crop)
+        if weights:
+            state = _read_state(weights, f"{name} backbone")
+            own = self.net.state_dict()
+            for prefix in ("net.", "model.", "backbone.", "backbone.net."):  # Lightning / wrapper checkpoints
+                if not any(k in own for k in state) and any(k.startswith(prefix) for k in state):
+                    state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+            _load_state(self.net, state, name, weights, skip="head.")
+        elif pretrained:
+            log.warning("model.pretrained=true: no ImageNet weights are fetched for the transformer backbone %s; "
+                        "it trains from scratch. Pass model.weights=PATH (e.g. a task=classification checkpoint) to "
+                        "start from ImageNet weights, or set model.pretrained=false to silence this.", name)
+        channels, strides = self.net.feature_channels, self.net.feature_strides
+        self.size_divisor = self.net.size_divisor
+        if len(channels) >= 3:
+            self.channels = (channels[-3], channels[-2] + channels[-1])  # (aux: stage 2, main: stages 3 + 4)
+            self.strides = (strides[-3], strides[-2])
+        else:
+            self.channels = (channels[-1], channels[-1])
+            self.strides = (strides[-1], strides[-1])
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        features = self.net.forward_features(x)  # [(B, C_i, H / s_i, W / s_i)]
+        if len(features) < 3:
+            return features[-1], features[-1]
+        c3, c4 = features[-2], features[-1]
+        up = F.interpolate(c4, size=c3.shape[-2:], mode="bilinear", align_corners=False)  # (B, C4, H/16, W/16)
+        return features[-3], torch.cat([c3, up], dim=1)  # (B, C2, H/8, W/8), (B, C3 + C4, H/16, W/16)
 
 
 class AttentionBlock(nn.Module):
@@ -141,12 +217,17 @@ class SegNet(nn.Module):
 
     def __init__(self, num_classes: int, attn: Mapping, backbone: str = "resnet50", pretrained: bool = False,
                  weights: str | None = None, head: str = "attention", head_channels: int = 512, aux: bool = True,
-                 dropout: float = 0.1):
+                 dropout: float = 0.1, crop: int = 512, backbone_attn: str = "native",
+                 backbone_options: Mapping | None = None):
         super().__init__()
         if head not in HEADS:
             raise UserError(f"model.head={head!r} is not known: use model.head=attention (EANet-style head with the "
                             "attn variant) or model.head=none (plain dilated FCN baseline).")
-        self.backbone = Backbone(backbone, pretrained, weights)
+        if backbone in MODELS:
+            self.backbone = TransformerBackbone(backbone, attn, crop, backbone_attn, backbone_options, pretrained,
+                                                weights)
+        else:
+            self.backbone = Backbone(backbone, pretrained, weights)
         c3, c4 = self.backbone.channels
         self.reduce = conv_bn_relu(c4, head_channels)
         self.attention = AttentionBlock(head_channels, attn) if head == "attention" else nn.Identity()
@@ -156,11 +237,15 @@ class SegNet(nn.Module):
             if aux else None
 
     def forward(self, image: torch.Tensor):
+        h, w = image.shape[-2:]
+        d = self.backbone.size_divisor
+        if h % d or w % d:
+            image = F.pad(image, (0, -w % d, 0, -h % d))  # (B, 3, H', W'), sides multiples of the backbone's stride
         size = image.shape[-2:]
         c3, c4 = self.backbone(image)
-        logits = self.classifier(self.attention(self.reduce(c4)))  # (B, K, H/8, W/8)
-        logits = F.interpolate(logits, size=size, mode="bilinear", align_corners=False)
+        logits = self.classifier(self.attention(self.reduce(c4)))  # (B, K, H/8, W/8) (transformers: H/16)
+        logits = F.interpolate(logits, size=size, mode="bilinear", align_corners=False)[..., :h, :w]
         if self.training and self.aux is not None:
-            aux = F.interpolate(self.aux(c3), size=size, mode="bilinear", align_corners=False)
+            aux = F.interpolate(self.aux(c3), size=size, mode="bilinear", align_corners=False)[..., :h, :w]
             return logits, aux
         return logits

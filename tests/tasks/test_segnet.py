@@ -108,3 +108,33 @@ def test_poly_schedule():
     f = poly_lambda(100, 0.9)
     assert f(0) == 1.0 and f(100) == 0.0 and f(150) == 0.0
     assert f(50) == pytest.approx(0.5 ** 0.9)
+
+
+def test_transformer_backbone_gives_full_resolution_logits(caplog):
+    """model.backbone=dilateformer_t (reduced depths): stage 2 feeds the aux head, stages 3 + 4 the main head."""
+    torch.manual_seed(0)
+    net = SegNet(4, EXTERNAL, backbone="dilateformer_t", head_channels=32, crop=64, pretrained=True,
+                 backbone_options={"depths": [1, 1, 1, 1]})
+    assert "no ImageNet weights" in caplog.text
+    assert net.backbone.channels == (144, 288 + 576)
+    assert type(net.backbone.net.stages[0][0].block.attn).name == "dilated"  # native MSDA, head keeps attn
+    logits, aux = net(torch.randn(2, 3, 64, 64))
+    assert logits.shape == (2, 4, 64, 64) and aux.shape == (2, 4, 64, 64)
+    (logits.mean() + aux.mean()).backward()
+    assert net.backbone.net.stem[0].weight.grad is not None
+    net.eval()
+    with torch.no_grad():
+        assert net(torch.randn(1, 3, 50, 70)).shape == (1, 4, 50, 70)  # padded to 64x96, cropped back
+
+
+def test_transformer_backbone_weights_and_attn(tmp_path):
+    net = SegNet(3, EXTERNAL, backbone="vit_s", head_channels=32, crop=64, backbone_attn="same",
+                 backbone_options={"depth": 1})
+    assert type(net.backbone.net.blocks[0].attn).name == "external"
+    path = tmp_path / "vit.pth"
+    torch.save({"state_dict": {f"net.{k}": v for k, v in net.backbone.net.state_dict().items()}}, path)
+    again = SegNet(3, EXTERNAL, backbone="vit_s", head_channels=32, crop=64, backbone_attn="same",
+                   backbone_options={"depth": 1}, weights=str(path))
+    assert torch.equal(again.backbone.net.pos_embed, net.backbone.net.pos_embed)
+    with pytest.raises(UserError, match="does not fit a vit_s"):
+        SegNet(3, EXTERNAL, backbone="vit_s", crop=64, backbone_options={"depth": 2}, weights=str(path))

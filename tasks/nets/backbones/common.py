@@ -1,0 +1,188 @@
+"""What every backbone shares: the ``Backbone`` interface, mixer building from the ``attn`` config, the block.
+
+A backbone is built from a *spec* (the paper's architecture, a dict of defaults
+in the model's module) merged with the ``model`` config's overrides, and from
+the ``attn`` config, which gives the mixer of the stages that use local
+attention. ``make_mixer`` turns (attn config, width, heads, paper presets) into
+one mixer and turns a failure into a ``UserError`` naming the model, the stage
+and the variant.
+
+Paper presets (e.g. DilateFormer's ``dilations=[1, 2, 3]``, Focal's per-stage
+``focal_window``) live in Python next to the architecture. They apply only when
+``attn`` is the model's native variant, and only to options that still hold
+their ``configs/attn/<variant>.yaml`` value: an option set on the command line
+(``attn.dilations=[1,2]``) wins. ``attn.heads`` is always replaced by the
+model's per-stage heads (``model.heads`` overrides those).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from timm.layers import DropPath, Mlp
+from torch import nn
+
+import attention
+from attention.errors import UserError
+
+ATTN_CONFIGS = Path(__file__).resolve().parents[3] / "configs" / "attn"
+TASK_KEYS = frozenset({"name", "pretrained", "weights"})  # model config keys that belong to the task, not the net
+
+
+@functools.lru_cache(maxsize=None)
+def attn_defaults(variant: str) -> dict:
+    """The options of ``configs/attn/<variant>.yaml`` (the class's defaults where there is no such file)."""
+    path = ATTN_CONFIGS / f"{variant}.yaml"
+    if path.is_file():
+        cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+        cfg.pop("name", None)
+        return cfg
+    return dict(attention.options(variant))
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return list(a) == list(b)
+    return a == b
+
+
+def attn_options(attn: Mapping, presets: Mapping | None = None) -> dict:
+    """``attn`` minus its name, with ``presets`` applied where the option still holds its yaml default."""
+    name = attn["name"]
+    opts = {k: v for k, v in attn.items() if k != "name"}
+    defaults = attn_defaults(name)
+    for key, value in (presets or {}).items():
+        if key not in opts or (key in defaults and _same(opts[key], defaults[key])):
+            opts[key] = value
+    return opts
+
+
+def make_mixer(attn: Mapping, dim: int, heads: int, *, model: str, stage: str, presets: Mapping | None = None,
+               layout: str = "grid", force: Mapping | None = None):
+    """One mixer of variant ``attn['name']`` for a stage of ``dim`` channels and ``heads`` heads.
+
+    ``presets`` apply where the option holds its yaml default; ``force`` always (a structural rule of
+    the model, e.g. Focal's window shrunk to a map smaller than it).
+    """
+    name = attn["name"]
+    cls = attention.get(name)  # unknown variant: UserError listing the known ones
+    if layout not in cls.layouts:
+        raise UserError(f"model={model}, {stage}: attention variant {name!r} cannot serve it: the stage's tokens "
+                        f"are laid out as {layout!r} and {name!r} serves {sorted(cls.layouts)}. Pick another attn.")
+    opts = {**attn_options(attn, presets), **(force or {}), "heads": heads}
+    try:
+        return attention.build(name, dim=dim, **opts)
+    except UserError as err:
+        raise UserError(f"model={model}, {stage} (width {dim}, {heads} heads): attention variant {name!r} cannot "
+                        f"serve this stage: {err} The heads come from the model (model.heads); change the variant's "
+                        f"options (attn.<option>=...) or pick another attn.") from None
+
+
+def merge_spec(name: str, spec: Mapping, model: Mapping) -> dict:
+    """The paper's spec with the ``model`` config's overrides; unknown keys raise ``UserError``."""
+    unknown = sorted(set(model) - set(spec) - TASK_KEYS)
+    if unknown:
+        raise UserError(f"model={name} has no option {', '.join(f'model.{k}' for k in unknown)}. Its options are: "
+                        f"{', '.join(f'{k}={v!r}' for k, v in spec.items())}.")
+    merged = dict(spec)
+    merged.update({k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in model.items()
+                   if k not in TASK_KEYS})
+    return merged
+
+
+def per_stage(name: str, key: str, value, stages: int) -> list:
+    """A per-stage option as a list of ``stages`` values (a scalar is repeated)."""
+    if not isinstance(value, (list, tuple)):
+        return [value] * stages
+    if len(value) != stages:
+        raise UserError(f"model.{key}={list(value)} has {len(value)} entries but model={name} has {stages} stages "
+                        f"(model.depths): give one value per stage.")
+    return list(value)
+
+
+def drop_path_rates(rate: float, depths: Sequence[int]) -> list[list[float]]:
+    """Stochastic depth rising linearly from 0 to ``rate`` over all blocks, split per stage (timm/Swin)."""
+    total = sum(depths)
+    rates = [rate * i / max(total - 1, 1) for i in range(total)]  # torch.linspace, also under a meta device
+    out, start = [], 0
+    for d in depths:
+        out.append(rates[start:start + d])
+        start += d
+    return out
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + DropPath(mixer(LN(x)))``, ``x + DropPath(MLP(LN(x)))`` on (B, N, C)."""
+
+    def __init__(self, dim: int, mixer: nn.Module, mlp_ratio: float = 4.0, drop_path: float = 0.0,
+                 norm_layer=nn.LayerNorm):
+        super().__init__()
+        self.norm1 = norm_layer(dim)
+        self.attn = mixer
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.norm2 = norm_layer(dim)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=nn.GELU)
+
+    def forward(self, x: torch.Tensor, layout=None) -> torch.Tensor:
+        x = x + self.drop_path(self.attn(self.norm1(x), layout))
+        return x + self.drop_path(self.mlp(self.norm2(x)))
+
+
+class Backbone(nn.Module):
+    """An image classifier that also gives multi-scale feature maps.
+
+    Subclasses set ``feature_channels``, ``feature_strides``, ``num_features``,
+    ``size_divisor`` (the input sides must be multiples of it unless ``pad``),
+    ``pad`` and ``model_name``, and implement ``_forward(x) -> (features,
+    pooled)`` on an input whose sides are multiples of ``size_divisor``:
+    the per-stage maps and the (B, num_features) vector the classifier reads
+    (ViT: the class token). ``head`` is a Linear to ``num_classes``, or
+    ``nn.Identity`` when ``num_classes == 0`` (``forward`` then returns the
+    pooled features, as timm does).
+    """
+
+    model_name: str = "?"
+    size_divisor: int = 1
+    min_size: int = 1
+    pad: bool = False
+    feature_channels: list[int]
+    feature_strides: list[int]
+    num_features: int
+
+    def check_input(self, h: int, w: int) -> None:
+        """Raise ``UserError`` if an h x w image cannot be taken (naming ``data.img_size`` and valid sizes)."""
+        d = self.size_divisor
+        if h < self.min_size or w < self.min_size:
+            raise UserError(f"Input size {h}x{w} (data.img_size) is too small for model={self.model_name}: "
+                            f"expected at least {self.min_size}x{self.min_size}.")
+        if self.pad or (h % d == 0 and w % d == 0):
+            return
+        near = sorted({max(d, (s // d) * d) for s in (h, w)} | {math.ceil(s / d) * d for s in (h, w)})
+        raise UserError(f"Input size {h}x{w} (data.img_size) cannot be taken by model={self.model_name}: its "
+                        f"patch embedding and merging need sides that are multiples of {d} (nearest valid sides: "
+                        f"{', '.join(map(str, near))}). Set data.img_size to one of them, or model.pad=true to pad "
+                        f"the input with zeros at the bottom and right.")
+
+    def _checked(self, x: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        h, w = x.shape[-2:]
+        self.check_input(h, w)
+        d = self.size_divisor
+        if h % d or w % d:
+            x = F.pad(x, (0, -w % d, 0, -h % d))  # (B, 3, H', W'), sides multiples of d
+        return self._forward(x)
+
+    def forward_features(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Feature maps (B, C_i, H_i, W_i), one per stage, at strides ``feature_strides`` (of the padded input)."""
+        return self._checked(x)[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self._checked(x)[1])  # (B, num_classes), or (B, num_features) without a head
+
+    def _forward(self, x: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:  # pragma: no cover
+        raise NotImplementedError

@@ -1,0 +1,189 @@
+"""``eamlp``: EAMLP-14 (Guo et al., 2022, "Beyond Self-attention: External Attention using Two Linear
+Layers for Visual Tasks", TPAMI), after the official ``EAMLP/models`` of MenghaoGuo/EANet: a T2T-ViT-14
+(Yuan et al., 2021) whose attention is multi-head external attention.
+
+Published: EAMLP-14 30M parameters, 78.9% ImageNet top-1 at 224 (EAMLP-19: 55M, 79.4%); the paper gives
+no FLOPs for it.
+
+    image (B, 3, H, W)
+    tokens-to-token (the stem; its mixers are always external attention, as the official):
+               unfold 7x7 stride 4 (147 ch) -> token block -> unfold 3x3 stride 2 (576 ch) -> token block
+               -> unfold 3x3 stride 2 -> Linear 576 -> 384                                  -> (B, H/16 * W/16, 384)
+               token block: r = Linear(LN(x)) to 64 ch; r + EA(r) (one head, 128 slots); + MLP(LN) ratio 1
+    class token + fixed 1-D sinusoid position table (the official ``get_sinusoid_encoding``)
+    14 pre-norm blocks, width 384, MLP ratio 3, drop path 0.1:
+               x + DropPath(mixer(LN(x))), x + DropPath(MLP(LN(x)))
+    head       LN, Linear on the class token
+
+The paper's mixer (``attn=external``, multi-head EA): queries Linear(C, 4C) (the official ``coef = 4``
+widening, ``trans_dims``), 4 x 6 = 24 heads of 64 channels, memories M_k, M_v of 64 slots shared by the
+heads, double normalisation (``attention.functional.external_attention``), output Linear(4C, C). The
+shared ``external`` variant has no widening option, so this module builds that one mixer
+(:class:`WideExternalAttention`) on the shared kernel; ``model.ea_expand=1`` makes it exactly
+``attention.build("external")``. The official memories are Linear layers with biases: the key bias is a
+constant per slot and cancels in the softmax over tokens, the value bias folds into the output bias, so
+they are left out (48 parameters per block).
+
+``attn=X`` (any other variant) replaces the mixer of every block (heads ``model.heads``); a grid-only
+variant drops the class token and pools the average token (as ``vit_s``). Inputs: sides multiples of 16
+(``model.pad=true`` pads); ``forward_features`` gives the final-normed tokens as one map at stride 16.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from timm.layers import Mlp, trunc_normal_
+from torch import nn
+
+import attention
+from attention import functional
+from attention.base import Mixer, check_positive
+from attention.errors import UserError
+
+from .common import Backbone, Block, attn_options, drop_path_rates, make_mixer, merge_spec
+
+SPECS = {
+    "eamlp": dict(embed_dim=384, depth=14, heads=6, mlp_ratio=3.0, drop_path_rate=0.1, ea_expand=4,
+                  token_dim=64, token_memory=128, class_token="auto", global_attn="self", pad=False),
+}
+NATIVE = "external"
+PRESETS = {"memory": 64}  # the official k = 256 // coef
+
+
+class WideExternalAttention(Mixer):
+    """EAMLP's multi-head external attention: Linear(C, eC) queries, eh heads, shared memories, Linear(eC, C)."""
+
+    name = "external"
+    layouts = frozenset({"grid", "points", "none"})
+
+    def __init__(self, dim: int, heads: int = 1, memory: int = 64, expand: int = 4):
+        super().__init__(dim, heads)
+        check_positive("memory", memory, self.name)
+        check_positive("ea_expand", expand, self.name)
+        d = dim // heads
+        self.memory, self.expand = memory, expand
+        self.q = nn.Linear(dim, expand * dim)
+        self.mem_k = nn.Parameter(torch.randn(memory, d) * d ** -0.5)  # (S, d)
+        self.mem_v = nn.Parameter(self.mem_k.detach().clone())  # (S, d), as the shared variant
+        self.proj = nn.Linear(expand * dim, dim)
+
+    def mix(self, x, layout):
+        q = rearrange(self.q(x), "b n (h d) -> b h n d", h=self.heads * self.expand)  # (B, e*heads, N, d)
+        out = functional.external_attention(q, self.mem_k, self.mem_v)  # (B, e*heads, N, d)
+        return self.proj(rearrange(out, "b h n d -> b n (h d)"))
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, memory={self.memory}, expand={self.expand}"
+
+
+class TokenBlock(nn.Module):
+    """T2T re-structurisation with EA: r = Linear(LN(x)); r = r + EA(r); r + MLP(LN(r)) (ratio 1)."""
+
+    def __init__(self, cin: int, dim: int, memory: int):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(cin)
+        self.reduce = nn.Linear(cin, dim)
+        self.attn = attention.build("external", dim=dim, heads=1, memory=memory)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = Mlp(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r = self.reduce(self.norm1(x))  # (B, N, dim)
+        r = r + self.attn(r)
+        return r + self.mlp(self.norm2(r))
+
+
+class TokensToToken(nn.Module):
+    """Soft splits 7/4, 3/2, 3/2 (stride 16) with two EA token blocks between them, then Linear to ``embed_dim``."""
+
+    def __init__(self, in_chans: int, embed_dim: int, token_dim: int, memory: int):
+        super().__init__()
+        self.block1 = TokenBlock(in_chans * 49, token_dim, memory)
+        self.block2 = TokenBlock(token_dim * 9, token_dim, memory)
+        self.project = nn.Linear(token_dim * 9, embed_dim)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+        h, w = x.shape[-2] // 4, x.shape[-1] // 4
+        x = self.block1(F.unfold(x, 7, stride=4, padding=2).transpose(1, 2))  # (B, H/4 * W/4, token_dim)
+        x = rearrange(x, "b (h w) c -> b c h w", h=h)
+        x = self.block2(F.unfold(x, 3, stride=2, padding=1).transpose(1, 2))  # (B, H/8 * W/8, token_dim)
+        x = rearrange(x, "b (h w) c -> b c h w", h=h // 2)
+        x = self.project(F.unfold(x, 3, stride=2, padding=1).transpose(1, 2))  # (B, H/16 * W/16, embed_dim)
+        return x, h // 4, w // 4
+
+
+@functools.lru_cache(maxsize=16)
+def sinusoid_table(n: int, dim: int) -> torch.Tensor:
+    """(1, n, dim) fixed 1-D sinusoid position table: sin on even channels, cos on odd (Vaswani et al.)."""
+    pos = torch.arange(n, dtype=torch.float64)[:, None]  # (n, 1)
+    freq = torch.pow(10000.0, -2 * (torch.arange(dim) // 2) / dim).double()  # (dim,)
+    angle = pos * freq  # (n, dim)
+    table = torch.where(torch.arange(dim) % 2 == 0, angle.sin(), angle.cos())
+    return table.float()[None]
+
+
+class EAMLP(Backbone):
+    def __init__(self, name: str, attn: Mapping, num_classes: int, img_size: int, in_chans: int = 3,
+                 embed_dim: int = 384, depth: int = 14, heads: int = 6, mlp_ratio: float = 3.0,
+                 drop_path_rate: float = 0.1, ea_expand: int = 4, token_dim: int = 64, token_memory: int = 128,
+                 class_token="auto", global_attn: str = "self", pad: bool = False):
+        super().__init__()
+        self.model_name, self.pad = name, bool(pad)
+        self.size_divisor = self.min_size = 16
+        grid_only = "none" not in attention.get(attn["name"]).layouts
+        if class_token == "auto":
+            class_token = not grid_only
+        elif class_token and grid_only:
+            raise UserError(f"model.class_token=true cannot be used with attn={attn['name']}: the variant needs the "
+                            f"token grid and a class token has no place on it. Set model.class_token=auto or false.")
+        self.tokens_to_token = TokensToToken(in_chans, embed_dim, token_dim, token_memory)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if class_token else None
+        self.num_prefix = int(bool(class_token))
+        rates = drop_path_rates(drop_path_rate, [depth])[0]
+        layout = "none" if class_token else "grid"
+        blocks = []
+        for i in range(depth):
+            if attn["name"] == NATIVE:
+                opts = attn_options(attn, PRESETS)
+                unknown = sorted(set(opts) - {"memory", "heads"})
+                if unknown:
+                    raise UserError(f"model={name}: the external attention of its blocks has no option "
+                                    f"{', '.join(f'attn.{k}' for k in unknown)}; its options are attn.memory and "
+                                    f"model.ea_expand.")
+                mixer = WideExternalAttention(embed_dim, heads, opts.get("memory", 64), ea_expand)
+            else:
+                mixer = make_mixer(attn, embed_dim, heads, model=name, stage=f"block {i + 1}", layout=layout)
+            blocks.append(Block(embed_dim, mixer, mlp_ratio, rates[i]))
+        self.blocks = nn.ModuleList(blocks)
+        self.norm = nn.LayerNorm(embed_dim)
+        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self.feature_channels, self.feature_strides, self.num_features = [embed_dim], [16], embed_dim
+        if self.cls_token is not None:
+            trunc_normal_(self.cls_token, std=0.02)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                trunc_normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+
+    def _forward(self, x):
+        x, h, w = self.tokens_to_token(x)  # (B, N, C)
+        if self.cls_token is not None:
+            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, 1 + N, C)
+        x = x + sinusoid_table(x.shape[1], x.shape[2]).to(x)
+        layout = None if self.cls_token is not None else attention.Grid(h, w)
+        for block in self.blocks:
+            x = block(x, layout)
+        x = self.norm(x)
+        tokens = x[:, self.num_prefix:]  # (B, N, C)
+        pooled = x[:, 0] if self.cls_token is not None else tokens.mean(dim=1)  # (B, C)
+        return [rearrange(tokens, "b (h w) c -> b c h w", h=h)], pooled
+
+
+def build(name: str, model: Mapping, attn: Mapping, num_classes: int, img_size: int, in_chans: int = 3):
+    return EAMLP(name, attn, num_classes, img_size, in_chans, **merge_spec(name, SPECS[name], model))

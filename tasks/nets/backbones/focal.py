@@ -1,0 +1,139 @@
+"""``focal_t|focal_s``: the Focal Transformer (Yang et al., 2021, "Focal Self-attention for Local-Global
+Interactions in Vision Transformers"), after the official ``classification/focal_transformer.py`` and
+``configs/focal_{tiny,small}_patch4_window7_224.yaml`` (microsoft/Focal-Transformer).
+
+    image (B, 3, H, W)
+    stem       Conv 4x4 stride 4 (patch size 4) + LayerNorm                                  -> (B, H/4 * W/4, 96)
+    stage i    depths[i] pre-norm blocks of width 96*2^i, heads [3, 6, 12, 24]:
+               x + DropPath(focal(LN(x))), x + DropPath(MLP(LN(x)))   MLP ratio 4, GELU
+               focal: window 7, expand 3, focal level 2 ('fc' pooling), focal window [7, 5, 3, 1] per stage
+               then (stages 1-3) merging: Conv 2x2 stride 2 + LayerNorm, C -> 2C (the official reuses
+               PatchEmbed with patch size 2; ``model.use_conv_embed=true`` gives its overlapping variant:
+               7x7 stride 4 stem, 3x3 stride 2 merging)
+    head       LayerNorm, average pooling, Linear
+
+Published (official README / paper Table 1, ImageNet-1K at 224, no conv embedding): Focal-T 28.9M params,
+4.9 GFLOPs (multiply-adds, the official ``flops()`` counting attention by hand), 82.2% top-1; Focal-S 51.1M,
+9.1G in the paper (9.4G in the README), 83.5% (README 83.6%). Drop path 0.2 (T) / 0.3 (S); no shift, no
+absolute position embedding, qkv bias on, LayerNorm eps 1e-5.
+
+As the official block, a stage whose map at ``img_size`` is no larger than the window
+(min(H_i, W_i) <= window_size, e.g. stage 4 at 224: 7x7) uses one window of side min(H_i, W_i) and no
+expansion (expand_size 0); so parameters depend on ``img_size`` there, as in the official code.
+``attn=X`` replaces the mixer of every stage (heads from the spec). With ``attn=focal`` the paper's
+window_size, expand_size, focal_level and per-stage focal_window replace the generic
+``configs/attn/focal.yaml`` values unless those were changed (see :mod:`.common`); the deviations of our
+focal mixer from the official one (masked instead of cyclic borders) are in
+``attention/variants/focal.py``. Inputs: sides multiples of 32 (``model.pad=true`` pads).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from einops import rearrange
+from timm.layers import trunc_normal_
+from torch import nn
+
+import attention
+
+from .common import Backbone, Block, attn_options, drop_path_rates, make_mixer, merge_spec, per_stage
+
+_COMMON = dict(embed_dim=96, heads=[3, 6, 12, 24], mlp_ratio=4.0, window_size=7, expand_size=3, focal_level=2,
+               focal_window=[7, 5, 3, 1], use_conv_embed=False, global_attn="self", pad=False)
+SPECS = {
+    "focal_t": dict(depths=[2, 2, 6, 2], drop_path_rate=0.2, **_COMMON),
+    "focal_s": dict(depths=[2, 2, 18, 2], drop_path_rate=0.3, **_COMMON),
+}
+NATIVE = "focal"
+
+
+class ConvEmbed(nn.Module):
+    """Conv then LayerNorm over channels: (B, C, H, W) -> (B, C', H', W') (the official ``PatchEmbed``)."""
+
+    def __init__(self, cin: int, cout: int, kernel: int, stride: int, padding: int = 0):
+        super().__init__()
+        self.proj = nn.Conv2d(cin, cout, kernel, stride, padding)
+        self.norm = nn.LayerNorm(cout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(x)  # (B, C', H', W')
+        return rearrange(self.norm(rearrange(x, "b c h w -> b h w c")), "b h w c -> b c h w")
+
+
+class FocalStage(nn.Module):
+    def __init__(self, blocks: list[nn.Module]):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, w = x.shape[-2:]
+        layout = attention.Grid(h, w)
+        x = rearrange(x, "b c h w -> b (h w) c")  # (B, N, C)
+        for block in self.blocks:
+            x = block(x, layout)
+        return rearrange(x, "b (h w) c -> b c h w", h=h)
+
+
+class FocalTransformer(Backbone):
+    def __init__(self, name: str, attn: Mapping, num_classes: int, img_size: int, in_chans: int = 3,
+                 embed_dim: int = 96, depths=(2, 2, 6, 2), heads=(3, 6, 12, 24), mlp_ratio: float = 4.0,
+                 drop_path_rate: float = 0.2, window_size: int = 7, expand_size: int = 3, focal_level: int = 2,
+                 focal_window=(7, 5, 3, 1), use_conv_embed: bool = False, global_attn: str = "self",
+                 pad: bool = False):
+        super().__init__()
+        self.model_name, self.pad = name, bool(pad)
+        n = len(depths)
+        heads = per_stage(name, "heads", heads, n)
+        focal_window = per_stage(name, "focal_window", focal_window, n)
+        self.size_divisor = self.min_size = 4 * 2 ** (n - 1)
+        widths = [embed_dim * 2 ** i for i in range(n)]
+        rates = drop_path_rates(drop_path_rate, depths)
+        self.stem = ConvEmbed(in_chans, embed_dim, 7, 4, 2) if use_conv_embed else ConvEmbed(in_chans, embed_dim, 4, 4)
+        self.stages, self.downsamples = nn.ModuleList(), nn.ModuleList()
+        for i, (dim, depth) in enumerate(zip(widths, depths)):
+            presets = force = None
+            if attn["name"] == NATIVE:
+                presets = dict(window_size=window_size, expand_size=expand_size, focal_level=focal_level,
+                               focal_window=focal_window[i])
+                side = img_size // (4 * 2 ** i)  # the stage's map side at img_size
+                if side <= attn_options(attn, presets)["window_size"]:  # the official small-map rule
+                    force = dict(window_size=max(side, 1), expand_size=0)
+            self.stages.append(FocalStage([
+                Block(dim, make_mixer(attn, dim, heads[i], model=name, stage=f"stage {i + 1}", presets=presets,
+                                      force=force), mlp_ratio, rates[i][j])
+                for j in range(depth)]))
+            if i == n - 1:
+                self.downsamples.append(nn.Identity())
+            elif use_conv_embed:
+                self.downsamples.append(ConvEmbed(dim, 2 * dim, 3, 2, 1))
+            else:
+                self.downsamples.append(ConvEmbed(dim, 2 * dim, 2, 2))
+        self.norm = nn.LayerNorm(widths[-1])
+        self.head = nn.Linear(widths[-1], num_classes) if num_classes > 0 else nn.Identity()
+        self.feature_channels = widths
+        self.feature_strides = [4 * 2 ** i for i in range(n)]
+        self.num_features = widths[-1]
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m):
+        if isinstance(m, nn.Linear) and m.out_features > 1:  # the focal mixer's 'fc' pools keep their mean init
+            trunc_normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    def _forward(self, x):
+        x = self.stem(x)  # (B, C, H/4, W/4)
+        features = []
+        for stage, down in zip(self.stages, self.downsamples):
+            x = stage(x)  # (B, C_i, H_i, W_i)
+            features.append(x)
+            x = down(x)
+        pooled = self.norm(rearrange(x, "b c h w -> b (h w) c")).mean(dim=1)  # (B, C_last)
+        return features, pooled
+
+
+def build(name: str, model: Mapping, attn: Mapping, num_classes: int, img_size: int, in_chans: int = 3):
+    return FocalTransformer(name, attn, num_classes, img_size, in_chans, **merge_spec(name, SPECS[name], model))

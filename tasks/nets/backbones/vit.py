@@ -1,0 +1,109 @@
+"""``vit_s``: DeiT-S (Touvron et al., 2021, "Training data-efficient image transformers"), the plain ViT.
+
+Published (DeiT paper, Table 1): 22M parameters, 4.6 GFLOPs (multiply-adds) at
+224x224, 79.8% ImageNet top-1 (no distillation). Architecture as timm's
+``deit_small_patch16_224``: 16x16 patch embedding (a stride-16 conv), class
+token, learned absolute position embedding, 12 pre-norm blocks of width 384
+with 6 heads, MLP ratio 4, LayerNorm eps 1e-6, final LayerNorm, linear head on
+the class token; drop path 0.1.
+
+``attn=X`` replaces the mixer of every block (heads from ``model.heads``).
+Deviation: a class token has no place on the patch grid, so with a variant
+that needs the grid (``focal``, ``dilated``: no ``none`` layout) the network
+drops the class token and classifies the average of the patch tokens (timm's
+``global_pool='avg'``, 384 parameters fewer); ``model.class_token`` forces
+either. Inputs of another size than ``img_size`` get the position embedding
+resampled bicubically (timm's ``resample_abs_pos_embed``); sides must be
+multiples of 16 (``model.pad=true`` pads). ``model.global_attn`` is accepted
+for a uniform interface and ignored (ViT has no global-only stages). ``forward_features`` gives one map,
+the final-normed patch tokens at stride 16.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from einops import rearrange
+from timm.layers import resample_abs_pos_embed, trunc_normal_
+from torch import nn
+
+import attention
+from attention.errors import UserError
+
+from .common import Backbone, Block, drop_path_rates, make_mixer, merge_spec
+
+SPECS = {
+    "vit_s": dict(patch_size=16, embed_dim=384, depth=12, heads=6, mlp_ratio=4.0, drop_path_rate=0.1,
+                  class_token="auto", pad=False, global_attn="self"),
+}
+
+
+class VisionTransformer(Backbone):
+    def __init__(self, name: str, attn: Mapping, num_classes: int, img_size: int, in_chans: int = 3,
+                 patch_size: int = 16, embed_dim: int = 384, depth: int = 12, heads: int = 6,
+                 mlp_ratio: float = 4.0, drop_path_rate: float = 0.1, class_token="auto", pad: bool = False,
+                 global_attn: str = "self"):
+        super().__init__()
+        self.model_name, self.pad = name, bool(pad)
+        self.size_divisor = self.min_size = patch_size
+        if img_size % patch_size:
+            raise UserError(f"data.img_size={img_size} is not a multiple of model={name}'s patch size {patch_size}; "
+                            f"use {max(patch_size, img_size // patch_size * patch_size)} or "
+                            f"{-(-img_size // patch_size) * patch_size}.")
+        grid_only = "none" not in attention.get(attn["name"]).layouts
+        if class_token == "auto":
+            class_token = not grid_only
+        elif class_token and grid_only:
+            raise UserError(f"model.class_token=true cannot be used with attn={attn['name']}: the variant needs the "
+                            f"patch grid and a class token has no place on it. Set model.class_token=auto or false.")
+        self.patch_embed = nn.Conv2d(in_chans, embed_dim, patch_size, stride=patch_size)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if class_token else None
+        self.num_prefix = int(bool(class_token))
+        side = img_size // patch_size
+        self.grid_size = (side, side)
+        self.pos_embed = nn.Parameter(torch.zeros(1, self.num_prefix + side * side, embed_dim))
+        rates = drop_path_rates(drop_path_rate, [depth])[0]
+        self.blocks = nn.ModuleList(
+            Block(embed_dim, make_mixer(attn, embed_dim, heads, model=name, stage=f"block {i + 1}",
+                                        layout="none" if class_token else "grid"),
+                  mlp_ratio, rates[i], norm_layer=lambda d: nn.LayerNorm(d, eps=1e-6))
+            for i in range(depth))
+        self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
+        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self.feature_channels, self.feature_strides, self.num_features = [embed_dim], [patch_size], embed_dim
+        self._init_weights()
+
+    def _init_weights(self):
+        trunc_normal_(self.pos_embed, std=0.02)
+        if self.cls_token is not None:
+            trunc_normal_(self.cls_token, std=0.02)
+        for m in self.modules():
+            if isinstance(m, nn.Linear) and m not in set(self.patch_embed.modules()):
+                trunc_normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+
+    def _pos_embed(self, x: torch.Tensor, h: int, w: int) -> torch.Tensor:
+        pos = self.pos_embed
+        if (h, w) != self.grid_size:
+            pos = resample_abs_pos_embed(pos, (h, w), self.grid_size, num_prefix_tokens=self.num_prefix)
+        if self.cls_token is not None:
+            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, 1 + N, C)
+        return x + pos
+
+    def _forward(self, x):
+        x = self.patch_embed(x)  # (B, C, H/16, W/16)
+        h, w = x.shape[-2:]
+        x = self._pos_embed(rearrange(x, "b c h w -> b (h w) c"), h, w)  # (B, prefix + N, C)
+        layout = None if self.cls_token is not None else attention.Grid(h, w)
+        for block in self.blocks:
+            x = block(x, layout)
+        x = self.norm(x)
+        tokens = x[:, self.num_prefix:]  # (B, N, C)
+        pooled = x[:, 0] if self.cls_token is not None else tokens.mean(dim=1)  # (B, C)
+        return [rearrange(tokens, "b (h w) c -> b c h w", h=h)], pooled
+
+
+def build(name: str, model: Mapping, attn: Mapping, num_classes: int, img_size: int, in_chans: int = 3):
+    return VisionTransformer(name, attn, num_classes, img_size, in_chans, **merge_spec(name, SPECS[name], model))
