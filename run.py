@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from attention.errors import UserError
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
-GROUPS = ("task", "attn", "data", "trainer", "logger", "experiment")
+GROUPS = ("task", "attn", "data", "model", "trainer", "logger", "experiment")
 MODES = ("train", "test", "eval", "summary", "bench")
 log = logging.getLogger("run")
 
@@ -98,17 +98,26 @@ def run(cfg: DictConfig) -> dict:
         # run.log handlers: drop any handler of Lightning's own, which would print every line twice.
         logging.getLogger(name).handlers.clear()
         logging.getLogger(name).propagate = True
-    apply_attn_preset(cfg, HydraConfig.get().overrides.task)
+    overrides = list(HydraConfig.get().overrides.task)
+    apply_attn_preset(cfg, overrides)
     L.seed_everything(cfg.seed, workers=True)
-    container = OmegaConf.to_container(cfg, resolve=True)
+    from tasks.secrets import redact, redact_file
+
+    # Everything that is logged, saved or printed comes from the redacted copy (no API keys or tokens from
+    # the environment); only the data module sees the config as given.
+    container = redact(OmegaConf.to_container(cfg, resolve=True))
     if is_rank_zero():
         # What actually ran: interpolations resolved and task presets applied (.hydra/config.yaml holds the input).
         out_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(container, out_dir / "resolved_config.yaml")
+        for name in ("config.yaml", "overrides.yaml", "hydra.yaml"):
+            redact_file(out_dir / ".hydra" / name)
 
     from tasks.distributed import check_scale_rule
+    from tasks.validate import validate_config
 
     check_scale_rule((cfg.get("optim") or {}).get("scale_lr"))  # before any data is read
+    validate_config(cfg, overrides)
     datamodule = instantiate(cfg.data, _convert_="all")
     if cfg.mode != "summary":
         # Check the data before building the network: a missing data set is reported before any weights
@@ -137,7 +146,9 @@ def run(cfg: DictConfig) -> dict:
         print(f"params={result['params']} flops={result['flops']}")
         return result
 
+    from tasks.checkpoint_io import SafeCheckpointIO
     from tasks.distributed import adjust_trainer_kwargs, apply_lr_scaling, check_launch
+    from tasks.guard import NonFiniteGuard
     from tasks.resume import RandomState, resume_checkpoint, save_wandb_run_id, wandb_run_id
 
     ckpt = cfg.get("ckpt_path")
@@ -166,12 +177,15 @@ def run(cfg: DictConfig) -> dict:
     # best checkpoint is saved, so a pre-empted run would lose every epoch since its last improvement.
     last = L.pytorch.callbacks.ModelCheckpoint(dirpath=out_dir / "checkpoints", filename="last", monitor=None,
                                                save_top_k=1, enable_version_counter=False)
-    callbacks += [checkpoint, last, identity_callback(identity), RandomState()]
+    trainer_kwargs = dict(container["trainer"])
+    guard = NonFiniteGuard(trainer_kwargs.pop("on_nan", "stop"))
+    callbacks += [checkpoint, last, identity_callback(identity), RandomState(), guard]
     if loggers:
         callbacks.append(L.pytorch.callbacks.LearningRateMonitor(logging_interval="epoch"))
-    trainer_kwargs = dict(container["trainer"])
     adjust_trainer_kwargs(trainer_kwargs, module)
-    trainer = L.Trainer(**trainer_kwargs, callbacks=callbacks, logger=loggers or False,
+    # Checkpoints are written atomically (temporary file, fsync, rename) and read with weights_only=True.
+    plugins = list(trainer_kwargs.pop("plugins", None) or []) + [SafeCheckpointIO()]
+    trainer = L.Trainer(**trainer_kwargs, callbacks=callbacks, logger=loggers or False, plugins=plugins,
                         default_root_dir=str(out_dir))
     check_launch(trainer)
     if cfg.mode == "train":
@@ -189,6 +203,13 @@ def run(cfg: DictConfig) -> dict:
         results = trainer.test(module, datamodule=datamodule, ckpt_path=ckpt, weights_only=True)
     for result in results:
         metrics.update(_floats(result))
+    if guard.skipped:
+        metrics["train/skipped_batches"] = float(len(guard.skipped))
+    skipped = list(getattr(datamodule, "skipped", None) or [])
+    if skipped:  # data.on_bad_file=skip: what was left out, reported again at the end where it is seen
+        metrics["data/skipped"] = float(len(skipped))
+        log.warning("data.on_bad_file=skip left out %d bad file(s)/sample(s): %s%s", len(skipped),
+                    "; ".join(skipped[:5]), " ..." if len(skipped) > 5 else "")
     # Last-batch values (``*_step``) differ per process and say little about a run: epoch means stand for them.
     metrics = {k: v for k, v in sorted(metrics.items()) if not k.endswith("_step")}
     log.info("rank %d metrics: %s", trainer.global_rank, json.dumps(metrics))  # each process logs what it saw
@@ -234,16 +255,13 @@ def identity_callback(identity: dict):
 
 def check_checkpoint(path: str, identity: dict) -> None:
     """Refuse a checkpoint written by another task or attention variant, naming what it was trained with."""
-    import pickle
+    from tasks.checkpoint_io import safe_torch_load
 
-    import torch
-
-    try:
-        stored = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("suite")
-    except (pickle.UnpicklingError, RuntimeError, OSError, EOFError, ValueError) as err:
-        raise UserError(f"ckpt_path={path} cannot be read as a checkpoint of this suite ({str(err).splitlines()[0]}). "
-                        "Checkpoints are loaded with torch.load(weights_only=True), so files that need arbitrary "
-                        "code to unpickle are refused; pass a checkpoint written by run.py.") from None
+    state = safe_torch_load(path, f"ckpt_path={path}", mmap=True)
+    if not isinstance(state, dict) or "state_dict" not in state:
+        raise UserError(f"ckpt_path={path} is not a Lightning checkpoint (no 'state_dict' entry): pass a checkpoint "
+                        "written by run.py (outputs/<task>/<attn>/<run>/checkpoints/*.ckpt).")
+    stored = state.get("suite")
     if not stored:
         return  # written before checkpoints carried their identity: Lightning reports any mismatch
     if stored["task"] != identity["task"]:

@@ -37,10 +37,14 @@ class Mixer(nn.Module):
 
     Subclasses set ``layouts`` (which of 'grid', 'points', 'none' they serve),
     call ``super().__init__(dim, heads)`` and implement ``mix(x, layout)``.
+    Options that act on one layout only are declared in ``layout_options``
+    (option -> the layouts it acts on), so that run.py can refuse, before any
+    data is read, an option given for a task whose layout ignores it.
     """
 
     name: ClassVar[str] = "?"  # set by @register
     layouts: ClassVar[frozenset[str]] = frozenset({"grid", "points", "none"})
+    layout_options: ClassVar[dict[str, frozenset[str]]] = {}
 
     def __init__(self, dim: int, heads: int):
         super().__init__()

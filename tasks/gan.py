@@ -102,6 +102,7 @@ def not_counted(optimizer):
 
 class GAN(L.LightningModule):
     """SAGAN-style conditional/unconditional GAN; batches ``{"image": (B, 3, H, W) in [-1, 1], "label": (B,)}``."""
+    layout = "grid"  # where attention tokens sit: run.py checks attn options against it
 
     # Under DDP each backward pass leaves one network without gradients (D's update does not reach G).
     ddp_find_unused_parameters = True

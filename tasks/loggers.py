@@ -4,6 +4,13 @@ W&B never prompts: ``mode=auto`` logs online only when credentials exist
 (``WANDB_API_KEY`` or a ``wandb login`` entry in ~/.netrc) and offline
 otherwise, and says how to upload the offline run later. An explicit
 ``WANDB_MODE`` in the environment wins, as it does for wandb itself.
+
+W&B is never a reason to lose a run: :class:`ResilientWandbLogger` catches any
+failure of wandb (a service process gone, a network error that wandb raises, a
+refused ``wandb.init``), says once that W&B is unavailable, and goes on without
+it; the metrics it could not send from then on go to
+``<run dir>/wandb_fallback/metrics.csv`` (Lightning's CSV logger), and
+``metrics.json`` is written at the end as always.
 """
 
 from __future__ import annotations
@@ -15,7 +22,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import urlparse
 
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
+
 from attention.errors import UserError
+from tasks.secrets import scrubbed_argv
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +50,108 @@ def wandb_mode(requested: str) -> str:
     return requested
 
 
+class _GuardedRun:
+    """A wandb run whose methods never raise: a failure switches the owning logger to its fallback."""
+
+    def __init__(self, run, owner: ResilientWandbLogger):
+        self._run, self._owner = run, owner
+
+    def __getattr__(self, name):
+        attr = getattr(self._run, name)
+        if not callable(attr):
+            return attr
+
+        def guarded(*args, **kwargs):
+            if self._owner.failed:
+                return None
+            try:
+                return attr(*args, **kwargs)
+            except Exception as err:  # noqa: BLE001 - whatever wandb raises, the run goes on
+                self._owner.fail(err, f"run.{name}")
+                return None
+
+        return guarded
+
+
+class _NullRun:
+    """Stands for the run once W&B has failed: every method call does nothing."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+def _guard(method):
+    name = method.__name__
+
+    def guarded(self, *args, **kwargs):
+        if self.failed:
+            return self._fallback_call(name, *args, **kwargs)
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - whatever wandb raises, the run goes on
+            self.fail(err, name)
+            return self._fallback_call(name, *args, **kwargs)
+
+    guarded.__name__ = name
+    guarded.__doc__ = method.__doc__
+    return guarded
+
+
+class ResilientWandbLogger(WandbLogger):
+    """Lightning's WandbLogger that survives W&B failing at start-up or mid-run (see the module docstring)."""
+
+    def __init__(self, *args, fallback_dir: str | Path, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.failed = False
+        self._fallback_dir = Path(fallback_dir)
+        self._fallback: CSVLogger | None = None
+
+    def fail(self, err: BaseException, where: str) -> None:
+        if self.failed:
+            return
+        self.failed = True
+        log.warning("W&B is unavailable (%s in %s: %s). The run continues without it; metrics from now on go to %s "
+                    "and metrics.json is written at the end.", type(err).__name__, where,
+                    str(err).splitlines()[0] if str(err) else "", self._fallback_dir / "metrics.csv")
+
+    def _fallback_call(self, name: str, *args, **kwargs):
+        if name not in ("log_metrics", "finalize", "save"):
+            return None  # media, tables and artifacts have no fallback
+        if self._fallback is None:
+            self._fallback = CSVLogger(save_dir=str(self._fallback_dir.parent), name=self._fallback_dir.name,
+                                       version="")
+        return getattr(self._fallback, name)(*args, **kwargs)
+
+    @property
+    def experiment(self):
+        if self.failed:
+            return _NullRun()
+        try:
+            with scrubbed_argv():  # wandb.init records sys.argv: no credentials given as overrides in it
+                run = WandbLogger.experiment.fget(self)
+        except Exception as err:  # noqa: BLE001 - wandb.init refused: train without W&B
+            self.fail(err, "wandb.init")
+            return _NullRun()
+        return _GuardedRun(run, self)
+
+    log_hyperparams = _guard(WandbLogger.log_hyperparams)
+    log_metrics = _guard(WandbLogger.log_metrics)
+    log_table = _guard(WandbLogger.log_table)
+    log_text = _guard(WandbLogger.log_text)
+    log_image = _guard(WandbLogger.log_image)
+    log_audio = _guard(WandbLogger.log_audio)
+    log_video = _guard(WandbLogger.log_video)
+    after_save_checkpoint = _guard(WandbLogger.after_save_checkpoint)
+    finalize = _guard(WandbLogger.finalize)
+    save = _guard(WandbLogger.save)
+
+
 def build_loggers(cfg: Mapping, save_dir: str | Path, config: Mapping, run_id: str | None = None,
                   resuming: bool = False) -> list:
     """Instantiate the configured logger(s) writing under ``save_dir``; ``config`` is logged whole.
 
     ``run_id`` fixes the W&B run id; with ``resuming`` the run continues that W&B run (``resume="allow"``).
     """
-    from lightning.pytorch.loggers import CSVLogger, WandbLogger
-
     kind = cfg.get("name", "none")
     save_dir = Path(save_dir)
     if kind == "none":
@@ -56,9 +160,10 @@ def build_loggers(cfg: Mapping, save_dir: str | Path, config: Mapping, run_id: s
         logger = CSVLogger(save_dir=str(save_dir), name="csv", version="")
     elif kind == "wandb":
         mode = wandb_mode(cfg.get("mode", "auto"))
-        logger = WandbLogger(project=cfg["project"], entity=cfg.get("entity"), group=cfg.get("group"),
-                             name=cfg.get("run_name"), tags=list(cfg.get("tags") or []), save_dir=str(save_dir),
-                             mode=mode, log_model=False, id=run_id, resume="allow" if resuming else None)
+        logger = ResilientWandbLogger(project=cfg["project"], entity=cfg.get("entity"), group=cfg.get("group"),
+                                      name=cfg.get("run_name"), tags=list(cfg.get("tags") or []),
+                                      save_dir=str(save_dir), mode=mode, log_model=False, id=run_id,
+                                      resume="allow" if resuming else None, fallback_dir=save_dir / "wandb_fallback")
         if mode == "offline":
             log.warning("W&B is logging offline (no credentials found; `wandb login` or WANDB_API_KEY enables "
                         "online logging). Upload this run later with: wandb sync %s", save_dir / "wandb")
@@ -71,8 +176,8 @@ def build_loggers(cfg: Mapping, save_dir: str | Path, config: Mapping, run_id: s
 def close_loggers(loggers) -> None:
     """Finish W&B runs explicitly: in a Hydra multirun every job shares one process, and an unfinished
     run would otherwise be reused by the next job's ``wandb.init``."""
-    from lightning.pytorch.loggers import WandbLogger
-
     for logger in loggers:
         if isinstance(logger, WandbLogger):
             logger.experiment.finish()
+        if isinstance(logger, ResilientWandbLogger) and logger._fallback is not None:
+            logger._fallback.save()

@@ -33,6 +33,7 @@ def reference_smoothing(eps: float, num_classes: int) -> float:
 
 class PointCloudClassification(L.LightningModule):
     """Classifies point clouds with PCT; batches are dicts with ``points`` (B, N, 3) and ``label`` (B,)."""
+    layout = "points"  # where attention tokens sit: run.py checks attn options against it
 
     def __init__(self, num_classes: int, class_names: Sequence[str], model: Mapping, attn: Mapping,
                  optim: Mapping, label_smoothing: float = 0.2, log_samples: int = 8, input_points: int = 1024):

@@ -24,6 +24,8 @@ from .wandb_media import log_point_clouds, log_table, palette
 
 
 class PartSegmentation(L.LightningModule):
+    layout = "points"  # where attention tokens sit: run.py checks attn options against it
+
     def __init__(self, num_parts: int, num_categories: int, category_names: Sequence[str],
                  category_parts: Sequence[Sequence[int]], model: Mapping, attn: Mapping, optim: Mapping,
                  normals: bool = False, restrict_to_category: bool = True, label_smoothing: float = 0.0,

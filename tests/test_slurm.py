@@ -180,7 +180,9 @@ def trainer():
     with initialize_config_dir(config_dir=configs, version_base="1.3"):
         cfg = compose("config", overrides=["trainer.accelerator=cpu", "trainer.devices=4", "++trainer.num_nodes=2",
                                            "logger=none"])
-    return L.Trainer(**OmegaConf.to_container(cfg.trainer, resolve=True), logger=False, default_root_dir=root)
+    kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    kwargs.pop("on_nan")  # run.py's own option, a callback
+    return L.Trainer(**kwargs, logger=False, default_root_dir=root)
 
 # submitit's job process installs its handlers before it calls the Hydra job (submitit/core/submission.py).
 SlurmJobEnvironment()._handle_signals(JobPaths(root), DelayedSubmission(print))

@@ -46,6 +46,7 @@ from ..registry import register
 @register("dilated")
 class DilatedAttention(Mixer):
     layouts = frozenset({"grid", "points"})
+    layout_options = {"border": frozenset({"grid"}), "neighbours": frozenset({"points"})}
 
     def __init__(self, dim: int, heads: int = 8, dilations: Sequence[int] = (1, 2, 3, 4), kernel_size: int = 3,
                  border: str = "zeros", neighbours: int | None = None, qkv_bias: bool = True):

@@ -172,6 +172,8 @@ def grid_plan(h: int, w: int, ws: int, e: int, focal_level: int, focal_window: i
 @register("focal")
 class FocalAttention(Mixer):
     layouts = frozenset({"grid", "points"})
+    layout_options = {"expand_size": frozenset({"grid"}), "focal_window": frozenset({"grid"}),
+                      "neighbours": frozenset({"points"})}
 
     def __init__(self, dim: int, heads: int = 4, window_size: int = 7, expand_size: int = 3,
                  focal_level: int = 2, focal_window: int = 7, neighbours: int | None = None,

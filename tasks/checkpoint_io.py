@@ -1,0 +1,108 @@
+"""Checkpoint files that survive a crash and never run code when read.
+
+:class:`SafeCheckpointIO` is the Trainer's ``CheckpointIO`` plugin (run.py adds it):
+
+- **Atomic writes.** A checkpoint is written to ``.<name>.tmp-<pid>`` in the
+  target folder, flushed to disk (``fsync``), then renamed over the target
+  (``os.replace``, atomic on POSIX and Windows) and the folder entry synced.
+  A process killed mid-write (pre-emption, OOM killer, Ctrl-C twice) leaves the
+  previous ``last.ckpt`` intact next to a stray temporary file, which the next
+  save in that folder removes. Lightning's own writer goes through fsspec's
+  transaction (a temporary file moved into place) without the ``fsync``, so a
+  machine crash right after a save could leave an empty file behind; this one
+  is written by hand for that guarantee and for the refusal below.
+- **Safe reads.** Every load is ``torch.load(..., weights_only=True)``, whatever
+  the caller asks for: a checkpoint that needs arbitrary code to unpickle (a
+  pickled callable, a whole ``nn.Module``) is refused with a UserError naming
+  the file instead of being executed. Our own checkpoints hold tensors and
+  plain Python values only (see ``tasks.resume.RandomState``).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from attention.errors import UserError
+
+TMP_MARK = ".tmp-"
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save(obj, path)`` through a synced temporary file renamed over ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for stray in path.parent.glob(f".{path.name}{TMP_MARK}*"):  # left by a process killed mid-write
+        if stray.name != f".{path.name}{TMP_MARK}{os.getpid()}":
+            stray.unlink(missing_ok=True)
+    tmp = path.parent / f".{path.name}{TMP_MARK}{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make the rename itself durable (a no-op where folders cannot be opened, e.g. Windows)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def safe_torch_load(path: str | os.PathLike, what: str | None = None, map_location: Any = "cpu", **kwargs) -> Any:
+    """``torch.load(path, weights_only=True)``; a file that needs code to unpickle, or is not a torch file at all,
+    raises a UserError naming the file (``what``, e.g. "ckpt_path=<path>"; default "checkpoint <path>")."""
+    what = what or f"checkpoint {path}"
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True, **kwargs)
+    except pickle.UnpicklingError as err:
+        first = next((line for line in str(err).splitlines() if "GLOBAL" in line), None)
+        if first is None:  # not a refused global: junk where a pickle should be
+            raise _unreadable(what, err) from None
+        raise UserError(
+            f"Refusing to load {what}: it needs arbitrary code to unpickle ({first.strip()}). Files are read "
+            "with torch.load(weights_only=True), which accepts tensors and plain Python values only, so a file "
+            "holding pickled functions or objects cannot run code on this machine. Use a checkpoint written by "
+            "run.py, or re-save the weights you trust as a plain state dict (torch.save(model.state_dict(), ...))."
+        ) from None
+    except (RuntimeError, OSError, EOFError, ValueError) as err:
+        raise _unreadable(what, err) from None
+
+
+def _unreadable(what: str, err: BaseException) -> UserError:
+    return UserError(
+        f"Cannot read {what} ({str(err).splitlines()[0] if str(err) else type(err).__name__}): it is truncated, "
+        "corrupt or not a torch file. Pass another checkpoint (an earlier best-*.ckpt, or last.ckpt of the run)."
+    )
+
+
+class SafeCheckpointIO(TorchCheckpointIO):
+    """Lightning checkpoint plugin: atomic ``save_checkpoint``, ``weights_only`` ``load_checkpoint``."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("SafeCheckpointIO.save_checkpoint takes no storage_options.")
+        atomic_torch_save(checkpoint, path)
+
+    def load_checkpoint(self, path, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"Checkpoint file not found: {path}")
+        return safe_torch_load(path, map_location=map_location or "cpu")

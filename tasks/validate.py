@@ -1,0 +1,95 @@
+"""Start-up checks of the composed config: impossible combinations caught before any data is read.
+
+Each check raises a UserError naming the options involved. run.py calls
+:func:`validate_config` right after composing the config; a task class may add
+its own checks as a ``check_config(cfg)`` static/class method (called here too).
+
+- an attention option given on the command line that the task's layout ignores
+  (``attn.expand_size=5`` on a point-cloud task: focal's expand band exists on
+  grids only), from each variant's ``layout_options`` and the task class's
+  ``layout``;
+- more processes than evaluation samples (``data.num_test=1 trainer=ddp``): a
+  rank would get no sample;
+- ``trainer.on_nan`` not one of stop | skip | off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from hydra.utils import get_class
+from omegaconf import DictConfig
+
+import attention
+from attention.errors import UserError
+
+EVAL_SIZE_KEYS = ("num_val", "num_test", "val_samples", "test_samples")
+
+
+def validate_config(cfg: DictConfig, overrides: Iterable[str]) -> None:
+    from tasks.guard import MODES
+
+    on_nan = cfg.trainer.get("on_nan", "stop")
+    if on_nan not in MODES:
+        raise UserError(f"trainer.on_nan={on_nan!r} is not known: use stop (end the run at the first NaN/inf "
+                        "loss), skip (drop such batches and count them) or off (no check).")
+    task_cls = get_class(cfg.task._target_)
+    check_layout_options(cfg, overrides, getattr(task_cls, "layout", None))
+    check_eval_sizes(cfg)
+    if hasattr(task_cls, "check_config"):
+        task_cls.check_config(cfg)
+
+
+def given_options(overrides: Iterable[str], prefix: str) -> list[str]:
+    """Option names given on the command line as ``prefix.<name>=...`` (also with + or ++)."""
+    names = []
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key.startswith(prefix + "."):
+            names.append(key[len(prefix) + 1:].split(".", 1)[0])
+    return names
+
+
+def check_layout_options(cfg: DictConfig, overrides: Iterable[str], layout: str | None) -> None:
+    if layout is None or cfg.attn.name not in attention.names():
+        return
+    variant = attention.get(cfg.attn.name)
+    for option in given_options(overrides, "attn"):
+        acts_on = variant.layout_options.get(option)
+        if acts_on is not None and layout not in acts_on:
+            where = "image grids" if acts_on == {"grid"} else "point sets"
+            raise UserError(
+                f"attn.{option} was given, but attention variant {cfg.attn.name!r} uses it on {where} only and "
+                f"task={cfg.task.name} attends over {'point sets' if layout == 'points' else 'image grids'}, so it "
+                f"would be ignored. Drop attn.{option}"
+                + (f", or set the option that {cfg.attn.name} uses on {layout}: "
+                   + ", ".join(f"attn.{o}" for o, on in variant.layout_options.items() if layout in on)
+                   if any(layout in on for on in variant.layout_options.values()) else "")
+                + "."
+            )
+
+
+def processes(trainer: DictConfig) -> int | None:
+    """devices x num_nodes when both are known numbers (None for devices=auto / -1)."""
+    devices = trainer.get("devices", 1)
+    if isinstance(devices, str) and devices.isdigit():
+        devices = int(devices)
+    if isinstance(devices, (list, tuple)) or (hasattr(devices, "__len__") and not isinstance(devices, str)):
+        devices = len(devices)
+    if not isinstance(devices, int) or devices < 1:
+        return None
+    return devices * int(trainer.get("num_nodes", 1) or 1)
+
+
+def check_eval_sizes(cfg: DictConfig) -> None:
+    world = processes(cfg.trainer)
+    if not world or world == 1:
+        return
+    for key in EVAL_SIZE_KEYS:
+        value = cfg.data.get(key)
+        if isinstance(value, int) and value < world:
+            raise UserError(
+                f"data.{key}={value} is smaller than the number of processes ({world} = trainer.devices x "
+                f"trainer.num_nodes): every process needs at least one evaluation sample. Raise data.{key} to "
+                f"at least {world} or run on fewer devices."
+            )

@@ -1,0 +1,255 @@
+"""Fault injection through run.py: NaN batches, W&B failing mid-run, a kill during a checkpoint write, checkpoints
+that would run code, credentials in the environment, impossible configurations. Each fault is injected by a small
+launcher that patches one thing and then runs run.py as `python run.py ...` would."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from attention.errors import UserError
+from tasks.checkpoint_io import SafeCheckpointIO, atomic_torch_save, safe_torch_load
+from tasks.secrets import redact, redact_file, redact_override
+from tasks.validate import validate_config
+from test_run import TINY, env, run, user_error  # noqa: F401 - env is a fixture
+
+ROOT = Path(__file__).resolve().parents[1]
+TWO_EPOCHS = [*TINY, "trainer.max_epochs=2"]  # 40 training clouds in batches of 4: 10 steps an epoch
+
+# `python -c LAUNCHER <run.py> <patch> <args...>`: exec the patch, then run run.py as __main__.
+LAUNCHER = r"""
+import os, runpy, sys
+run_py, patch = sys.argv[1], sys.argv[2]
+sys.path.insert(0, os.path.dirname(run_py))
+exec(patch)
+sys.argv = [run_py, *sys.argv[3:]]
+runpy.run_path(run_py, run_name="__main__")
+"""
+
+# NaN in the points of the batch at global step 12 (the third batch of the second epoch).
+NAN_AT_STEP_12 = r"""
+import torch
+from tasks.modelnet import PointCloudClassification
+step = PointCloudClassification.training_step
+def training_step(self, batch, batch_idx):
+    if self.global_step == 12:
+        batch["points"] = batch["points"].clone()
+        batch["points"][0, 0, 0] = float("nan")
+    return step(self, batch, batch_idx)
+PointCloudClassification.training_step = training_step
+"""
+
+# wandb's Run.log raises from its fourth call on, as when its service process is gone.
+WANDB_GONE = r"""
+import wandb.sdk.wandb_run as wr
+log = wr.Run.log
+calls = [0]
+def failing_log(self, *args, **kwargs):
+    calls[0] += 1
+    if calls[0] > 3:
+        raise ConnectionResetError("[Errno 104] Connection reset by peer (wandb service)")
+    return log(self, *args, **kwargs)
+wr.Run.log = failing_log
+"""
+
+# The second write of last.ckpt hangs after its bytes are in the temporary file and before the rename: the test
+# kills the process there (os.fsync is the last step before os.replace).
+HANG_IN_SECOND_LAST_CKPT = r"""
+import os, time
+import tasks.checkpoint_io as cio
+fsync, seen = os.fsync, []
+def hanging_fsync(fd):
+    name = os.readlink(f"/proc/self/fd/{fd}") if os.path.exists(f"/proc/self/fd/{fd}") else ""
+    if ".last.ckpt.tmp-" in name:
+        seen.append(name)
+        if len(seen) == 2:
+            open(os.environ["MARKER"], "w").write(name)
+            time.sleep(600)
+    return fsync(fd)
+cio.os = type("os_with_hanging_fsync", (), {k: getattr(os, k) for k in dir(os) if not k.startswith("__")})
+cio.os.fsync = staticmethod(hanging_fsync)
+"""
+
+
+def launch(patch: str, args: list[str], env: dict, check: bool = True, **popen) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-c", LAUNCHER, str(ROOT / "run.py"), patch, *args], cwd=env["HOME"],
+                          env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600, **popen)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def finite_weights(path: Path) -> bool:
+    state = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+    return all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
+
+
+# --- non-finite losses ---------------------------------------------------------------------------------------------
+def test_nan_batch_stops_the_run_naming_the_step_and_last_checkpoint(env, tmp_path):
+    proc = launch(NAN_AT_STEP_12, [*TWO_EPOCHS, "logger=none", f"hydra.run.dir={tmp_path}"], env, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    err = proc.stderr
+    assert "step 12 (epoch 1, batch 2)" in err and "trainer.on_nan=stop" in err and "trainer.on_nan=skip" in err
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert str(last) in err
+    # The checkpoint it names was written before the bad step, from finite weights.
+    assert torch.load(last, map_location="cpu", weights_only=True)["global_step"] == 10
+    assert finite_weights(last)
+
+
+def test_nan_batch_is_skipped_and_counted_with_on_nan_skip(env, tmp_path):
+    """Also the credentials check: secrets in the environment and on the command line reach no file the run
+    writes (config, W&B offline files, checkpoints, logs) and nothing it prints."""
+    secret_env = {"WANDB_API_KEY": "0123456789abcdef-SECRET-KEY", "MY_TOKEN": "tok-SECRET-abcdefgh",
+                  "WANDB_MODE": "offline"}
+    proc = launch(NAN_AT_STEP_12, [*TWO_EPOCHS, "trainer.on_nan=skip", "logger=wandb", f"hydra.run.dir={tmp_path}",
+                                   "+notes=${oc.env:MY_TOKEN}", "+logger.api_key=plain-SECRET-123"],
+                  {**env, **secret_env})
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["train/skipped_batches"] == 1.0
+    assert all(math.isfinite(v) for v in metrics.values())
+    assert "skipped 1 training batch(es) with a NaN or infinite loss" in proc.stdout  # Hydra logs to stdout
+    ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    # Lightning still counts the dropped batch's optimizer call; with no gradient it changes no weight.
+    assert ckpt["global_step"] == 20
+    assert finite_weights(tmp_path / "checkpoints" / "last.ckpt")  # BatchNorm statistics restored too
+    # Credentials: nowhere on disk or in the output. The config logged still says where the value came from.
+    secrets = [b"0123456789abcdef-SECRET-KEY", b"tok-SECRET-abcdefgh", b"plain-SECRET-123"]
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert any(p.suffix == ".wandb" for p in files) and any(p.name == "resolved_config.yaml" for p in files)
+    for path in files:
+        data = path.read_bytes()
+        assert not any(s in data for s in secrets), path
+    assert not any(s.decode() in proc.stdout + proc.stderr for s in secrets)
+    resolved = (tmp_path / "resolved_config.yaml").read_text()
+    assert "notes: <redacted:$MY_TOKEN>" in resolved and "api_key: <redacted>" in resolved
+
+
+# --- W&B -------------------------------------------------------------------------------------------------------------
+def test_wandb_failing_mid_run_does_not_stop_training(env, tmp_path):
+    proc = launch(WANDB_GONE, [*TWO_EPOCHS, "logger=wandb", f"hydra.run.dir={tmp_path}"],
+                  {**env, "WANDB_MODE": "offline"})
+    assert "W&B is unavailable (ConnectionResetError in run.log" in proc.stdout
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["test/oa"] >= 0 and (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    rows = (tmp_path / "wandb_fallback" / "metrics.csv").read_text().splitlines()
+    assert "epoch" in rows[0] and "val/oa" in rows[0] and len(rows) >= 3  # what W&B missed: both epochs' metrics
+
+
+# --- checkpoints -----------------------------------------------------------------------------------------------------
+def test_kill_during_checkpoint_write_keeps_the_previous_one(env, tmp_path):
+    marker = tmp_path / "marker"
+    run_dir = tmp_path / "run"
+    args = [*TWO_EPOCHS, "logger=none", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(ROOT / "run.py"), HANG_IN_SECOND_LAST_CKPT, *args],
+                            cwd=env["HOME"], env={**env, "MARKER": str(marker)}, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    output = proc.communicate()[0].decode()
+    assert marker.exists(), output[-3000:]
+    ckpts = run_dir / "checkpoints"
+    stray = list(ckpts.glob(".last.ckpt.tmp-*"))
+    assert len(stray) == 1 and stray[0].stat().st_size > 0  # the killed write, complete but never renamed
+    assert torch.load(ckpts / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == 10
+    # The run resumes from the intact checkpoint; its next write clears the stray file.
+    run([*TWO_EPOCHS, "logger=none", f"hydra.run.dir={run_dir}", "resume=true"], env)
+    assert torch.load(ckpts / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == 20
+    assert not list(ckpts.glob(".last.ckpt.tmp-*"))
+
+
+class Evil:  # pickled by reference: unpickling it would call os.system
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_checkpoint_holding_pickled_code_is_refused(env, tmp_path):
+    bad = tmp_path / "evil.ckpt"
+    torch.save({"state_dict": {}, "callback": Evil()}, bad)
+    err = user_error(["mode=test", f"ckpt_path={bad}", *TINY, "logger=none"], env,
+                     f"Refusing to load ckpt_path={bad}", "weights_only=True", "posix.system")
+    assert "pwned" not in err
+    with pytest.raises(UserError, match="arbitrary code"):
+        SafeCheckpointIO().load_checkpoint(bad, weights_only=False)  # whatever Lightning asks for
+    (tmp_path / "cut.ckpt").write_bytes(open(ROOT / "README.md", "rb").read()[:100])
+    with pytest.raises(UserError, match="truncated, corrupt or not a torch file"):
+        safe_torch_load(tmp_path / "cut.ckpt")
+
+
+def test_atomic_save_replaces_only_when_complete(tmp_path):
+    path = tmp_path / "c" / "last.ckpt"
+    atomic_torch_save({"x": torch.ones(3)}, path)
+    stray = path.parent / ".last.ckpt.tmp-999999"
+    stray.write_bytes(b"half a checkpoint")
+
+    class Broken:
+        def __reduce__(self):
+            raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        atomic_torch_save({"x": torch.zeros(3), "y": Broken()}, path)
+    assert torch.equal(torch.load(path, weights_only=True)["x"], torch.ones(3))
+    assert not stray.exists() and list(path.parent.iterdir()) == [path]  # stray and failed temp both gone
+
+
+# --- credentials -----------------------------------------------------------------------------------------------------
+def test_redaction_rules(tmp_path):
+    secrets = {"verysecretvalue": "HF_TOKEN"}
+    cfg = {"logger": {"api_key": "abc", "project": "p"}, "model": {"class_token": True, "token": "t"},
+           "notes": "x verysecretvalue y", "list": ["verysecretvalue"], "n": 3}
+    assert redact(cfg, secrets) == {"logger": {"api_key": "<redacted>", "project": "p"},
+                                    "model": {"class_token": True, "token": "<redacted>"},
+                                    "notes": "x <redacted:$HF_TOKEN> y", "list": ["<redacted:$HF_TOKEN>"], "n": 3}
+    assert redact_override("+logger.api_key=abc", secrets) == "+logger.api_key=<redacted>"
+    assert redact_override("model.class_token=false", secrets) == "model.class_token=false"
+    f = tmp_path / "overrides.yaml"
+    f.write_text("- +logger.api_key=abc\n- model.class_token=false\n- +x=verysecretvalue\n")
+    redact_file(f, secrets)
+    assert f.read_text() == "- +logger.api_key=<redacted>\n- model.class_token=false\n- +x=<redacted:$HF_TOKEN>\n"
+
+
+# --- impossible configurations ---------------------------------------------------------------------------------------
+def compose_run(overrides):
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return compose("config", overrides=overrides)
+
+
+@pytest.mark.parametrize("overrides, needles", [
+    (["task=modelnet", "attn=focal", "attn.expand_size=2"], ["attn.expand_size", "task=modelnet", "attn.neighbours"]),
+    (["task=shapenet", "attn=dilated", "attn.border=mask"], ["attn.border", "point sets"]),
+    (["task=segmentation", "attn=dilated", "attn.neighbours=16"], ["attn.neighbours", "image grids"]),
+    (["task=segmentation", "data=blobs", "trainer=ddp", "trainer.devices=4", "data.num_test=3"],
+     ["data.num_test=3", "4 = trainer.devices"]),
+    (["task=gan", "trainer.devices=2", "++trainer.num_nodes=2", "data.val_samples=2"], ["data.val_samples=2"]),
+    (["trainer.on_nan=sometimes"], ["trainer.on_nan='sometimes'", "skip"]),
+])
+def test_impossible_configurations_are_refused(overrides, needles):
+    cfg = compose_run(overrides)
+    with pytest.raises(UserError) as err:
+        validate_config(cfg, overrides)
+    for needle in needles:
+        assert needle in str(err.value)
+
+
+def test_valid_configurations_pass():
+    for overrides in (["task=modelnet", "attn=focal", "attn.neighbours=16"], ["task=segmentation", "attn=focal",
+                      "attn.expand_size=2"], ["task=gan", "trainer=ddp"], ["task=shapenet", "attn=external"]):
+        validate_config(compose_run(overrides), overrides)
+
+
+def test_config_is_checked_before_any_data_is_read(env, tmp_path):
+    user_error(["task=modelnet", "data=modelnet40", f"data.root={tmp_path / 'absent'}", "attn=dilated",
+                "attn.border=mask", "logger=none"], env, "attn.border")
