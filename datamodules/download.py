@@ -1,20 +1,28 @@
 """Download, verify and safely extract a dataset archive.
 
-:func:`download_and_extract` fetches ``url`` into ``root`` with torchvision's
-``download_url`` (progress bar), checks it, and unpacks it into ``root``::
+:func:`download_and_extract` fetches ``url`` into ``root`` (progress bar),
+checks it, and unpacks it into ``root``::
 
-    <root>/<filename>.part   while downloading (removed on any failure)
-    <root>/<filename>        the verified archive, kept so that a re-run with
-                             the same md5 does not download it again
+    <root>/<filename>.part   while downloading; an interrupted download is
+                             resumed from here (HTTP Range) by the next run,
+                             or restarted when the server cannot resume
+    <root>/<filename>        the complete archive, only ever renamed from
+                             .part once all bytes arrived; kept so that a
+                             re-run does not download it again
+    <root>/<filename>.md5    the md5 pinned at first use when no md5 is
+                             configured (see below)
     <root>/...               the archive's members
 
 Checks, each failing with a :class:`~attention.errors.UserError` that names the
 URL or file:
 
-* the server is reachable and sends the file (else: download by hand into
-  ``data.root``);
-* the md5 matches when one is given (expected and actual sums are reported and
-  the bad file is deleted);
+* the server is reachable and sends the whole file (else: run again to resume,
+  or download by hand into ``data.root``);
+* the md5 matches: the configured ``md5``, or, for releases that publish none
+  (ModelNet40 and ShapeNet part: no checksum is published for them), the md5
+  recorded the first time the archive was downloaded and found complete (a
+  later download that differs is refused); expected and actual sums are
+  reported and the bad file is deleted;
 * the file is a readable zip or tar (.tar, .tar.gz, .tgz, .tar.bz2, .tar.xz)
   archive (else it is deleted);
 * every member stays inside ``root``: absolute names, ``..`` components, and
@@ -26,19 +34,23 @@ from __future__ import annotations
 
 import hashlib
 import http.client
+import logging
 import os
 import posixpath
 import tarfile
 import urllib.error
+import urllib.request
 import zipfile
 import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from torchvision.datasets.utils import download_url
+from tqdm.auto import tqdm
 
 from attention.errors import UserError
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -63,14 +75,24 @@ def download_and_extract(
             unsafe archive member.
     """
     root = Path(root).expanduser()
+    root.mkdir(parents=True, exist_ok=True)
     name = filename or posixpath.basename(url.split("?", 1)[0]) or "download"
     archive = root / name
+    pin = root / (name + ".md5")
+    pinned = md5 is None and pin.is_file()
+    if md5 is None and pinned:
+        md5 = pin.read_text().split()[0]
     if archive.is_file() and md5 is not None and _md5(archive) != md5.lower():
         archive.unlink()  # a stale or corrupt earlier download: fetch it again
     if not archive.is_file():
         _fetch(url, root, name)
-    _verify(archive, url, md5)
+    _verify(archive, url, md5, pinned=pin if pinned else None)
     _extract(archive, root)
+    if md5 is None:  # no published checksum: pin this complete, safe archive's md5 for every later download
+        digest = _md5(archive)
+        pin.write_text(f"{digest}  {name}\n")
+        log.warning("No md5 is configured for %s; the archive is complete and safe, md5 %s, now pinned in %s (set "
+                    "data.md5=%s to pin it in the config).", url, digest, pin, digest)
     return archive
 
 
@@ -88,18 +110,63 @@ def ensure_release(check: Callable[[], T], download: bool, url: str, root: str |
 
 
 def _fetch(url: str, root: Path, name: str) -> None:
-    """Download ``url`` to ``root/name`` through a ``.part`` file."""
+    """Download ``url`` to ``root/name`` through ``root/name.part``, resuming a ``.part`` left by an interrupted run.
+
+    Written by hand rather than with torchvision's ``download_url``, which always starts over: dataset archives
+    are hundreds of MB to GB, and an interrupted download should cost only what is missing.
+    """
     part = root / (name + ".part")
-    part.unlink(missing_ok=True)
+    offset = part.stat().st_size if part.is_file() else 0
     try:
-        download_url(url, str(root), filename=part.name)
-    except (urllib.error.URLError, http.client.HTTPException, OSError, RuntimeError, ValueError) as err:
-        part.unlink(missing_ok=True)
+        try:
+            _stream(url, part, offset)
+        except urllib.error.HTTPError as err:
+            if err.code != 416 or not offset:  # 416: the .part is not a prefix the server can continue
+                raise
+            part.unlink()
+            _stream(url, part, 0)
+    except _Incomplete as err:
         raise UserError(
-            f"Could not download {url} ({err}). Check the URL and your network, or download the "
-            f"file by hand and unpack it into data.root={root}."
+            f"The download of {url} stopped after {err.got} of {err.total} bytes; the part is kept in {part}. Run "
+            f"the same command again to resume it, or download the file by hand into data.root={root}."
+        ) from None
+    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as err:
+        raise UserError(
+            f"Could not download {url} ({err}). Check the URL and your network, then run again (a partial "
+            f"download in {part} is resumed), or download the file by hand and unpack it into data.root={root}."
         ) from None
     part.replace(root / name)
+
+
+class _Incomplete(Exception):
+    def __init__(self, got: int, total: int):
+        super().__init__(f"{got} of {total} bytes")
+        self.got, self.total = got, total
+
+
+def _stream(url: str, part: Path, offset: int) -> None:
+    """Write ``url`` into ``part``, from byte ``offset`` when the server honours the Range request."""
+    headers = {"User-Agent": "attention-suite"}
+    if offset:
+        headers["Range"] = f"bytes={offset}-"
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=60) as response:
+        status = getattr(response, "status", None) or 200
+        resumed = offset > 0 and status == 206 and (response.headers.get("Content-Range") or "").startswith(
+            f"bytes {offset}-")
+        start = offset if resumed else 0
+        length = response.headers.get("Content-Length")
+        total = start + int(length) if length and length.isdigit() else None
+        if resumed:
+            log.info("resuming the download of %s at byte %d", url, start)
+        with open(part, "ab" if resumed else "wb") as f, tqdm(
+                total=total, initial=start, unit="B", unit_scale=True, unit_divisor=1024, desc=part.name[:-5],
+                disable=None) as bar:
+            while chunk := response.read(1 << 20):
+                f.write(chunk)
+                bar.update(len(chunk))
+    got = part.stat().st_size
+    if total is not None and got != total:
+        raise _Incomplete(got, total)
 
 
 def _md5(path: Path) -> str:
@@ -110,15 +177,18 @@ def _md5(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _verify(archive: Path, url: str, md5: str | None) -> None:
+def _verify(archive: Path, url: str, md5: str | None, pinned: Path | None = None) -> None:
     """Check the md5 (when given) and that ``archive`` is a readable archive; delete it if not."""
     if md5 is not None:
         actual = _md5(archive)
         if actual != md5.lower():
             archive.unlink()
+            source = (f"the md5 pinned in {pinned} when it was first downloaded" if pinned is not None
+                      else "data.md5")
             raise UserError(
-                f"Checksum mismatch for {archive} downloaded from {url}: expected md5 {md5.lower()}, "
-                f"got {actual}. The file was deleted; retry, or fix the md5 option if the release changed."
+                f"Checksum mismatch for {archive} downloaded from {url}: expected md5 {md5.lower()} ({source}), "
+                f"got {actual}. The file was deleted; retry, or, if the release really changed, "
+                + (f"delete {pinned}." if pinned is not None else "fix data.md5.")
             )
     if zipfile.is_zipfile(archive):
         try:

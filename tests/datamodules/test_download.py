@@ -160,3 +160,81 @@ def test_safe_tar_with_internal_symlink_extracts(tmp_path, http_folder):
     root = tmp_path / "data"
     download_and_extract(f"{base}/good.tgz", root, md5=hashlib.md5(payload).hexdigest())
     assert (root / "ok" / "link").read_text() == "fine"
+
+
+# --- interrupted downloads and pinned checksums --------------------------------------------------------------------
+class _RangeServer:
+    """127.0.0.1 server of one payload: honours `Range: bytes=N-` (206) and can cut the next response short
+    after `cut` bytes while announcing the full length, as a dropped connection does."""
+
+    def __init__(self, payload: bytes):
+        import http.server
+        import threading
+
+        self.payload, self.cut, self.ranges = payload, None, []
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                start = 0
+                if rng := self.headers.get("Range"):
+                    start = int(rng.removeprefix("bytes=").split("-")[0])
+                    server.ranges.append(start)
+                body = server.payload[start:]
+                self.send_response(206 if start else 200)
+                if start:
+                    self.send_header("Content-Range", f"bytes {start}-{len(server.payload) - 1}/{len(server.payload)}")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if server.cut is not None:
+                    body, server.cut = body[:server.cut], None
+                self.wfile.write(body)
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/release.zip"
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def range_server():
+    servers = []
+    yield lambda payload: servers.append(_RangeServer(payload)) or servers[-1]
+    for s in servers:
+        s.close()
+
+
+def test_interrupted_download_is_kept_then_resumed(tmp_path, range_server):
+    payload = zip_with("ok/more.txt")
+    server = range_server(payload)
+    server.cut = len(payload) // 3
+    with pytest.raises(UserError, match=r"stopped after \d+ of \d+ bytes.*Run the same command again to resume"):
+        download_and_extract(server.url, tmp_path, md5=hashlib.md5(payload).hexdigest())
+    part = tmp_path / "release.zip.part"
+    assert part.stat().st_size == len(payload) // 3 and not (tmp_path / "release.zip").exists()  # never used
+    download_and_extract(server.url, tmp_path, md5=hashlib.md5(payload).hexdigest())
+    assert server.ranges == [len(payload) // 3]  # only the missing bytes were asked for
+    assert (tmp_path / "release.zip").read_bytes() == payload and not part.exists()
+    assert (tmp_path / "ok" / "more.txt").read_text() == "evil"
+
+
+def test_md5_is_pinned_at_first_use_when_none_is_configured(tmp_path, range_server):
+    first = zip_with("ok/a.txt")
+    server = range_server(first)
+    download_and_extract(server.url, tmp_path)
+    pin = tmp_path / "release.zip.md5"
+    assert pin.read_text().split()[0] == hashlib.md5(first).hexdigest()
+    # The server now sends another file under the same name: refused against the pinned sum, and deleted.
+    (tmp_path / "release.zip").unlink()
+    server.payload = zip_with("ok/b.txt")
+    with pytest.raises(UserError, match="Checksum mismatch.*pinned in") as err:
+        download_and_extract(server.url, tmp_path)
+    assert hashlib.md5(server.payload).hexdigest() in str(err.value)
+    assert not (tmp_path / "release.zip").exists()
