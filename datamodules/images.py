@@ -33,6 +33,14 @@ Datasets:
   (``data.download=true`` fetches it); the five data batches are the train split.
 * ``ImageFolder`` (config ``image_folder``): any folder of images, optionally
   one sub-folder per class; shorter side resized to R, then centre-cropped.
+
+Bad files (``on_bad_file``, CIFAR10 and ImageFolder): with ``"error"`` (the default)
+the first unreadable or malformed file or sample raises a
+:class:`~attention.errors.UserError` naming it and the fix; with ``"skip"`` it is
+dropped, one warning gives the count, and ``skipped`` lists one line per dropped
+file or sample (``"<file>: <reason>"``, ``"<file>[<i>]: <reason>"``). ``skipped``
+exists on every module (empty when nothing was skipped); no usable image at all
+is a UserError either way.
 """
 
 from __future__ import annotations
@@ -141,6 +149,9 @@ class ImageDataModule(L.LightningDataModule):
         test_samples: the same for test / ``mode=eval``; None = as many as
             training images (StudioGAN's protocol: 50k for CIFAR-10).
         eval_batch_size: batch of the evaluation loaders.
+
+    After :meth:`setup`, ``skipped`` lists the bad files and samples that were dropped
+    (``on_bad_file="skip"``; empty otherwise).
     """
 
     name: str = "images"
@@ -174,6 +185,14 @@ class ImageDataModule(L.LightningDataModule):
         self.train_images: torch.Tensor | None = None
         self.train_labels: torch.Tensor | None = None
         self.fingerprint: str | None = None
+        self.on_bad_file = "error"  # subclasses that read files take it as an option
+        self.skipped: list[str] = []  # filled in setup: one line per dropped file or sample
+
+    def _bad(self, entry: str, message: str) -> None:
+        """A bad file or sample: raise (on_bad_file=error) or record it in ``skipped`` (skip)."""
+        if self.on_bad_file != "skip":
+            raise UserError(f"{message} Or set data.on_bad_file=skip to drop bad files (they are counted and named).")
+        self.skipped.append(entry)
 
     def _load(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The training split: images uint8 (N, 3, R, R) and labels int64 (N,)."""
@@ -183,7 +202,12 @@ class ImageDataModule(L.LightningDataModule):
         """Load the training split once (later calls do nothing)."""
         if self.train_images is not None:
             return
+        self.skipped = []
         images, labels = self._load()
+        if self.skipped:
+            shown = "; ".join(self.skipped[:5]) + ("; ..." if len(self.skipped) > 5 else "")
+            log.warning("Skipped %d bad file(s) or image(s) of %s (data.on_bad_file=skip): %s", len(self.skipped),
+                        self.name, shown)  # fmt: skip
         assert images.dtype == torch.uint8 and images.shape[1:] == (3, self.resolution, self.resolution)
         assert labels.dtype == torch.int64 and labels.shape == (len(images),)
         self.train_images = images.contiguous()
@@ -367,6 +391,9 @@ class CIFAR10(ImageDataModule):
             release is incomplete; in :meth:`prepare_data` (and in :meth:`setup` if
             that was skipped).
         url, md5: the archive and its md5 (None: only check it is a valid archive).
+        on_bad_file: ``"error"``, or ``"skip"``: an unreadable or malformed batch file is
+            dropped whole, an image with a label outside 0..9 alone; a bad ``batches.meta``
+            gives the standard class names.
         resolution, batch_size, batches_per_step, num_workers, flip, seed: see
             :class:`ImageDataModule`.
     """
@@ -388,10 +415,12 @@ class CIFAR10(ImageDataModule):
         download: bool = False,
         url: str = CIFAR10_URL,
         md5: str | None = CIFAR10_MD5,
+        on_bad_file: str = "error",
     ):
         super().__init__(resolution, batch_size, batches_per_step, num_workers, flip, seed,
                          val_samples, test_samples, eval_batch_size)
         self.save_hyperparameters()
+        self.on_bad_file = _on_bad_file_option(on_bad_file)
         self.root = root
         self.download = bool(download)
         self.url = url
@@ -425,10 +454,24 @@ class CIFAR10(ImageDataModule):
 
     def _load(self) -> tuple[torch.Tensor, torch.Tensor]:
         folder = ensure_release(self._files, self.download, self.url, Path(self.root).expanduser(), self.md5)
-        self.class_names = _read_cifar_meta(folder / "batches.meta")
-        parts = [_read_cifar_batch(folder / name) for name in CIFAR10_TRAIN_FILES]
-        data = np.concatenate([d for d, _ in parts])  # (N, 3072) uint8
-        labels = np.concatenate([lab for _, lab in parts])
+        try:
+            self.class_names = _read_cifar_meta(folder / "batches.meta")
+        except _BadFile as err:
+            self._bad(err.entry, str(err))
+            self.class_names = list(CIFAR10_CLASSES)
+        parts = []
+        for name in CIFAR10_TRAIN_FILES:
+            try:
+                parts.append(_read_cifar_batch(folder / name, self._bad))
+            except _BadFile as err:
+                self._bad(err.entry, str(err))
+        data = np.concatenate([d for d, _ in parts] or [np.empty((0, 3072), np.uint8)])  # (N, 3072) uint8
+        labels = np.concatenate([lab for _, lab in parts] or [np.empty(0, np.int64)])
+        if len(data) == 0:
+            why = f"all {len(self.skipped)} bad file(s) or image(s) were skipped" if self.skipped else "they are empty"
+            raise UserError(
+                f"CIFAR-10 under {folder} has no usable training image: {why}. {_cifar_fix(folder / 'x')}"
+            )
         images = torch.from_numpy(data).view(-1, 3, 32, 32)  # R, G, B planes, row-major
         return _resize_uint8(images, self.resolution, antialias=True), torch.from_numpy(labels)
 
@@ -437,43 +480,57 @@ def _cifar_fix(path: Path) -> str:
     return f"Delete {path.parent} and use data.download=true, or unpack the official cifar-10-python.tar.gz there."
 
 
+class _BadFile(UserError):
+    """A bad CIFAR-10 file; ``entry`` is its line in ``skipped``."""
+
+    def __init__(self, message: str, entry: str):
+        super().__init__(message)
+        self.entry = entry
+
+
 def _unpickle(path: Path):
     """The object pickled in ``path``, through :class:`_ArrayUnpickler`; UserError if unreadable."""
     try:
         with open(path, "rb") as f:
             return _ArrayUnpickler(f, path).load()
-    except UserError:
-        raise
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
-            MemoryError, OSError) as err:  # fmt: skip
-        raise UserError(
-            f"{path} cannot be read as a CIFAR-10 pickle, it is truncated or corrupt ({err}). {_cifar_fix(path)}"
+    except UserError as err:  # a refused global
+        raise _BadFile(str(err), f"{path}: refers to a global other than numpy arrays (refused)") from None
+    except Exception as err:  # noqa: BLE001 - anything a corrupt pickle makes the allowed constructors raise
+        raise _BadFile(
+            f"{path} cannot be read as a CIFAR-10 pickle, it is truncated or corrupt ({type(err).__name__}: {err}). "
+            f"{_cifar_fix(path)}",
+            f"{path}: unreadable, truncated or corrupt pickle ({type(err).__name__})",
         ) from None
 
 
-def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """Data uint8 (n, 3072) and labels int64 (n,) of one validated batch file."""
+def _read_cifar_batch(path: Path, bad) -> tuple[np.ndarray, np.ndarray]:
+    """Data uint8 (n, 3072) and labels int64 (n,) of one validated batch file; a bad file raises
+    :class:`_BadFile`, images with a bad label go to ``bad(entry, message)`` (which raises or records)."""
     fix = _cifar_fix(path)
     batch = _unpickle(path)
     if not isinstance(batch, dict) or b"data" not in batch or b"labels" not in batch:
-        keys = list(batch) if isinstance(batch, dict) else type(batch).__name__
-        raise UserError(
-            f"{path} is not a CIFAR-10 batch: expected a dict with b'data' and b'labels', got {keys}. {fix}"
-        )
+        keys = list(batch)[:10] if isinstance(batch, dict) else type(batch).__name__
+        raise _BadFile(f"{path} is not a CIFAR-10 batch: expected a dict with b'data' and b'labels', got {keys}. {fix}",
+                       f"{path}: not a CIFAR-10 batch (no b'data' and b'labels')")  # fmt: skip
     data = batch[b"data"]
     if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072:
         got = f"{data.dtype} {data.shape}" if isinstance(data, np.ndarray) else type(data).__name__
-        raise UserError(f"{path}: b'data' must be a uint8 array of shape (n, 3072), got {got}. {fix}")
+        raise _BadFile(f"{path}: b'data' must be a uint8 array of shape (n, 3072), got {got}. {fix}",
+                       f"{path}: b'data' is {got}, expected uint8 (n, 3072)")  # fmt: skip
     try:
-        labels = np.asarray(batch[b"labels"], dtype=np.int64).reshape(-1)
-    except (TypeError, ValueError):
-        raise UserError(f"{path}: b'labels' must be a list of integers. {fix}") from None
-    if len(labels) != len(data):
-        raise UserError(f"{path} has {len(data)} images but {len(labels)} labels. {fix}")
-    bad = np.flatnonzero((labels < 0) | (labels >= len(CIFAR10_CLASSES)))
-    if len(bad):
-        raise UserError(f"{path}: image {bad[0]} has label {labels[bad[0]]}, expected 0..9. {fix}")
-    return data, labels
+        raw = np.asarray(batch[b"labels"]).reshape(-1)
+        ok = raw.dtype.kind in "iu"
+    except (TypeError, ValueError, OverflowError):
+        ok = False
+    if not ok:
+        raise _BadFile(f"{path}: b'labels' must be a list of integers. {fix}", f"{path}: b'labels' are not integers")
+    if len(raw) != len(data):
+        raise _BadFile(f"{path} has {len(data)} images but {len(raw)} labels. {fix}",
+                       f"{path}: {len(data)} images but {len(raw)} labels")  # fmt: skip
+    in_range = (raw >= 0) & (raw < len(CIFAR10_CLASSES))  # in the stored dtype: no wrap-around
+    for i in np.flatnonzero(~in_range):
+        bad(f"{path}[{i}]: label {raw[i]} outside 0..9", f"{path}: image {i} has label {raw[i]}, expected 0..9. {fix}")
+    return np.ascontiguousarray(data[in_range]), raw[in_range].astype(np.int64)
 
 
 def _read_cifar_meta(path: Path) -> list[str]:
@@ -481,9 +538,10 @@ def _read_cifar_meta(path: Path) -> list[str]:
     names = meta.get(b"label_names") if isinstance(meta, dict) else None
     if not isinstance(names, list) or len(names) != len(CIFAR10_CLASSES) or \
             not all(isinstance(n, (bytes, str)) for n in names):  # fmt: skip
-        raise UserError(
+        raise _BadFile(
             f"{path} must hold b'label_names', a list of {len(CIFAR10_CLASSES)} names. Restore it from the "
-            f"official cifar-10-python.tar.gz, or delete {path.parent} and use data.download=true."
+            f"official cifar-10-python.tar.gz, or delete {path.parent} and use data.download=true.",
+            f"{path}: no list of {len(CIFAR10_CLASSES)} b'label_names' (standard names used)",
         )
     return [n.decode("utf-8", "replace") if isinstance(n, bytes) else n for n in names]
 
@@ -492,6 +550,16 @@ def _read_cifar_meta(path: Path) -> list[str]:
 # A folder of images
 
 ON_BAD_FILE = ("error", "skip")
+
+
+def _on_bad_file_option(value) -> str:
+    if value not in ON_BAD_FILE:
+        raise UserError(
+            f"data.on_bad_file must be 'error' (stop at the first bad file) or 'skip' (drop bad files, counted), "
+            f"got {value!r}; e.g. data.on_bad_file=skip."
+        )
+    return str(value)
+
 # what PIL raises for unreadable, non-image, truncated or malformed files (plugins differ)
 DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, struct.error, IndexError, KeyError, TypeError)
 PROGRESS_THRESHOLD = 500  # show a progress bar when loading more files than this
@@ -559,10 +627,8 @@ class ImageFolder(ImageDataModule):
         super().__init__(resolution, batch_size, batches_per_step, num_workers, flip, seed,
                          val_samples, test_samples, eval_batch_size)
         self.save_hyperparameters()
-        if on_bad_file not in ON_BAD_FILE:
-            raise UserError(f"data.on_bad_file must be 'error' or 'skip', got {on_bad_file!r}.")
         self.root = root
-        self.on_bad_file = on_bad_file
+        self.on_bad_file = _on_bad_file_option(on_bad_file)
         self.files, self.class_names = self._scan()
         self.num_classes = len(self.class_names)
 
@@ -603,20 +669,13 @@ class ImageFolder(ImageDataModule):
             try:
                 image = _load_image(path, self.resolution)
             except DECODE_ERRORS + (Image.DecompressionBombError,) as err:
-                if self.on_bad_file == "error":
-                    raise UserError(
-                        f"{path} cannot be decoded as an image ({type(err).__name__}: {err}). Remove or "
-                        f"replace it, or set data.on_bad_file=skip to skip unreadable files."
-                    ) from None
+                self._bad(f"{path}: cannot be decoded as an image ({type(err).__name__}: {err})",
+                          f"{path} cannot be decoded as an image ({type(err).__name__}: {err}). Remove or "
+                          f"replace it.")  # fmt: skip
                 bad.append(path)
                 continue
             images.append(image)
             labels.append(label)
-        if bad:
-            log.warning(
-                "Skipped %d unreadable file(s) in %s (data.on_bad_file=skip): %s%s", len(bad), self.root,
-                ", ".join(str(p) for p in bad[:5]), ", ..." if len(bad) > 5 else "",
-            )
         used = set(labels)
         empty = [name for label, name in enumerate(self.class_names) if label not in used]
         if images and empty:

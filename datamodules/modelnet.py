@@ -33,13 +33,23 @@ augmentation and the validation protocol.
 
 from __future__ import annotations
 
+import glob
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from attention.errors import UserError
 from datamodules.download import ensure_release
-from datamodules.points import ArraySource, PointCloudDataModule, PointSource, read_h5
+from datamodules.points import (
+    ArraySource,
+    BadData,
+    DataError,
+    PointCloudDataModule,
+    PointSource,
+    pyg_offsets,
+    read_h5,
+)
 
 MODELNET40_CLASSES = [
     "airplane", "bathtub", "bed", "bench", "bookshelf", "bottle", "bowl", "car", "chair", "cone",
@@ -61,6 +71,8 @@ class ModelNet40(PointCloudDataModule):
             release folder is missing.
         url: where to download the release zip from.
         md5: expected md5 of the zip (None: only check that it is a valid zip).
+        on_bad_file: ``"error"``, or ``"skip"``: an unreadable or malformed file is dropped
+            whole, a sample with a label outside 0..39 or NaN / infinite coordinates alone.
         batch_size, eval_batch_size, num_workers, augment, val_fraction, seed:
             see :class:`~datamodules.points.PointCloudDataModule`.
     """
@@ -78,8 +90,10 @@ class ModelNet40(PointCloudDataModule):
         download: bool = False,
         url: str = HDF5_URL,
         md5: str | None = None,
+        on_bad_file: str = "error",
     ):
-        super().__init__(root, npoints, batch_size, eval_batch_size, num_workers, augment, val_fraction, seed)
+        super().__init__(root, npoints, batch_size, eval_batch_size, num_workers, augment, val_fraction, seed,
+                         on_bad_file)  # fmt: skip
         self.save_hyperparameters()
         self.download = bool(download)
         self.url = url
@@ -116,8 +130,8 @@ class ModelNet40(PointCloudDataModule):
     def _load(self) -> tuple[PointSource, None, PointSource]:
         folder, train_files, test_files = self._files()
         self.class_names = _read_shape_names(folder / "shape_names.txt")
-        train = ArraySource(*_load_h5_files(train_files, self.npoints))
-        test = ArraySource(*_load_h5_files(test_files, self.npoints))
+        train = ArraySource(*_load_h5_files(train_files, self.npoints, self.bad, len(self.skipped)))
+        test = ArraySource(*_load_h5_files(test_files, self.npoints, self.bad, len(self.skipped)))
         return train, None, test
 
 
@@ -125,7 +139,12 @@ def _read_shape_names(path: Path) -> list[str]:
     """Class names from ``shape_names.txt``, or the canonical sorted names when it is absent."""
     if not path.is_file():
         return list(MODELNET40_CLASSES)
-    names = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"{path} cannot be read as text ({err}). Restore it from the official {HDF5_FOLDER}.zip, "
+                        f"or delete it to use the standard names.") from None  # fmt: skip
+    names = [line.strip() for line in text.splitlines() if line.strip()]
     if len(names) != len(MODELNET40_CLASSES):
         raise UserError(
             f"{path} lists {len(names)} class names, expected {len(MODELNET40_CLASSES)} (one a line). "
@@ -134,48 +153,101 @@ def _read_shape_names(path: Path) -> list[str]:
     return names
 
 
-def _load_h5_files(files: list[Path], npoints: int) -> tuple[np.ndarray, np.ndarray]:
-    """Concatenate validated files: points (n, npoints, 3) float32 and labels (n,) int64."""
-    parts = [_load_h5(path, npoints) for path in files]
+def _load_h5_files(files: list[Path], npoints: int, bad: BadData, skipped_before: int = 0
+                   ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """Concatenate validated files: points (n, npoints, 3) float32 and labels (n,) int64.
+
+    Bad files and samples go to ``bad``; UserError when no sample is left."""
+    parts = [_load_h5(path, npoints, bad) for path in files]
     points = np.concatenate([p for p, _ in parts])
     labels = np.concatenate([lab for _, lab in parts])
     if len(labels) == 0:
-        raise UserError(f"ModelNet40 files {', '.join(str(f) for f in files)} hold no samples; restore the release.")
+        dropped = len(bad.skipped) - skipped_before
+        why = f"all {dropped} bad file(s) or sample(s) were skipped (data.on_bad_file=skip)" if dropped else \
+            "they hold no samples"  # fmt: skip
+        raise UserError(
+            f"ModelNet40 files {', '.join(str(f) for f in files)}: nothing left to train or test on, {why}. "
+            f"Restore the release from the official {HDF5_FOLDER}.zip (or delete the folder and use "
+            f"data.download=true)."
+        )
     return points, labels
 
 
-def _load_h5(path: Path, npoints: int) -> tuple[np.ndarray, np.ndarray]:
-    """Read and validate one HDF5 file; return its first ``npoints`` points and its labels."""
+def _load_h5(path: Path, npoints: int, bad: BadData) -> tuple[np.ndarray, np.ndarray]:
+    """Read and validate one HDF5 file; return the first ``npoints`` points and the labels of its good
+    samples (none when the file is skipped)."""
     fix = (
         f"Replace {path.name} with the file from the official {HDF5_FOLDER}.zip "
         f"(or delete the folder and use data.download=true)."
     )
-    arrays = read_h5(path, {"data": ([("n", "points", 3)], "f"), "label": ([("n", 1), ("n",)], "iu")}, fix)
-    points = np.asarray(arrays["data"], dtype=np.float32)  # (n, P, 3)
-    labels = np.asarray(arrays["label"], dtype=np.int64).reshape(-1)  # (n, 1) or (n,) -> (n,)
+    none = np.empty((0, npoints, 3), np.float32), np.empty(0, np.int64)
+    try:
+        arrays = read_h5(path, {"data": ([("n", "points", 3)], "f"), "label": ([("n", 1), ("n",)], "iu")}, fix)
+    except DataError as err:
+        bad.file(err)
+        return none
+    with np.errstate(over="ignore", invalid="ignore"):  # out-of-range values become inf: reported below
+        points = np.asarray(arrays["data"], dtype=np.float32)  # (n, P, 3)
+    raw = arrays["label"].reshape(-1)  # (n, 1) or (n,) -> (n,), stored dtype
     if points.shape[1] < npoints:
         raise UserError(f"{path}: 'data' has {points.shape[1]} points per sample but data.npoints={npoints}; "
-                        f"use data.npoints <= {points.shape[1]}.")
-    bad = np.flatnonzero((labels < 0) | (labels >= len(MODELNET40_CLASSES)))
-    if len(bad):
-        raise UserError(
-            f"{path}: sample {bad[0]} has label {labels[bad[0]]}, expected 0..{len(MODELNET40_CLASSES) - 1}. {fix}"
-        )
-    bad = np.flatnonzero(~np.isfinite(points).all(axis=(1, 2)))
-    if len(bad):
-        raise UserError(f"{path}: sample {bad[0]} has NaN or infinite coordinates. {fix}")
-    return np.ascontiguousarray(points[:, :npoints]), labels
+                        f"use data.npoints <= {points.shape[1]}.")  # fmt: skip
+    in_range = (raw >= 0) & (raw < len(MODELNET40_CLASSES))  # compared in the stored dtype: no wrap-around
+    keep = bad.samples(path, len(raw), [
+        (~in_range, lambda i: f"sample {i} has label {raw[i]}, expected 0..{len(MODELNET40_CLASSES) - 1}"),
+        (~np.isfinite(points).all(axis=(1, 2)), lambda i: f"sample {i} has NaN or infinite coordinates"),
+    ], fix)  # fmt: skip
+    labels = raw[keep].astype(np.int64)
+    return np.ascontiguousarray(points[keep, :npoints]), labels
 
 
 class PyGSource:
-    """A torch-geometric dataset seen as a :class:`~datamodules.points.PointSource`."""
+    """A torch-geometric dataset seen as a :class:`~datamodules.points.PointSource`, restricted to
+    the meshes ``keep`` (default: all)."""
 
-    def __init__(self, dataset):
+    def __init__(self, dataset, keep: np.ndarray | None = None):
         self.dataset = dataset
-        self.labels = dataset.y.numpy().astype(np.int64).reshape(-1)  # (n,); no transform runs
+        labels = dataset._data.y.numpy().astype(np.int64).reshape(-1)  # (n,); no transform runs
+        self.index = np.arange(len(labels)) if keep is None else np.flatnonzero(keep)
+        self.labels = labels[self.index]
 
     def points(self, index: int) -> np.ndarray:
-        return self.dataset[int(index)].pos.numpy()  # (npoints, 3), freshly sampled
+        return self.dataset[int(self.index[index])].pos.numpy()  # (npoints, 3), freshly sampled
+
+
+def mesh_problems(dataset) -> dict[int, str]:
+    """Meshes of a processed PyG ModelNet dataset that ``SamplePoints`` cannot sample: mesh index ->
+    what is wrong (non-finite vertices, no faces, a face naming a missing vertex, zero area)."""
+    data = dataset._data
+    pos = data.pos.to(torch.float64)  # (T, 3)
+    face = data.face if data.face is not None else torch.empty((3, 0), dtype=torch.long)  # (3, F), per-mesh indices
+    nv, nf = pyg_offsets(dataset, "pos").diff(), pyg_offsets(dataset, "face").diff()  # (n,) each
+    n = len(nv)
+    vert_mesh = torch.repeat_interleave(torch.arange(n), nv)  # (T,)
+    face_mesh = torch.repeat_interleave(torch.arange(n), nf)  # (F,)
+    nonfinite = torch.zeros(n).index_add_(0, vert_mesh, (~torch.isfinite(pos).all(dim=1)).to(torch.float32))
+    outside = ((face < 0) | (face >= nv[face_mesh])).any(dim=0)  # (F,)
+    bad_faces = torch.zeros(n).index_add_(0, face_mesh, outside.to(torch.float32))
+    scale = torch.zeros(n, dtype=torch.float64).scatter_reduce_(
+        0, vert_mesh, pos.abs().amax(dim=1).nan_to_num(0.0, 0.0, 0.0), "amax")  # (n,) as SamplePoints divides
+    ok_face = ~outside
+    corner = (face.clamp(min=0) + pyg_offsets(dataset, "pos")[:-1][face_mesh]).clamp(max=max(len(pos) - 1, 0))  # (3, F)
+    unit = pos / scale[vert_mesh].clamp(min=1e-300)[:, None]
+    area = torch.zeros(n, dtype=torch.float64)
+    if face.shape[1] and len(pos):
+        cross = torch.linalg.cross(unit[corner[1]] - unit[corner[0]], unit[corner[2]] - unit[corner[0]], dim=1)
+        area.index_add_(0, face_mesh, torch.where(ok_face, cross.norm(dim=1), 0.0).nan_to_num(0.0))
+    problems = {}
+    for i in range(n):
+        if nonfinite[i]:
+            problems[i] = "NaN or infinite vertex coordinates"
+        elif nf[i] == 0:
+            problems[i] = "no faces"
+        elif bad_faces[i]:
+            problems[i] = "a face refers to a vertex that does not exist"
+        elif not float(area[i]) / 2 > 1e-12:
+            problems[i] = "zero surface area (all faces degenerate), nothing to sample points on"
+    return problems
 
 
 class ModelNet40PyG(PointCloudDataModule):
@@ -188,6 +260,9 @@ class ModelNet40PyG(PointCloudDataModule):
     Args:
         root: folder holding ``raw/`` (and, after processing, ``processed/``).
         npoints: points sampled on each mesh per access.
+        on_bad_file: ``"error"``, or ``"skip"``: meshes that cannot be sampled (NaN vertices, no
+            faces, faces naming missing vertices, zero area) are dropped. A file torch-geometric
+            cannot parse at all stops processing either way.
         batch_size, eval_batch_size, num_workers, augment, val_fraction, seed:
             see :class:`~datamodules.points.PointCloudDataModule`.
     """
@@ -202,8 +277,10 @@ class ModelNet40PyG(PointCloudDataModule):
         augment: bool = True,
         val_fraction: float = 0.0,
         seed: int = 0,
+        on_bad_file: str = "error",
     ):
-        super().__init__(root, npoints, batch_size, eval_batch_size, num_workers, augment, val_fraction, seed)
+        super().__init__(root, npoints, batch_size, eval_batch_size, num_workers, augment, val_fraction, seed,
+                         on_bad_file)  # fmt: skip
         self.save_hyperparameters()
         self.num_classes = len(MODELNET40_CLASSES)
         self.class_names = list(MODELNET40_CLASSES)
@@ -249,5 +326,26 @@ class ModelNet40PyG(PointCloudDataModule):
         """Process the raw meshes into ``<root>/processed`` (once; later runs load it)."""
         self._dataset(train=True)
 
+    def _source(self, train: bool) -> PyGSource:
+        """The split's meshes, those that cannot be sampled raised or (skip) dropped and recorded."""
+        dataset = self._dataset(train)
+        raw = self._check_raw()
+        split = "train" if train else "test"
+        problems = mesh_problems(dataset)
+        files = [Path(p) for c in MODELNET40_CLASSES for p in glob.glob(f"{raw / c / split}/{c}_*.off")]  # PyG's order
+        name = (lambda i: str(files[i])) if len(files) == len(dataset) else (lambda i: f"mesh {i} of {raw} ({split})")
+        fix = (f"Repair or remove the mesh (restore it from the original ModelNet40.zip), then delete "
+               f"{raw.parent / 'processed'} to reprocess.")  # fmt: skip
+        keep = np.ones(len(dataset), dtype=bool)
+        for i, what in problems.items():
+            self.bad.file(DataError(f"{name(i)}: {what}. {fix}", f"{name(i)}: {what}"))
+            keep[i] = False
+        if not keep.any():
+            raise UserError(
+                f"No usable ModelNet40 {split} mesh under {raw}: all {len(keep)} were skipped "
+                f"(data.on_bad_file=skip). {fix}"
+            )
+        return PyGSource(dataset, keep)
+
     def _load(self) -> tuple[PointSource, None, PointSource]:
-        return PyGSource(self._dataset(train=True)), None, PyGSource(self._dataset(train=False))
+        return self._source(train=True), None, self._source(train=False)

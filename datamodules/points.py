@@ -22,6 +22,16 @@ generator, which ``lightning.seed_everything(seed, workers=True)`` seeds in the
 main process and DataLoader seeds per worker; two identically seeded runs see
 identical batches, with or without workers.
 
+Bad data (``on_bad_file``): the file readers check what they read in :meth:`setup`
+(files readable, dataset names, shapes, dtypes, label ranges, finite coordinates).
+With ``on_bad_file="error"`` (the default) the first problem raises a
+:class:`~attention.errors.UserError` naming the file, the sample and the fix; with
+``"skip"`` a bad file (all its samples) or a bad sample is dropped and recorded in
+``skipped`` (one line each, e.g. ``"ply_data_train1.h5: unreadable (...)"`` or
+``"ply_data_train0.h5[17]: NaN or infinite coordinates"``), and a warning gives the
+count. A split left with no samples is a UserError either way. ``skipped`` exists on
+every data module and is empty when nothing was skipped.
+
 Validation protocol: with ``val_fraction == 0`` (the default) validation uses
 the *test* set, as the PCT/ModelNet reference code does (it reports the best
 test accuracy over training). With ``val_fraction > 0`` a seeded, stratified
@@ -30,8 +40,9 @@ fraction of the train split is held out (unaugmented) for validation.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 import h5py
 import lightning as L
@@ -41,6 +52,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from attention.errors import UserError
 from datamodules.distributed import ResumableLoader, eval_loading, train_sampling
+
+log = logging.getLogger(__name__)
 
 MAX_DROPOUT_RATIO = 0.875
 SCALE_RANGE = (2.0 / 3.0, 3.0 / 2.0)
@@ -67,10 +80,77 @@ def scale_shift(points: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 
 DTYPE_KINDS = {"f": "floating point", "iu": "integer"}
+ON_BAD_FILE = ("error", "skip")
+SKIP_HINT = "Or set data.on_bad_file=skip to drop bad files and samples (they are counted and named)."
+MAX_NAMES = 5  # entries named in a "skipped" warning
+
+
+def on_bad_file_option(value) -> str:
+    """``data.on_bad_file`` checked: "error" or "skip"."""
+    if value not in ON_BAD_FILE:
+        raise UserError(
+            f"data.on_bad_file must be 'error' (stop at the first bad file) or 'skip' (drop bad files and "
+            f"samples, counted), got {value!r}; e.g. data.on_bad_file=skip."
+        )
+    return str(value)
+
+
+class DataError(UserError):
+    """A bad file or sample: the message says what and how to fix it; ``entry`` is the one-line
+    record that ``on_bad_file=skip`` keeps in ``skipped`` (``"<file>: <reason>"``, ``"<file>[<i>]: <reason>"``)."""
+
+    def __init__(self, message: str, entry: str):
+        super().__init__(message)
+        self.entry = entry
+
+
+class BadData:
+    """Applies ``data.on_bad_file``: with ``"error"`` the first problem raises (with a hint at
+    ``skip``), with ``"skip"`` every problem is appended to ``skipped`` instead."""
+
+    def __init__(self, on_bad_file: str, skipped: list[str]):
+        self.skip = on_bad_file == "skip"
+        self.skipped = skipped
+
+    def file(self, err: DataError) -> None:
+        """A bad file: raise ``err`` (error) or record it (skip)."""
+        if not self.skip:
+            raise DataError(f"{err} {SKIP_HINT}", err.entry) from None
+        self.skipped.append(err.entry)
+
+    def samples(self, path: Path, n: int, checks: list[tuple[np.ndarray, Callable[[int], str]]],
+                fix: str) -> np.ndarray:  # fmt: skip
+        """Keep-mask (n,) bool of the samples of ``path`` that pass every check.
+
+        Each check is ``(bad, say)``: ``bad`` (n,) bool marks failing samples, ``say(i)`` describes
+        the failure of sample ``i`` ("sample 3 has label 57, expected 0..39"). With ``error``
+        the first failing sample of the first failing check raises; with ``skip`` every failing
+        sample is recorded once, as ``"<path>[i]: <say(i)>"``.
+        """
+        keep = np.ones(n, dtype=bool)
+        for bad, say in checks:
+            bad = np.asarray(bad, dtype=bool) & keep
+            hits = np.flatnonzero(bad)
+            if not len(hits):
+                continue
+            if not self.skip:
+                i = int(hits[0])
+                more = f" ({len(hits)} such samples in this file)" if len(hits) > 1 else ""
+                raise DataError(f"{path}: {say(i)}{more}. {fix} {SKIP_HINT}", f"{path}[{i}]: {say(i)}")
+            self.skipped.extend(f"{path}[{int(i)}]: {say(int(i))}" for i in hits)
+            keep &= ~bad
+        return keep
+
+
+def warn_skipped(what: str, skipped: list[str]) -> None:
+    """One warning with the count and the first few entries (nothing when empty)."""
+    if skipped:
+        shown = "; ".join(skipped[:MAX_NAMES]) + ("; ..." if len(skipped) > MAX_NAMES else "")
+        log.warning("Skipped %d bad file(s) or sample(s) of %s (data.on_bad_file=skip): %s", len(skipped), what, shown)
 
 
 def read_h5(path: Path, spec: dict[str, tuple[list[tuple], str]], fix: str) -> dict[str, np.ndarray]:
-    """Read and check datasets of one HDF5 file; every failure is a UserError naming ``path``.
+    """Read and check datasets of one HDF5 file; every failure is a :class:`DataError` naming ``path``.
 
     Args:
         path: the file.
@@ -84,32 +164,53 @@ def read_h5(path: Path, spec: dict[str, tuple[list[tuple], str]], fix: str) -> d
         Each dataset of ``spec`` read into memory, with its stored dtype.
     """
     sizes: dict[str, tuple[int, str]] = {}  # named dimension -> (size, first dataset that had it)
+
+    def bad(what: str, short: str | None = None) -> DataError:
+        return DataError(f"{path}{what}. {fix}", f"{path}: {short or what.lstrip(': ')}")
+
     try:
         with h5py.File(path, "r") as f:
             for key in spec:
                 if not isinstance(f.get(key), h5py.Dataset):
-                    raise UserError(f"{path} has no '{key}' dataset (found keys: {sorted(f.keys())}). {fix}")
+                    found = sorted(f.keys())
+                    raise bad(f" has no '{key}' dataset (found keys: {found})", f"no '{key}' dataset")
             for key, (shapes, kinds) in spec.items():
                 shape, dtype = f[key].shape, f[key].dtype
+                if shape is None:  # an empty (null dataspace) dataset
+                    shape = ()
                 shape_ok = [s for s in shapes if len(s) == len(shape) and all(
                     isinstance(want, str) or want == got for want, got in zip(s, shape))]  # fmt: skip
                 if not shape_ok:
                     expected = " or ".join("(" + ", ".join(str(d) for d in s) + ("," if len(s) == 1 else "") + ")"
                                            for s in shapes)  # fmt: skip
-                    raise UserError(f"{path}: '{key}' has shape {shape}, expected {expected}. {fix}")
+                    raise bad(f": '{key}' has shape {shape}, expected {expected}")
                 if dtype.kind not in kinds:
-                    raise UserError(f"{path}: '{key}' has dtype {dtype}, expected {DTYPE_KINDS[kinds]}. {fix}")
+                    raise bad(f": '{key}' has dtype {dtype}, expected {DTYPE_KINDS[kinds]}")
                 for name, size in zip(shape_ok[0], shape):
                     if isinstance(name, str):
                         known, first = sizes.setdefault(name, (size, key))
                         if known != size:
-                            raise UserError(
-                                f"{path}: '{first}' has {name}={known} but '{key}' has {name}={size} "
-                                f"(shapes must agree). {fix}"
-                            )
+                            raise bad(f": '{first}' has {name}={known} but '{key}' has {name}={size} "
+                                      f"(shapes must agree)")  # fmt: skip
             return {key: f[key][()] for key in spec}
-    except OSError as err:
-        raise UserError(f"{path} cannot be read as HDF5, it is truncated or corrupt ({err}). {fix}") from None
+    except DataError:
+        raise
+    except (OSError, RuntimeError, ValueError, KeyError, TypeError) as err:  # h5py's errors on corrupt files
+        raise DataError(
+            f"{path} cannot be read as HDF5, it is truncated or corrupt ({type(err).__name__}: {err}). {fix}",
+            f"{path}: unreadable, truncated or corrupt HDF5 ({type(err).__name__}: {err})",
+        ) from None
+
+
+def pyg_offsets(dataset, key: str) -> torch.Tensor:
+    """Offsets (n + 1,) of ``key`` in a collated PyG dataset's storage (PyG keeps no slices for a
+    dataset of one item, nor for an attribute no item has)."""
+    slices = dataset.slices.get(key) if dataset.slices else None
+    if slices is not None:
+        return slices
+    value = getattr(dataset._data, key, None)
+    size = 0 if value is None else value.shape[-1 if key == "face" else 0]
+    return torch.tensor([0, size]) if len(dataset) == 1 else torch.zeros(len(dataset) + 1, dtype=torch.long)
 
 
 def sample_rng() -> np.random.Generator:
@@ -217,6 +318,9 @@ class PointCloudDataModule(L.LightningDataModule):
         val_fraction: 0 validates on the test set; in (0, 1) holds out that
             seeded, stratified fraction of the train split.
         seed: seed of the validation split (and of generated data, if any).
+        on_bad_file: ``"error"`` or ``"skip"`` (see the module docstring; generated data has nothing to skip).
+
+    After :meth:`setup`, ``skipped`` lists the bad files and samples that were dropped.
     """
 
     num_classes: int
@@ -232,6 +336,7 @@ class PointCloudDataModule(L.LightningDataModule):
         augment: bool = True,
         val_fraction: float = 0.0,
         seed: int = 0,
+        on_bad_file: str = "error",
     ):
         super().__init__()
         for name, value in [("npoints", npoints), ("batch_size", batch_size)]:
@@ -253,18 +358,28 @@ class PointCloudDataModule(L.LightningDataModule):
         self.augment = bool(augment)
         self.val_fraction = float(val_fraction)
         self.seed = int(seed)
+        self.on_bad_file = on_bad_file_option(on_bad_file)
+        self.skipped: list[str] = []  # filled in setup: one line per dropped file or sample
         self.train_set: PointCloudDataset | None = None
         self.val_set: PointCloudDataset | None = None
         self.test_set: PointCloudDataset | None = None
 
     def _load(self) -> tuple[PointSource, PointSource | None, PointSource]:
-        """Return the (train, val or None, test) sources; called once by :meth:`setup`."""
+        """Return the (train, val or None, test) sources; called once by :meth:`setup`, which has
+        emptied ``skipped``; bad data goes through :attr:`bad`."""
         raise NotImplementedError
+
+    @property
+    def bad(self) -> BadData:
+        """Where the readers send bad files and samples (``on_bad_file`` applied, ``skipped`` filled)."""
+        return BadData(self.on_bad_file, self.skipped)
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
+        self.skipped = []
         train, val, test = self._load()
+        warn_skipped(type(self).__name__, self.skipped)
         self.test_set = PointCloudDataset(test, self.npoints, augment=False)
         if val is not None:
             self.train_set = PointCloudDataset(train, self.npoints, self.augment)

@@ -36,14 +36,16 @@ masks 255).
 Files are decoded with PIL in :meth:`SegmentationDataset.__getitem__`, i.e. in
 the DataLoader workers. :meth:`SegDataModule.setup` only does the cheap checks:
 the dataset folders and split files exist, every image has its mask and every
-mask its image, split files name existing files. With ``on_bad_file="error"``
-(the default) the first problem raises a :class:`~attention.errors.UserError`;
-with ``"skip"`` the bad samples are dropped, counted in ``skipped`` and reported
-in one warning. ``__getitem__`` checks each sample it decodes (unreadable file,
-image and mask sizes differ, a label value outside the dataset's range) and
-raises a UserError naming the file; those are only found when the sample is
-loaded, so they raise even with ``on_bad_file="skip"``. GID decodes every tile
-in ``setup`` (to cut patches), so there all problems are setup problems.
+mask its image, split files name existing files, and every image and mask opens
+(its header: a known image format, a single-channel 8-bit mask, image and mask of
+the same size). With ``on_bad_file="error"`` (the default) the first problem
+raises a :class:`~attention.errors.UserError`; with ``"skip"`` the bad samples are
+dropped, listed in ``skipped`` (one line each, ``"<file>: <what is wrong>"``) and
+reported in one warning. ``__getitem__`` checks each sample it decodes (pixel data
+truncated or corrupt, a label value outside the dataset's range) and raises a
+UserError naming the file; those are only found when the sample is loaded, so they
+raise even with ``on_bad_file="skip"``. GID decodes every tile in ``setup`` (to cut
+patches), so there all problems are setup problems.
 """
 
 from __future__ import annotations
@@ -202,6 +204,29 @@ def read_index_mask(path: Path, fix: str) -> np.ndarray:
             return np.array(img, dtype=np.uint8)
     except DECODE_ERRORS as err:
         raise UserError(f"{path} cannot be decoded as a mask ({type(err).__name__}: {err}). {fix}") from None
+
+
+def header_problem(image: Path, mask: Path) -> tuple[Path, str] | None:
+    """``(file, what is wrong)`` when the headers of an image / mask pair show a problem, else None:
+    a file PIL cannot identify, a mask that is not single-channel 8-bit, sizes that differ. Reads the
+    headers only; truncated pixel data is found when the sample is decoded."""
+    try:
+        with Image.open(image) as img:
+            size = img.size
+    except DECODE_ERRORS as err:
+        return image, f"cannot be opened as an image ({type(err).__name__}: {err})"
+    try:
+        with Image.open(mask) as img:
+            mode, mask_size = img.mode, img.size
+    except DECODE_ERRORS as err:
+        return mask, f"cannot be opened as a mask ({type(err).__name__}: {err})"
+    if mode not in MASK_MODES:
+        return mask, (f"is a {mode} image; a mask must be a single-channel 8-bit image (palette or grey PNG) of "
+                      f"class indices, not colours")  # fmt: skip
+    if mask_size != size:
+        return image, (f"is {size[0]}x{size[1]} (width x height) but its mask {mask} is {mask_size[0]}x{mask_size[1]}; "
+                       f"they must match pixel for pixel")  # fmt: skip
+    return None
 
 
 @contextmanager
@@ -414,11 +439,14 @@ class SegDataModule(L.LightningDataModule):
         self.eval_batch_size = int_option("eval_batch_size", eval_batch_size, 1, 1)
         self.num_workers = int_option("num_workers", num_workers, 0, 4)
         if on_bad_file not in ON_BAD_FILE:
-            raise UserError(f"data.on_bad_file must be 'error' or 'skip', got {on_bad_file!r}.")
+            raise UserError(
+                f"data.on_bad_file must be 'error' (stop at the first bad file) or 'skip' (drop bad samples, "
+                f"counted), got {on_bad_file!r}; e.g. data.on_bad_file=skip."
+            )
         self.on_bad_file = on_bad_file
         self.lr = _float_option("lr", lr, 0.01)
         self.seed = int_option("seed", seed, 0, 0)
-        self.skipped: list[str] = []  # files of the samples dropped in setup (on_bad_file=skip)
+        self.skipped: list[str] = []  # "<file>: <what is wrong>" per sample dropped in setup (on_bad_file=skip)
         self.train_set: SegmentationDataset | None = None
         self.val_set: SegmentationDataset | None = None
         self.test_set: SegmentationDataset | None = None
@@ -440,7 +468,14 @@ class SegDataModule(L.LightningDataModule):
         """Check the files and build the three splits once (later calls do nothing)."""
         if self.train_set is not None:
             return
+        self.skipped = []
         sources = self._sources()
+        checked: dict[int, FileSource] = {}  # test is often val itself: check it once
+        for split, source in sources.items():
+            if isinstance(source, FileSource):
+                if id(source) not in checked:
+                    checked[id(source)] = self._check_headers(source)
+                sources[split] = checked[id(source)]
         for split, source in sources.items():
             if len(source) == 0:
                 raise UserError(
@@ -467,11 +502,25 @@ class SegDataModule(L.LightningDataModule):
                 f"{path}: {what}{more}. {fix} Or set data.on_bad_file=skip to drop such samples."
             )
         files = [p for p, _ in problems]
-        self.skipped.extend(str(p) for p in files)
+        self.skipped.extend(f"{p}: {what}" for p, what in problems)
         log.warning(
             "Skipped %d bad sample(s) of %s (data.on_bad_file=skip): %s", len(files), self.name, _describe(files)
         )
         return set(files)
+
+    def _check_headers(self, source: FileSource) -> FileSource:
+        """``source`` without the pairs whose image or mask header is bad (see the module docstring):
+        the first raises (on_bad_file=error) or all are dropped and recorded (skip)."""
+        problems, bad_images = [], set()
+        for image, mask, _ in source.pairs:
+            problem = header_problem(image, mask)
+            if problem is not None:
+                problems.append(problem)
+                bad_images.add(image)
+        self._problems(problems, source.fix)
+        if not problems:
+            return source
+        return FileSource([p for p in source.pairs if p[0] not in bad_images], source.fix)
 
     def _loader(self, split: str) -> DataLoader:
         self.setup()
@@ -1089,7 +1138,8 @@ class GID(SegDataModule):
                 except UserError as err:
                     if self.on_bad_file == "error":
                         raise UserError(f"{err} Or set data.on_bad_file=skip to drop such tiles.") from None
-                    skipped.append((str(image_path), str(err)))
+                    entry = str(err).replace(f" {fix}", "")  # "<file> <what is wrong>", without the fix
+                    skipped.append((entry if entry.startswith(str(image_path)) else f"{image_path}: {entry}", str(err)))
                     continue
                 del label
                 nh, nw = image.shape[0] // p, image.shape[1] // p

@@ -80,7 +80,16 @@ from torch.utils.data import Dataset
 from attention.errors import UserError
 from datamodules.cache import read_cache, write_cache
 from datamodules.download import ensure_release
-from datamodules.points import PointCloudDataModule, read_h5, sample_rng, scale_shift
+from datamodules.points import (
+    BadData,
+    DataError,
+    PointCloudDataModule,
+    pyg_offsets,
+    read_h5,
+    sample_rng,
+    scale_shift,
+    warn_skipped,
+)
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +119,7 @@ H5_FOLDER = "shapenet_part_seg_hdf5_data"
 H5_URL = f"https://shapenet.cs.stanford.edu/media/{H5_FOLDER}.zip"
 H5_ZIP_FOLDER = "hdf5_data"  # what the official shapenet_part_seg_hdf5_data.zip unpacks to
 SPLITS = {"train": 0, "val": 1, "test": 2}
-CACHE_VERSION = 1  # bump when the parsing or preprocessing of the txt release changes
+CACHE_VERSION = 2  # bump when the parsing or preprocessing of the txt release changes
 ENTRY = re.compile(r"shape_data/([^/]+)/([^/]+)")
 
 
@@ -161,17 +170,24 @@ class PackedSource:
 def unit_sphere(points: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     """Each packed shape centred at its centroid and divided by its largest norm; float32 (T, 3).
 
-    A shape whose points all coincide is only centred. Every shape needs >= 1 point.
+    A shape whose points all coincide is only centred. Every shape needs >= 1 point. The
+    arithmetic is done in float64 when ``points`` is float64 (then any finite input gives a
+    finite result), else in float32 (huge coordinates may then overflow: callers check).
     """
     offsets = np.asarray(offsets, dtype=np.int64)
     counts, starts = np.diff(offsets), offsets[:-1]  # (n,) each
-    pts = np.asarray(points, dtype=np.float32)
+    dtype = np.float64 if np.asarray(points).dtype == np.float64 else np.float32
+    pts = np.asarray(points, dtype=dtype)
     centroid = np.add.reduceat(pts, starts, axis=0, dtype=np.float64) / counts[:, None]  # (n, 3)
-    centred = pts - np.repeat(centroid.astype(np.float32), counts, axis=0)  # (T, 3) float32
-    radius = np.maximum.reduceat(np.linalg.norm(centred, axis=1), starts)  # (n,)
-    radius[radius == 0] = 1.0
-    centred /= np.repeat(radius, counts)[:, None]
-    return centred
+    with np.errstate(over="ignore", invalid="ignore"):
+        centred = pts - np.repeat(centroid.astype(dtype), counts, axis=0)  # (T, 3)
+        scale = np.maximum.reduceat(np.abs(centred).max(axis=1), starts)  # (n,), keeps the norms in range
+        scale[scale == 0] = 1.0
+        centred /= np.repeat(scale, counts)[:, None]
+        radius = np.maximum.reduceat(np.linalg.norm(centred, axis=1), starts)  # (n,)
+        radius[radius == 0] = 1.0
+        centred /= np.repeat(radius, counts)[:, None]
+    return centred.astype(np.float32, copy=False)
 
 
 def sample_indices(count: int, npoints: int, rng: np.random.Generator) -> np.ndarray:
@@ -243,7 +259,7 @@ class PartSegDataModule(PointCloudDataModule):
         root: dataset folder (meaning depends on the subclass).
         npoints: points per sample.
         normals: add per-point ``"normals"`` to every sample.
-        batch_size, eval_batch_size, num_workers, augment, seed: as in
+        batch_size, eval_batch_size, num_workers, augment, seed, on_bad_file: as in
             :class:`~datamodules.points.PointCloudDataModule`; ``seed`` also fixes
             the validation/test point selection.
     """
@@ -263,8 +279,9 @@ class PartSegDataModule(PointCloudDataModule):
         num_workers: int = 0,
         augment: bool = True,
         seed: int = 0,
+        on_bad_file: str = "error",
     ):
-        super().__init__(root, npoints, batch_size, eval_batch_size, num_workers, augment, 0.0, seed)
+        super().__init__(root, npoints, batch_size, eval_batch_size, num_workers, augment, 0.0, seed, on_bad_file)
         self.normals = bool(normals)
         self.train_set: PartDataset | None = None
         self.val_set: PartDataset | None = None
@@ -282,7 +299,16 @@ class PartSegDataModule(PointCloudDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
+        self.skipped = []
         train, val, test = self._load()
+        warn_skipped(type(self).__name__, self.skipped)
+        for split, source in (("train", train), ("val", val), ("test", test)):
+            if source is not None and len(source) == 0:
+                raise UserError(
+                    f"The {type(self).__name__} {split} split has no usable shapes (data.root={self.root}"
+                    f"{f', {len(self.skipped)} bad files or samples skipped' if self.skipped else ''}); "
+                    f"restore the dataset files, or run offline with data=parts."
+                )
         self.train_set = PartDataset(train, self.npoints, self.augment, self.normals)
         self.test_set = PartDataset(test, self.npoints, False, self.normals, (self.seed, SPLITS["test"]))
         self.val_set = self.test_set if val is None else PartDataset(
@@ -332,6 +358,9 @@ class ShapeNetPart(PartSegDataModule):
         download: in :meth:`prepare_data`, fetch ``url`` into ``root`` when the release is missing.
         url: where to download the release zip from.
         md5: expected md5 of the zip (None: only check that it is a valid zip).
+        on_bad_file: ``"error"``, or ``"skip"``: a split-list entry that is malformed, names an
+            unknown synset or a missing file, and a shape file that is unreadable, has a bad line,
+            NaN / infinite values or a part label outside its category's range, are dropped.
         batch_size, eval_batch_size, num_workers, augment, seed: see :class:`PartSegDataModule`.
     """
 
@@ -349,8 +378,10 @@ class ShapeNetPart(PartSegDataModule):
         download: bool = False,
         url: str = TXT_URL,
         md5: str | None = None,
+        on_bad_file: str = "error",
     ):
-        super().__init__(root, npoints, normals, batch_size, eval_batch_size, num_workers, augment, seed)
+        super().__init__(root, npoints, normals, batch_size, eval_batch_size, num_workers, augment, seed,
+                         on_bad_file)  # fmt: skip
         self.save_hyperparameters()
         self.trainval = bool(trainval)
         self.download = bool(download)
@@ -406,79 +437,101 @@ class ShapeNetPart(PartSegDataModule):
             mapping[fields[1]] = CATEGORY_NAMES.index(fields[0])
         return mapping
 
-    def _entries(self, folder: Path, split: str, synsets: dict[str, int]) -> list[tuple[str, int, Path]]:
-        """(entry, category, txt path) of every entry of the split's JSON list, all checked."""
+    def _entries(self, folder: Path, split: str, synsets: dict[str, int], bad: BadData
+                 ) -> list[tuple[str, int, Path]]:  # fmt: skip
+        """(entry, category, txt path) of every good entry of the split's JSON list; a malformed
+        entry, an unknown synset or a missing shape file goes to ``bad``."""
         path = folder / "train_test_split" / f"shuffled_{split}_file_list.json"
         try:
             entries = json.loads(path.read_text())
         except json.JSONDecodeError as err:
             raise UserError(f"{path}, line {err.lineno}: not valid JSON ({err.msg}). {self._fix()}") from None
+        except (OSError, UnicodeDecodeError, RecursionError) as err:
+            raise UserError(
+                f"{path} cannot be read as a JSON text file ({type(err).__name__}). {self._fix()}"
+            ) from None
         if not isinstance(entries, list):
             raise UserError(f"{path}: expected a JSON list of 'shape_data/<synset>/<id>' entries. {self._fix()}")
         out = []
         for i, entry in enumerate(entries):
             match = ENTRY.fullmatch(entry) if isinstance(entry, str) else None
             if match is None:
-                raise UserError(
-                    f"{path}: entry {i} is {entry!r}, expected 'shape_data/<synset>/<id>'. {self._fix()}"
-                )
+                bad.file(DataError(f"{path}: entry {i} is {entry!r:.80}, expected 'shape_data/<synset>/<id>'. "
+                                   f"{self._fix()}", f"{path}[{i}]: malformed entry {entry!r:.80}"))  # fmt: skip
+                continue
             synset, shape_id = match.groups()
             if synset not in synsets:
-                raise UserError(
+                bad.file(DataError(
                     f"{path}: entry {i} '{entry}' names synset {synset}, which is not a ShapeNetPart category "
                     f"of {folder / 'synsetoffset2category.txt'} (category id outside 0-{len(SYNSETS) - 1}). "
-                    f"{self._fix()}"
-                )
-            out.append((entry, synsets[synset], folder / synset / f"{shape_id}.txt"))
+                    f"{self._fix()}", f"{path}[{i}]: unknown synset {synset} in '{entry}'"))  # fmt: skip
+                continue
+            txt = folder / synset / f"{shape_id}.txt"
+            if not txt.is_file():
+                bad.file(DataError(f"{path}: entry {i} '{entry}' refers to {txt}, which does not exist. {self._fix()}",
+                                   f"{txt}: missing (entry {i} of {path.name})"))  # fmt: skip
+                continue
+            out.append((entry, synsets[synset], txt))
         return out
 
     def _split(self, split: str, load: bool = True) -> PackedSource | None:
-        """The split's shapes from the cache, (re)building it when missing or stale."""
+        """The split's shapes from the cache, (re)building it when missing or stale. Bad entries and
+        shapes raise, or with ``on_bad_file=skip`` are dropped (recorded in ``skipped`` when ``load``)."""
         folder = self._check()
-        entries = self._entries(folder, split, self._synsets(folder))
+        bad = BadData(self.on_bad_file, self.skipped if load else [])
         json_path = folder / "train_test_split" / f"shuffled_{split}_file_list.json"
+        entries = self._entries(folder, split, self._synsets(folder), bad)
+        if not entries:
+            why = f"all {len(bad.skipped)} entries are bad (data.on_bad_file=skip)" if bad.skipped else "it lists none"
+            raise UserError(f"No usable shapes in {json_path}: {why}. {self._fix()}")
         stats = []
-        for i, (entry, _, txt) in enumerate(entries):
-            try:
-                st = txt.stat()
-            except OSError:
-                raise UserError(
-                    f"{json_path}: entry {i} '{entry}' refers to {txt}, which does not exist. {self._fix()}"
-                ) from None
+        for entry, _, txt in entries:
+            st = txt.stat()
             stats.append((entry, st.st_size, st.st_mtime_ns))
         fingerprint = hashlib.sha256(json.dumps([CACHE_VERSION, split, stats]).encode()).hexdigest()
         cache = Path(self.root).expanduser() / "processed" / f"shapenet_part_{split}.npz"
-        keys = ("points", "parts", "offsets", "categories") + (("normals",) if self.normals else ()) if load else ()
+        keys = ("points", "parts", "offsets", "categories", "skipped", "skipped_messages") + (
+            ("normals",) if self.normals else ()) if load else ()  # fmt: skip
         arrays = read_cache(cache, fingerprint, keys)
         if arrays is None:
             log.info("Parsing %d ShapeNetPart %s files into %s (once).", len(entries), split, cache)
-            arrays = self._parse(entries, split)
+            arrays = self._parse(entries, json_path, bad)
             write_cache(cache, fingerprint, arrays)
+        elif load:  # shapes the cache was built without (on_bad_file=skip then): the same policy now
+            for entry, message in zip(arrays["skipped"], arrays["skipped_messages"]):
+                bad.file(DataError(str(message), str(entry)))
         if not load:
             return None
         return PackedSource(arrays["points"], arrays["parts"], arrays["offsets"], arrays["categories"],
                             arrays.get("normals") if self.normals else None)  # fmt: skip
 
-    def _parse(self, entries: list[tuple[str, int, Path]], split: str) -> dict[str, np.ndarray]:
-        if not entries:
+    def _parse(self, entries: list[tuple[str, int, Path]], json_path: Path, bad: BadData) -> dict[str, np.ndarray]:
+        shapes, kept, skipped = [], [], []
+        for entry, category, txt in entries:
+            try:
+                values = _read_txt(txt, category, self._fix())  # (P, 7) float64
+                points = unit_sphere(values[:, :3], [0, len(values)])  # (P, 3) float32, finite
+            except DataError as err:
+                bad.file(err)  # raises with on_bad_file=error
+                skipped.append((err.entry, str(err)))
+                continue
+            shapes.append((points, values[:, 3:6].astype(np.float32), values[:, 6].astype(np.uint8)))
+            kept.append((entry, category))
+        if not shapes:
             raise UserError(
-                f"{self._folder() / 'train_test_split' / f'shuffled_{split}_file_list.json'} lists no shapes. "
+                f"No usable shapes in {json_path}: all {len(skipped)} shape files are bad (data.on_bad_file=skip). "
                 f"{self._fix()}"
             )
-        rows = [_read_txt(txt, category, self._fix()) for _, category, txt in entries]  # (P, 7) float32 each
-        offsets = np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int64)
-        points, normals = np.empty((offsets[-1], 3), np.float32), np.empty((offsets[-1], 3), np.float32)
-        parts = np.empty(offsets[-1], np.uint8)
-        for lo, hi, r in zip(offsets[:-1], offsets[1:], rows):
-            points[lo:hi] = unit_sphere(r[:, :3], [0, len(r)])
-            normals[lo:hi], parts[lo:hi] = r[:, 3:6], r[:, 6]
+        offsets = np.concatenate([[0], np.cumsum([len(p) for p, _, _ in shapes])]).astype(np.int64)
         return {
-            "points": points,
-            "normals": normals,
-            "parts": parts,
+            "points": np.concatenate([p for p, _, _ in shapes]),
+            "normals": np.concatenate([n for _, n, _ in shapes]),
+            "parts": np.concatenate([q for _, _, q in shapes]),
             "offsets": offsets,
-            "categories": np.array([c for _, c, _ in entries], dtype=np.int64),
-            "entries": np.array([e for e, _, _ in entries]),
+            "categories": np.array([c for _, c in kept], dtype=np.int64),
+            "entries": np.array([e for e, _ in kept]),
+            "skipped": np.array([e for e, _ in skipped], dtype=str),
+            "skipped_messages": np.array([m for _, m in skipped], dtype=str),
         }
 
     def _load(self) -> tuple[PackedSource, PackedSource | None, PackedSource]:
@@ -489,11 +542,15 @@ class ShapeNetPart(PartSegDataModule):
 
 
 def _read_txt(path: Path, category: int, fix: str) -> np.ndarray:
-    """Parse and check one shape file: (P, 7) float32 rows ``x y z nx ny nz part`` (coordinates as stored)."""
+    """Parse and check one shape file: (P, 7) float64 rows ``x y z nx ny nz part`` (coordinates as
+    stored); every problem is a :class:`~datamodules.points.DataError` naming the file and line."""
+    def bad(where: str, what: str) -> DataError:
+        return DataError(f"{path}{where}: {what}. {fix}", f"{path}{where}: {what}")
+
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as err:
-        raise UserError(f"{path} cannot be read as text ({err}). {fix}") from None
+        raise bad("", f"cannot be read as text ({type(err).__name__}: {err})") from None
     lines = text.splitlines()
     fields = [line.split() for line in lines]
     numbers = [n for n, f in enumerate(fields, start=1) if f]  # line number of every non-blank line
@@ -512,24 +569,23 @@ def _read_txt(path: Path, category: int, fix: str) -> np.ndarray:
             except ValueError:
                 ok = False
             if not ok:
-                raise UserError(
-                    f"{path}, line {number}: expected 7 numbers 'x y z nx ny nz part', got "
-                    f"{lines[number - 1].strip()[:80]!r}. {fix}"
-                )
+                raise bad(f", line {number}", f"expected 7 numbers 'x y z nx ny nz part', got "
+                                              f"{lines[number - 1].strip()[:80]!r}")  # fmt: skip
+        raise bad("", "cannot be parsed as rows of 7 numbers")  # unreachable: some line failed above
     if len(values) == 0:
-        raise UserError(f"{path} holds no points (expected rows 'x y z nx ny nz part'). {fix}")
-    bad = np.flatnonzero(~np.isfinite(values[:, :6]).all(axis=1))
-    if len(bad):
-        raise UserError(f"{path}, line {numbers[bad[0]]}: NaN or infinite coordinates or normal. {fix}")
+        raise bad("", "holds no points (expected rows 'x y z nx ny nz part')")
+    with np.errstate(over="ignore"):
+        finite = np.isfinite(values[:, :3]).all(axis=1) & np.isfinite(values[:, 3:6].astype(np.float32)).all(axis=1)
+    bad_rows = np.flatnonzero(~finite)
+    if len(bad_rows):
+        raise bad(f", line {numbers[bad_rows[0]]}", "NaN or infinite coordinates or normal")
     lo, hi = _part_range(category)
     part = values[:, 6]
-    bad = np.flatnonzero((part != np.round(part)) | (part < lo) | (part > hi))
-    if len(bad):
-        raise UserError(
-            f"{path}, line {numbers[bad[0]]}: part label {part[bad[0]]:g} is outside the "
-            f"{CATEGORY_NAMES[category]} range {lo}..{hi} (global ShapeNetPart part ids). {fix}"
-        )
-    return values.astype(np.float32)
+    bad_rows = np.flatnonzero((part != np.round(part)) | (part < lo) | (part > hi))
+    if len(bad_rows):
+        raise bad(f", line {numbers[bad_rows[0]]}", f"part label {part[bad_rows[0]]:g} is outside the "
+                  f"{CATEGORY_NAMES[category]} range {lo}..{hi} (global ShapeNetPart part ids)")  # fmt: skip
+    return values
 
 
 # ---------------------------------------------------------------------------
@@ -550,6 +606,8 @@ class ShapeNetPartH5(PartSegDataModule):
         normals: must be False (the release has none).
         trainval: train on train + val and validate on test.
         download, url, md5: as in :class:`ShapeNetPart`.
+        on_bad_file: ``"error"``, or ``"skip"``: an unreadable or malformed file is dropped whole,
+            a sample with a bad category, a bad part label or NaN / infinite coordinates alone.
         batch_size, eval_batch_size, num_workers, augment, seed: see :class:`PartSegDataModule`.
     """
 
@@ -567,13 +625,15 @@ class ShapeNetPartH5(PartSegDataModule):
         download: bool = False,
         url: str = H5_URL,
         md5: str | None = None,
+        on_bad_file: str = "error",
     ):
         if normals:
             raise UserError(
                 f"data.normals=true, but the ShapeNetPart HDF5 release ({H5_FOLDER}) stores no normals; "
                 f"set data.normals=false, or use data=shapenet_part (the txt release, with normals)."
             )
-        super().__init__(root, npoints, normals, batch_size, eval_batch_size, num_workers, augment, seed)
+        super().__init__(root, npoints, normals, batch_size, eval_batch_size, num_workers, augment, seed,
+                         on_bad_file)  # fmt: skip
         self.save_hyperparameters()
         self.trainval = bool(trainval)
         self.download = bool(download)
@@ -612,14 +672,15 @@ class ShapeNetPartH5(PartSegDataModule):
 
     def _load(self) -> tuple[PackedSource, PackedSource | None, PackedSource]:
         files = self._files()
-        train, val, test = (PackedSource.concat([_load_part_h5(p) for p in files[s]]) for s in SPLITS)
+        train, val, test = (PackedSource.concat([_load_part_h5(p, self.bad) for p in files[s]]) for s in SPLITS)
         if self.trainval:
             return PackedSource.concat([train, val]), None, test
         return train, val, test
 
 
-def _load_part_h5(path: Path) -> PackedSource:
-    """Read and validate one file of the HDF5 release."""
+def _load_part_h5(path: Path, bad: BadData) -> PackedSource:
+    """Read and validate one file of the HDF5 release; its good samples (none when the file is bad and
+    skipped)."""
     fix = (
         f"Replace {path.name} with the file from the official {H5_FOLDER}.zip "
         f"(or delete the folder and use data.download=true), or run offline with data=parts."
@@ -629,31 +690,40 @@ def _load_part_h5(path: Path) -> PackedSource:
         "label": ([("n", 1), ("n",)], "iu"),
         "pid": ([("n", "points")], "iu"),
     }
-    arrays = read_h5(path, spec, fix)
-    points = np.asarray(arrays["data"], dtype=np.float32)  # (n, P, 3)
-    categories = np.asarray(arrays["label"], dtype=np.int64).reshape(-1)  # (n,)
-    pid = np.asarray(arrays["pid"], dtype=np.int64)  # (n, P)
-    n, p = pid.shape
-    if n == 0 or p == 0:
-        raise UserError(f"{path} holds no points ('data' has shape {points.shape}). {fix}")
-    bad = np.flatnonzero((categories < 0) | (categories >= len(CATEGORY_NAMES)))
-    if len(bad):
-        raise UserError(
-            f"{path}: sample {bad[0]} has category label {categories[bad[0]]}, "
-            f"expected 0..{len(CATEGORY_NAMES) - 1}. {fix}"
-        )
-    lo, hi = _part_bounds(categories)
-    bad = np.argwhere((pid < lo[:, None]) | (pid > hi[:, None]))
-    if len(bad):
-        i, j = bad[0]
-        raise UserError(
-            f"{path}: sample {i}, point {j} has part label {pid[i, j]}, outside the "
-            f"{CATEGORY_NAMES[categories[i]]} range {lo[i]}..{hi[i]} (category {categories[i]}). {fix}"
-        )
-    bad = np.argwhere(~np.isfinite(points).all(axis=2))
-    if len(bad):
-        raise UserError(f"{path}: sample {bad[0][0]}, point {bad[0][1]} has NaN or infinite coordinates. {fix}")
-    return PackedSource(points.reshape(-1, 3), pid.reshape(-1).astype(np.uint8), np.arange(n + 1) * p, categories)
+    empty = PackedSource(np.empty((0, 3), np.float32), np.empty(0, np.uint8), [0], np.empty(0, np.int64))
+    try:
+        arrays = read_h5(path, spec, fix)
+        n, p = arrays["pid"].shape
+        if n == 0 or p == 0:
+            raise DataError(f"{path} holds no points ('data' has shape {arrays['data'].shape}). {fix}",
+                            f"{path}: holds no points")  # fmt: skip
+    except DataError as err:
+        bad.file(err)
+        return empty
+    with np.errstate(over="ignore", invalid="ignore"):  # out-of-range values become inf: reported below
+        points = np.asarray(arrays["data"], dtype=np.float32)  # (n, P, 3)
+    raw_cat, raw_pid = arrays["label"].reshape(-1), arrays["pid"]  # stored dtypes: compared without wrap-around
+    cat_ok = (raw_cat >= 0) & (raw_cat < len(CATEGORY_NAMES))  # (n,)
+    categories = np.where(cat_ok, raw_cat, 0).astype(np.int64)
+    lo, hi = _part_bounds(categories)  # (n,) each
+    part_bad = (raw_pid < lo[:, None]) | (raw_pid > hi[:, None])  # (n, P)
+    first_part = part_bad.argmax(axis=1)  # (n,) first bad point per sample
+    nonfinite = ~np.isfinite(points).all(axis=2)  # (n, P)
+    first_nan = nonfinite.argmax(axis=1)
+
+    def say_part(i: int) -> str:
+        j = first_part[i]
+        return (f"sample {i}, point {j} has part label {raw_pid[i, j]}, outside the {CATEGORY_NAMES[categories[i]]} "
+                f"range {lo[i]}..{hi[i]} (category {categories[i]})")  # fmt: skip
+
+    keep = bad.samples(path, n, [
+        (~cat_ok, lambda i: f"sample {i} has category label {raw_cat[i]}, expected 0..{len(CATEGORY_NAMES) - 1}"),
+        (part_bad.any(axis=1), say_part),
+        (nonfinite.any(axis=1), lambda i: f"sample {i}, point {first_nan[i]} has NaN or infinite coordinates"),
+    ], fix)  # fmt: skip
+    k = int(keep.sum())
+    return PackedSource(points[keep].reshape(-1, 3), raw_pid[keep].reshape(-1).astype(np.uint8),
+                        np.arange(k + 1) * p, categories[keep])  # fmt: skip
 
 
 # ---------------------------------------------------------------------------
@@ -673,6 +743,9 @@ class ShapeNetPartPyG(PartSegDataModule):
         npoints, normals, batch_size, eval_batch_size, num_workers, augment, seed:
             see :class:`PartSegDataModule`.
         trainval: train on PyG's ``trainval`` split and validate on test.
+        on_bad_file: ``"error"``, or ``"skip"``: shapes with a part label outside their category's
+            range or NaN / infinite values are dropped. A file torch-geometric cannot parse at all
+            stops processing either way.
     """
 
     def __init__(
@@ -686,8 +759,10 @@ class ShapeNetPartPyG(PartSegDataModule):
         augment: bool = True,
         seed: int = 0,
         trainval: bool = False,
+        on_bad_file: str = "error",
     ):
-        super().__init__(root, npoints, normals, batch_size, eval_batch_size, num_workers, augment, seed)
+        super().__init__(root, npoints, normals, batch_size, eval_batch_size, num_workers, augment, seed,
+                         on_bad_file)  # fmt: skip
         self.save_hyperparameters()
         self.trainval = bool(trainval)
         self._set_categories(CATEGORY_NAMES, CATEGORY_PARTS)
@@ -732,26 +807,37 @@ class ShapeNetPartPyG(PartSegDataModule):
 
     def _source(self, split: str) -> PackedSource:
         dataset = self._dataset(split)
-        offsets = dataset.slices["pos"].numpy().astype(np.int64)
-        categories = dataset.category.numpy().astype(np.int64).reshape(-1)
-        pos = dataset.pos.numpy()
-        parts = dataset.y.numpy()
-        if (np.diff(offsets) < 1).any():
+        offsets = pyg_offsets(dataset, "pos").numpy().astype(np.int64)
+        data = dataset._data  # the collated storage (attribute access on a one-shape dataset gives that shape)
+        categories = torch.as_tensor(data.category).numpy().astype(np.int64).reshape(-1)  # an int for one shape
+        pos = data.pos.numpy()
+        parts = data.y.numpy()
+        normals = data.x.numpy().astype(np.float32) if self.normals else None
+        counts = np.diff(offsets)
+        if (counts < 1).any():
             raise UserError(f"A shape of the PyG {split} split under {self._check_raw()} has no points; "
                             f"restore the original files and delete {Path(self.root) / 'processed'}.")  # fmt: skip
-        lo, hi = np.repeat(np.stack(_part_bounds(categories)), np.diff(offsets), axis=1)  # (T,) each
-        bad = np.flatnonzero((parts < lo) | (parts > hi) | ~np.isfinite(pos).all(axis=1))
-        if len(bad):
-            shape = int(np.searchsorted(offsets, bad[0], side="right") - 1)
-            c = categories[shape]
-            raise UserError(
-                f"{self._raw_file(split, shape)}, line {bad[0] - offsets[shape] + 1}: part label "
-                f"{parts[bad[0]]} outside the {CATEGORY_NAMES[c]} range {_part_range(c)[0]}..{_part_range(c)[1]}, "
-                f"or NaN/infinite coordinates (shape {shape} of PyG's {split} split). Restore the original "
-                f"file and delete {Path(self.root) / 'processed'} to reprocess."
-            )
-        normals = dataset.x.numpy().astype(np.float32) if self.normals else None
-        return PackedSource(unit_sphere(pos, offsets), parts.astype(np.uint8), offsets, categories, normals)
+        lo, hi = np.repeat(np.stack(_part_bounds(categories)), counts, axis=1)  # (T,) each
+        unit = unit_sphere(pos, offsets)  # (T, 3) float32; huge coordinates may overflow: checked
+        finite = np.isfinite(pos).all(axis=1) & np.isfinite(unit).all(axis=1)
+        if normals is not None:
+            finite &= np.isfinite(normals).all(axis=1)
+        bad_row = (parts < lo) | (parts > hi) | ~finite  # (T,)
+        shape_of = np.repeat(np.arange(len(counts)), counts)  # (T,)
+        bad_shape = np.bincount(shape_of[bad_row], minlength=len(counts)) > 0  # (n,)
+        fix = f"Restore the original file and delete {Path(self.root) / 'processed'} to reprocess."
+        for shape in np.flatnonzero(bad_shape):
+            row = int(np.flatnonzero(bad_row[offsets[shape] : offsets[shape + 1]])[0])
+            c, at = categories[shape], offsets[shape] + row
+            what = (f"part label {parts[at]} outside the {CATEGORY_NAMES[c]} range "
+                    f"{_part_range(c)[0]}..{_part_range(c)[1]}" if finite[at] else "NaN, infinite or too large values")
+            where = f"{self._raw_file(split, int(shape))}, line {row + 1}"
+            self.bad.file(DataError(f"{where}: {what} (shape {shape} of PyG's {split} split). {fix}",
+                                    f"{where}: {what}"))  # fmt: skip
+        keep = np.repeat(~bad_shape, counts)  # (T,)
+        new_offsets = np.concatenate([[0], np.cumsum(counts[~bad_shape])]).astype(np.int64)
+        return PackedSource(unit[keep], parts[keep].astype(np.uint8), new_offsets, categories[~bad_shape],
+                            None if normals is None else normals[keep])  # fmt: skip
 
     def _raw_file(self, split: str, shape: int) -> Path | str:
         """The raw file PyG read as shape ``shape`` of ``split`` (PyG keeps the split lists' order)."""

@@ -422,3 +422,21 @@ def test_configs_compose_and_instantiate(tmp_path):
     _, dm = compose_data(["data=image_folder", f"data.root={tmp_path / 'images' / 'a'}", "data.resolution=8"])
     assert dm.class_names == ["a"] and dm.resolution == 8
     assert all(isinstance(m, ImageDataModule) for m in (dm,))
+
+
+def test_cifar_skip_drops_bad_batches_and_labels(tmp_path):
+    folder = tmp_path / "cifar-10-batches-py"
+    write_cifar(folder)
+    (folder / "data_batch_2").write_bytes((folder / "data_batch_2").read_bytes()[:100])  # truncated
+    batch = {b"data": np.zeros((4, 3072), np.uint8), b"labels": [0, 10, 3, -1]}
+    (folder / "data_batch_3").write_bytes(pickle.dumps(batch, protocol=2))
+    with pytest.raises(UserError, match=r"data_batch_2 cannot be read as a CIFAR-10 pickle.*on_bad_file=skip"):
+        CIFAR10(str(tmp_path)).setup()
+    dm = CIFAR10(str(tmp_path), on_bad_file="skip")
+    dm.setup()
+    assert len(dm.train_images) == 4 * 3 + 2 and len(dm.skipped) == 3
+    assert dm.skipped[0].startswith(f"{folder / 'data_batch_2'}: unreadable")
+    assert dm.skipped[1:] == [f"{folder / 'data_batch_3'}[1]: label 10 outside 0..9",
+                              f"{folder / 'data_batch_3'}[3]: label -1 outside 0..9"]  # fmt: skip
+    with pytest.raises(UserError, match="data.on_bad_file must be"):
+        CIFAR10(str(tmp_path), on_bad_file="maybe")

@@ -337,3 +337,65 @@ def test_pyg_malformed_mesh(pyg_root):
     (pyg_root / "raw" / "bed" / "train" / "bed_0001.off").write_text("OFF\nthree four\n")
     with pytest.raises(UserError, match="could not process the ModelNet40 meshes"):
         ModelNet40PyG(root=str(pyg_root)).prepare_data()
+
+
+# ---------------------------------------------------------------------------
+# on_bad_file: fault injection
+
+
+def test_truncated_h5_fault_injection(tmp_path, modelnet_release):
+    """A half-copied file: named in the error; with skip, named in ``skipped`` and every other file's samples kept."""
+    root = tmp_path / HDF5_FOLDER
+    written = modelnet_release(root, train_sizes=(5, 4, 3), test_sizes=(6,))
+    path = root / "ply_data_train1.h5"
+    copy = (root / "ply_data_train0.h5").read_bytes()  # a valid file, cut in half
+    path.write_bytes(copy[: len(copy) // 2])
+    with pytest.raises(UserError, match="cannot be read as HDF5") as err:
+        ModelNet40(root=str(tmp_path), npoints=16).setup()
+    assert str(path) in str(err.value) and "on_bad_file=skip" in str(err.value)
+    dm = ModelNet40(root=str(tmp_path), npoints=16, on_bad_file="skip", augment=False)
+    dm.setup()
+    assert len(dm.skipped) == 1 and dm.skipped[0].startswith(f"{path}: unreadable")
+    points, labels = written["train"]
+    kept = np.r_[0:5, 9:12]  # files 0 and 2
+    assert len(dm.train_set) == 8 and dm.train_set.labels.tolist() == labels[kept].tolist()
+    np.testing.assert_array_equal(dm.train_set[5]["points"].numpy(), points[9, :16])
+    assert len(dm.test_set) == 6
+
+
+def test_skip_drops_bad_samples_only(release):
+    root, written = release
+    path = root / HDF5_FOLDER / "ply_data_train1.h5"
+    data = np.zeros((4, 64, 3), np.float32)
+    data[1, 3, 0] = np.nan
+    rewrite(path, data=data, label=np.array([[0], [1], [45], [3]], np.uint8))
+    dm = ModelNet40(root=str(root), npoints=16, on_bad_file="skip")
+    dm.setup()
+    assert dm.skipped == [f"{path}[2]: sample 2 has label 45, expected 0..39",
+                          f"{path}[1]: sample 1 has NaN or infinite coordinates"]  # fmt: skip
+    assert len(dm.train_set) == len(written["train"][1]) - 4 + 2
+    assert ModelNet40(root=str(root), npoints=16).skipped == []  # before setup, and with nothing to skip
+
+
+def test_skip_with_nothing_left_is_an_error(release):
+    root, _ = release
+    for path in (root / HDF5_FOLDER).glob("ply_data_train*.h5"):
+        path.write_bytes(b"junk")
+    with pytest.raises(UserError, match=r"nothing left to train or test on, all 2 bad file"):
+        ModelNet40(root=str(root), npoints=16, on_bad_file="skip").setup()
+
+
+def test_on_bad_file_is_checked(tmp_path):
+    with pytest.raises(UserError, match="data.on_bad_file must be 'error'"):
+        ModelNet40(root=str(tmp_path), on_bad_file="ignore")
+
+
+def test_pyg_unsampleable_mesh_skipped(pyg_root):
+    path = pyg_root / "raw" / "bed" / "train" / "bed_0002.off"
+    path.write_text("OFF\n3 1 0\n0 0 0\n1 1 1\n2 2 2\n3 0 1 2\n")  # replaced by a degenerate triangle: zero area
+    with pytest.raises(UserError, match=r"bed_0002\.off: zero surface area"):
+        ModelNet40PyG(root=str(pyg_root)).setup()
+    dm = ModelNet40PyG(root=str(pyg_root), on_bad_file="skip")
+    dm.setup()
+    assert len(dm.skipped) == 1 and len(dm.train_set) == 5
+    assert all(torch.isfinite(dm.train_set[i]["points"]).all() for i in range(5))

@@ -326,32 +326,32 @@ def test_ade20k_unpaired_files(ade_root, caplog):
     assert caplog.text.count("Skipped 1") == 2 and "ADE_val_00000009.png" in caplog.text
 
 
-def test_bad_samples_raise_when_loaded(ade_root):
+def test_bad_headers_are_setup_problems_and_bad_pixels_raise_when_loaded(ade_root, caplog):
     root, _ = ade_root
     train = root / "ADEChallengeData2016" / "annotations" / "training"
-    save(train / "ADE_train_00000001.png", np.full((H, W), 151, np.uint8))  # out of range
-    save(train / "ADE_train_00000002.png", np.zeros((H + 1, W), np.uint8))  # size mismatch
+    save(train / "ADE_train_00000001.png", np.full((H, W), 151, np.uint8))  # out of range: found when loaded
+    save(train / "ADE_train_00000002.png", np.zeros((H + 1, W), np.uint8))  # size mismatch: header
     (root / "ADEChallengeData2016" / "images" / "training" / "ADE_train_00000003.jpg").write_bytes(b"not a jpeg")
     save(train.parent / "validation" / "ADE_val_00000001.png", np.zeros((H, W, 3), np.uint8))  # RGB, not indices
-    for on_bad_file in ("error", "skip"):  # found only when loaded: raised either way
-        dm = ADE20K(str(root), on_bad_file=on_bad_file)
+    with pytest.raises(UserError, match=r"ADE_train_00000002\.jpg: is 32x24 .*/ADE_train_00000002\.png is 32x25.*"
+                                        r"2 such problems.*on_bad_file=skip"):
+        ADE20K(str(root)).setup()
+    dm = ADE20K(str(root), on_bad_file="skip")
+    with caplog.at_level(logging.WARNING):
         dm.setup()
-        with pytest.raises(UserError, match=r"ADE_train_00000001\.png has label value\(s\) 151; expected 0\.\.150"):
-            dm.train_set[0]
-        with pytest.raises(UserError, match=r"ADE_train_00000002\.jpg is 32x24 .*/ADE_train_00000002\.png is 32x25"):
-            dm.train_set[1]
-        with pytest.raises(UserError, match=r"ADE_train_00000003\.jpg cannot be decoded"):
-            dm.train_set[2]
-        with pytest.raises(UserError, match=r"ADE_val_00000001\.png is a RGB image"):
-            dm.val_set[0]
-    good = dm.val_set[1]
-    assert good["mask"].shape == (H, W)
+    assert len(dm.skipped) == 3 and "Skipped 2" in caplog.text and "Skipped 1" in caplog.text
+    assert "ADE_train_00000003.jpg: cannot be opened as an image" in dm.skipped[1]
+    assert "ADE_val_00000001.png: is a RGB image" in dm.skipped[2]
+    with pytest.raises(UserError, match=r"ADE_train_00000001\.png has label value\(s\) 151; expected 0\.\.150"):
+        dm.train_set[0]  # found only when loaded: raised even with skip
+    assert len(dm.val_set) == 1 and dm.val_set[0]["mask"].shape == (H, W)
 
 
 def test_truncated_mask_is_named(voc_root):
     root, _ = voc_root
     path = root / "VOCdevkit" / "VOC2012" / "SegmentationClass" / "2007_000033.png"
-    path.write_bytes(path.read_bytes()[:60])
+    data = path.read_bytes()
+    path.write_bytes(data[: data.index(b"IDAT") + 8])  # the header intact (setup passes), the pixels cut
     dm = VOC(str(root), num_workers=1)  # the error crosses the worker boundary
     dm.setup()
     with pytest.raises(UserError, match=r"2007_000033\.png cannot be decoded as a mask"):
@@ -400,7 +400,7 @@ def test_cityscapes_unpaired_and_root_forms(cityscapes_root, caplog):
     dm = Cityscapes(str(root), on_bad_file="skip")  # <root>/cityscapes/ works too
     with caplog.at_level(logging.WARNING):
         dm.setup()
-    assert len(dm.val_set) == 1 and dm.skipped[0].endswith("frankfurt_000009_000019_leftImg8bit.png")
+    assert len(dm.val_set) == 1 and "frankfurt_000009_000019_leftImg8bit.png: image without mask" in dm.skipped[0]
 
 
 # ---------------------------------------------------------------------------
@@ -468,7 +468,8 @@ def test_gid_bad_tiles(gid_root, caplog):
     with caplog.at_level(logging.WARNING):
         dm.setup()
     assert len(dm.patch_origin) == 4 and (len(dm.train_set), len(dm.val_set), len(dm.test_set)) == (2, 1, 1)
-    assert "Skipped 1 bad GID tile" in caplog.text and dm.skipped == [str(folder / "image_RGB" / f"{stem}.tif")]
+    assert "Skipped 1 bad GID tile" in caplog.text and len(dm.skipped) == 1
+    assert dm.skipped[0].startswith(f"{folder / 'image_RGB' / stem}.tif: ") and "has colour (1, 2, 3)" in dm.skipped[0]
     with pytest.raises(UserError, match=r"has colour \(1, 2, 3\).*on_bad_file=skip"):
         GID(str(root)).setup()  # the cache remembers the skipped tile
     save(folder / "label_15classes" / "orphan_label.png", np.zeros((8, 8, 3), np.uint8))

@@ -577,3 +577,40 @@ def test_category_parts_table_matches_pyg():
 
     assert list(ShapeNet.category_ids) == CATEGORY_NAMES
     assert list(ShapeNet.seg_classes.values()) == CATEGORY_PARTS
+
+
+# ---------------------------------------------------------------------------
+# on_bad_file=skip
+
+
+def test_txt_skip_drops_bad_shapes_and_the_cache_remembers(txt):
+    root, written = txt
+    bad_shape, missing = written["train"][0][0], written["train"][1][0]
+    _rewrite_line(bad_shape, 2, "1 2 nan 0 0 1 0")
+    missing.unlink()
+    dm = ShapeNetPart(str(root), npoints=16, on_bad_file="skip")
+    dm.setup()
+    assert len(dm.train_set) == len(written["train"]) - 2 and len(dm.skipped) == 2
+    assert any(s.startswith(f"{missing}: missing") for s in dm.skipped)
+    assert any(s.startswith(f"{bad_shape}, line 2: NaN") for s in dm.skipped)
+    again = ShapeNetPart(str(root), npoints=16, on_bad_file="skip")
+    again.setup()  # from the cache: the same shapes skipped and named
+    assert sorted(again.skipped) == sorted(dm.skipped)
+    with pytest.raises(UserError, match=r"line 2: NaN.*on_bad_file=skip|refers to .*does not exist"):
+        ShapeNetPart(str(root), npoints=16).setup()
+
+
+def test_h5_skip_drops_bad_files_and_samples(h5):
+    root, written = h5
+    folder = root / H5_FOLDER
+    (folder / "ply_data_train1.h5").write_bytes(b"junk")
+    arrays = _h5(n=3, p=2048)
+    arrays["label"][1] = 16
+    with h5py.File(folder / "ply_data_train0.h5", "w") as f:
+        for key, value in arrays.items():
+            f[key] = value
+    dm = ShapeNetPartH5(str(root), npoints=16, on_bad_file="skip")
+    dm.setup()
+    assert len(dm.train_set) == 2 and len(dm.skipped) == 2
+    assert dm.skipped[0] == f"{folder / 'ply_data_train0.h5'}[1]: sample 1 has category label 16, expected 0..15"
+    assert dm.skipped[1].startswith(f"{folder / 'ply_data_train1.h5'}: unreadable")
