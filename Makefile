@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(PY) run.py experiment=demo
 
 test: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadgroup   # two workers: CI has 2 cores (see tests/conftest.py)
+	$(PY) -m pytest -n 2 --dist loadgroup --durations=30   # two workers: CI has 2 cores (see tests/conftest.py)
 
 bench: $(STAMP)
 	$(PY) run.py mode=bench bench.tasks=true bench.table_dir=benchmarks 'hydra.run.dir=outputs/bench/$${run_stamp:}' $(ARGS)
