@@ -13,9 +13,16 @@ Image generation (training split in memory, batches ``{"image", "label"}``, see
 :mod:`datamodules.images`): ``digits`` -> :class:`Digits`, ``cifar10`` ->
 :class:`CIFAR10`, ``image_folder`` -> :class:`ImageFolder` (base :class:`ImageDataModule`).
 
+Image classification (batches ``{"image", "label"}``, see :mod:`datamodules.classification`):
+``imagenet`` -> :class:`ImageNet`, ``folder_cls`` -> :class:`FolderClassification`, ``cifar10_cls`` ->
+:class:`CIFAR10Classification`, ``cifar100`` -> :class:`CIFAR100`, ``tiny`` -> :class:`TinyDigits`
+(base :class:`ClassificationDataModule`).
+
 Semantic segmentation (``{"image", "mask"}``, :mod:`datamodules.segmentation`): voc, ade20k, cityscapes, gid, blobs.
 """
 
+from datamodules.classification import (CIFAR100, CIFAR10Classification, ClassificationDataModule,
+                                        FolderClassification, ImageNet, TinyDigits)
 from datamodules.download import download_and_extract
 from datamodules.images import CIFAR10, Digits, ImageDataModule, ImageFolder
 from datamodules.modelnet import ModelNet40, ModelNet40PyG
@@ -29,11 +36,16 @@ __all__ = [
     "ADE20K",
     "Blobs",
     "CIFAR10",
+    "CIFAR100",
+    "CIFAR10Classification",
+    "ClassificationDataModule",
     "Cityscapes",
     "Digits",
+    "FolderClassification",
     "GID",
     "ImageDataModule",
     "ImageFolder",
+    "ImageNet",
     "ModelNet40",
     "ModelNet40PyG",
     "PartDataset",
@@ -46,6 +58,7 @@ __all__ = [
     "ShapeNetPartH5",
     "ShapeNetPartPyG",
     "Shapes",
+    "TinyDigits",
     "VOC",
     "download_and_extract",
 ]

@@ -247,3 +247,8 @@ def test_valid_configurations_pass():
 def test_config_is_checked_before_any_data_is_read(env, tmp_path):
     user_error(["task=modelnet", "data=modelnet40", f"data.root={tmp_path / 'absent'}", "attn=dilated",
                 "attn.border=mask", "logger=none"], env, "attn.border")
+
+
+def test_classification_size_a_model_cannot_take_is_refused_before_data(env, tmp_path):
+    user_error(["task=classification", "model=dilateformer_t", "data=imagenet", f"data.root={tmp_path / 'absent'}",
+                "data.img_size=200", "logger=none"], env, "data.img_size", "200", "model.pad=true")

@@ -155,6 +155,13 @@ class Backbone(nn.Module):
     feature_strides: list[int]
     num_features: int
 
+    def no_weight_decay(self) -> set[str]:
+        """Parameters timm's optimizer factory leaves undecayed besides norms and biases (which it finds
+        itself): learned position embeddings, class tokens and relative position bias tables, as the papers'
+        code does (DeiT, Swin/Focal). Convolutional position encodings (CPE) keep their decay."""
+        return {name for name, _ in self.named_parameters()
+                if name.split(".")[-1] in ("pos_embed", "cls_token") or "relative_position_bias_table" in name}
+
     def check_input(self, h: int, w: int) -> None:
         """Raise ``UserError`` if an h x w image cannot be taken (naming ``data.img_size`` and valid sizes)."""
         d = self.size_divisor

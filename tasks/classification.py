@@ -1,0 +1,238 @@
+"""Image classification with the seed papers' backbones (``task=classification``), DeiT's recipe.
+
+Batches are ``{"image": normalised float (B, 3, S, S), "label": int64 (B,)}``.
+The network is ``tasks.nets.backbones.build_backbone(model, attn)``: the
+``model`` config names the backbone (``model=focal_t``), ``attn=X`` replaces
+the mixer of its local-attention stages.
+
+Training (Touvron et al., 2021, with timm's pieces): Mixup (alpha 0.8) or
+CutMix (alpha 1.0), switched half and half per batch and applied on the
+accelerator to the whole batch (``timm.data.Mixup``), mixed targets smoothed
+by 0.1 and a soft-target cross-entropy; with ``mixup.enabled=false`` a
+label-smoothed cross-entropy instead. The optimiser and scheduler are timm's
+factories (``optim.optimizer`` / ``optim.scheduler``, Hydra partials): AdamW,
+lr 5e-4 x global batch / 512 (``optim.scale_lr=linear``,
+``optim.base_batch_size=512``), weight decay 0.05 except on norms, biases and
+position embeddings (``filter_bias_and_bn`` and the net's
+``no_weight_decay()``), cosine decay per epoch after a linear warm-up. Drop
+path comes from ``model.drop_path_rate``. ``ema.enabled=true`` keeps
+``timm.utils.ModelEmaV3`` weights (in the checkpoint, as ``ema.module.*``),
+and validation and test then score the EMA weights.
+
+Metrics: ``train/loss``, ``val/loss`` and ``test/loss`` (plain cross-entropy
+on evaluation), top-1 and top-5 accuracy (``val/top1``, ``val/top5``,
+``test/top1``, ``test/top5``; top-k with k = min(5, classes)), and
+``val/top1_best``, all torchmetrics states synced across ranks. Throughput
+(``train/samples_per_sec``) comes from the ThroughputMonitor callback of
+``configs/config.yaml``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from hydra.utils import instantiate
+from torchmetrics import MaxMetric, MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+from attention.errors import UserError
+
+from .nets.backbones import build_backbone
+
+MIXUP_DEFAULTS = {"enabled": True, "mixup_alpha": 0.8, "cutmix_alpha": 1.0, "cutmix_minmax": None, "prob": 1.0,
+                  "switch_prob": 0.5, "mode": "batch"}
+EMA_DEFAULTS = {"enabled": False, "decay": 0.99996, "warmup": False}
+
+
+def topk_accuracy(num_classes: int, k: int) -> MulticlassAccuracy:
+    """Micro top-k accuracy (the fraction of samples whose label is among the k highest logits)."""
+    return MulticlassAccuracy(num_classes, top_k=min(k, num_classes), average="micro")
+
+
+class ImageClassification(L.LightningModule):
+    """Classifies images with a backbone of :mod:`tasks.nets.backbones` (recipe in the module docstring).
+
+    Args:
+        num_classes, img_size, class_names: from the data module.
+        model: the ``model`` config (``name`` and architecture overrides, ``drop_path_rate``).
+        attn: the ``attn`` config.
+        optim: ``scale_lr``, ``base_batch_size``, ``optimizer`` (a partial taking the network) and
+            ``scheduler`` (a partial taking the optimiser; timm's ``create_scheduler_v2``, stepped per epoch).
+        label_smoothing: applied to the mixed targets (or to the cross-entropy without mixup).
+        mixup: ``enabled`` and ``timm.data.Mixup``'s options.
+        ema: ``enabled``, ``decay``, ``warmup`` (timm.utils.ModelEmaV3's decay warm-up).
+    """
+
+    layout = "grid"  # where attention tokens sit: run.py checks attn options against it
+
+    @staticmethod
+    def check_config(cfg) -> None:
+        """Before any data is read (run.py): Mixup/CutMix pair each image with another of its batch."""
+        mixup, batch = (cfg.task.get("mixup") or {}), cfg.data.get("batch_size")
+        if mixup.get("enabled", True) and isinstance(batch, int) and batch % 2:
+            raise UserError(f"Mixup/CutMix (task.mixup) needs an even batch: data.batch_size={batch}. Use an even "
+                            "batch size, or task.mixup.enabled=false.")
+        size = cfg.data.get("img_size")
+        if isinstance(size, int):  # an input size the model cannot take (model.pad=false), before data
+            from omegaconf import OmegaConf
+
+            model, attn = (OmegaConf.to_container(c, resolve=True) for c in (cfg.model, cfg.attn))
+            try:
+                with torch.device("meta"):  # no weights allocated: only the sizes matter
+                    net = build_backbone(model, attn, num_classes=1, img_size=size)
+            except UserError:
+                raise
+            except Exception:  # noqa: BLE001 - Focal's index tables need real tensors: checked in __init__
+                return
+            net.check_input(size, size)
+
+    def __init__(self, model: Mapping, attn: Mapping, optim: Mapping, num_classes: int | None = None,
+                 img_size: int | None = None, class_names: Sequence[str] | None = None, in_chans: int = 3,
+                 label_smoothing: float = 0.1, mixup: Mapping | None = None, ema: Mapping | None = None):
+        super().__init__()
+        if num_classes is None or img_size is None:
+            raise UserError("task=classification needs a classification data set (one with img_size and "
+                            "num_classes): use data=tiny, imagenet, folder_cls, cifar10_cls or cifar100.")
+        self.save_hyperparameters(ignore=["class_names"])
+        self.net = build_backbone(dict(model), dict(attn), num_classes=num_classes, img_size=img_size,
+                                  in_chans=in_chans)
+        self.net.check_input(img_size, img_size)  # an impossible size fails here, before any training
+        self.class_names = list(class_names) if class_names is not None else None
+        if not 0.0 <= float(label_smoothing) < 1.0:
+            raise UserError(f"task.label_smoothing={label_smoothing} must be in [0, 1) (DeiT: 0.1).")
+        self.label_smoothing = float(label_smoothing)
+        self.mixup = self._build_mixup(dict(MIXUP_DEFAULTS, **dict(mixup or {})), num_classes)
+        if self.mixup is not None:
+            from timm.loss import SoftTargetCrossEntropy
+            self.train_criterion = SoftTargetCrossEntropy()
+        elif self.label_smoothing > 0:
+            from timm.loss import LabelSmoothingCrossEntropy
+            self.train_criterion = LabelSmoothingCrossEntropy(self.label_smoothing)
+        else:
+            self.train_criterion = torch.nn.CrossEntropyLoss()
+        self.ema = self._build_ema(dict(EMA_DEFAULTS, **dict(ema or {})))
+        self._ema_step = 0  # the optimiser step the EMA last saw
+        self.train_loss = MeanMetric()
+        # Evaluation losses as torchmetrics means weighted by batch size: exact across ranks that evaluate
+        # different numbers of samples.
+        self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
+        self.val_top1, self.val_top5 = topk_accuracy(num_classes, 1), topk_accuracy(num_classes, 5)
+        self.test_top1, self.test_top5 = topk_accuracy(num_classes, 1), topk_accuracy(num_classes, 5)
+        self.val_top1_best = MaxMetric()
+        self.val_top1_best.persistent(True)  # in the checkpoint: a resumed run keeps its best so far
+        self.example_input_array = torch.zeros(1, in_chans, img_size, img_size)  # one sample, for summaries
+
+    # -- parts ------------------------------------------------------------------------------------------------
+    def _build_mixup(self, cfg: dict, num_classes: int):
+        enabled = cfg.pop("enabled")
+        if not enabled:
+            return None
+        from timm.data import Mixup
+
+        if not (cfg.get("mixup_alpha", 0) > 0 or cfg.get("cutmix_alpha", 0) > 0 or cfg.get("cutmix_minmax")):
+            raise UserError("task.mixup.enabled=true needs task.mixup.mixup_alpha > 0 or task.mixup.cutmix_alpha > 0 "
+                            "(DeiT: 0.8 and 1.0); set task.mixup.enabled=false to train without mixing.")
+        try:
+            return Mixup(**cfg, label_smoothing=self.label_smoothing, num_classes=num_classes)
+        except (AssertionError, TypeError, ValueError) as err:
+            raise UserError(f"task.mixup={cfg} is not valid for timm.data.Mixup ({type(err).__name__}: {err}); "
+                            "its options are mixup_alpha, cutmix_alpha, cutmix_minmax, prob, switch_prob and mode "
+                            "(batch, pair or elem).") from None
+
+    def _build_ema(self, cfg: dict):
+        if not cfg["enabled"]:
+            return None
+        from timm.utils import ModelEmaV3
+
+        decay = float(cfg["decay"])
+        if not 0.0 <= decay < 1.0:
+            raise UserError(f"task.ema.decay={decay} must be in [0, 1) (DeiT: 0.99996).")
+        ema = ModelEmaV3(self.net, decay=decay, use_warmup=bool(cfg["warmup"]))
+        ema.requires_grad_(False)  # a copy, updated in place: no gradients, nothing for DDP to reduce
+        # The copy stays in eval mode on purpose (no drop path when it is scored): Lightning's notice about
+        # modules in eval mode at the start of training says nothing a user can act on.
+        warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the start of training.*")
+        return ema
+
+    @property
+    def eval_net(self) -> torch.nn.Module:
+        """The network that validation and test score: the EMA weights when enabled."""
+        return self.ema.module if self.ema is not None else self.net
+
+    # -- steps ------------------------------------------------------------------------------------------------
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        return self.net(image)
+
+    def on_fit_start(self):
+        if self.mixup is not None and self.trainer.datamodule is not None:
+            size = getattr(self.trainer.datamodule, "batch_size", 0)
+            if size % 2:
+                raise UserError(f"Mixup/CutMix (task.mixup) needs an even batch: data.batch_size={size}. Use an "
+                                "even batch size, or task.mixup.enabled=false.")
+
+    def training_step(self, batch, batch_idx):
+        image, label = batch["image"], batch["label"]  # (B, 3, S, S), (B,)
+        if self.mixup is not None:
+            if len(image) % 2:  # a batch shortened by skipped files (data.on_bad_file=skip)
+                image, label = image[:-1], label[:-1]
+            image, target = self.mixup(image, label)  # on this device; target (B, K) mixed and smoothed
+        else:
+            target = label
+        loss = self.train_criterion(self.net(image), target)
+        self.train_loss(loss)
+        self.log("train/loss", self.train_loss, on_step=True, on_epoch=True, prog_bar=True)
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        # After every optimiser step (not every micro-batch when gradients accumulate).
+        if self.ema is not None and self.global_step != self._ema_step:
+            self._ema_step = self.global_step
+            self.ema.update(self.net, step=self.global_step)
+
+    def _evaluate(self, batch, stage: str):
+        logits = self.eval_net(batch["image"])  # (B, K)
+        label = batch["label"]
+        loss = F.cross_entropy(logits, label)
+        top1, top5, mean = (getattr(self, f"{stage}_{name}") for name in ("top1", "top5", "loss"))
+        top1(logits, label)
+        top5(logits, label)
+        mean(loss, len(label))
+        self.log(f"{stage}/loss", mean)
+        self.log(f"{stage}/top1", top1, prog_bar=stage == "val")
+        self.log(f"{stage}/top5", top5)
+
+    def validation_step(self, batch, batch_idx):
+        self._evaluate(batch, "val")
+
+    def on_validation_epoch_end(self):
+        if self.trainer.sanity_checking:
+            return
+        self.val_top1_best(self.val_top1.compute())
+        self.log("val/top1_best", self.val_top1_best.compute(), sync_dist=True)
+
+    def test_step(self, batch, batch_idx):
+        self._evaluate(batch, "test")
+
+    # -- optimisation -----------------------------------------------------------------------------------------
+    def configure_optimizers(self):
+        optim = self.hparams.optim  # run.py has applied optim.scale_lr to these by now
+        optimizer = instantiate(optim["optimizer"])(self.net)
+        if not optim.get("scheduler"):
+            return optimizer
+        scheduler = instantiate(optim["scheduler"])(optimizer)
+        if isinstance(scheduler, tuple):  # timm's create_scheduler_v2 returns (scheduler, epochs)
+            scheduler = scheduler[0]
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "epoch"}}
+
+    def lr_scheduler_step(self, scheduler, metric):
+        """timm schedulers take the epoch to set the rate for: at the end of epoch e, that is e + 1."""
+        if hasattr(scheduler, "step_update") and hasattr(scheduler, "t_in_epochs"):  # a timm scheduler
+            scheduler.step(epoch=self.current_epoch + 1)
+        elif metric is None:
+            scheduler.step()
+        else:
+            scheduler.step(metric)
