@@ -17,6 +17,7 @@ import torch
 import attention
 from benchmarks import cost, measure
 from benchmarks.baselines import BASELINES
+from conftest import once_per_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,7 +108,10 @@ def test_baselines_compute_what_their_variants_compute():
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench")
+    return once_per_worker(tmp_path_factory, "bench", _quick_bench)
+
+
+def _quick_bench(out):
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env.update(PYTHONUNBUFFERED="1", MPLBACKEND="Agg")
     if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test`: two workers on two cores, one thread each
@@ -117,9 +121,10 @@ def quick_run(tmp_path_factory):
     proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=out, env=env, stdin=subprocess.DEVNULL,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return out, proc
+    return proc
 
 
+@pytest.mark.xdist_group("bench")  # one worker runs the quick bench, once
 def test_quick_bench_writes_a_well_formed_csv(quick_run):
     out, _ = quick_run
     with (out / "cost-cpu.csv").open() as f:
@@ -146,6 +151,7 @@ def test_quick_bench_writes_a_well_formed_csv(quick_run):
     assert ("materialised", "grid") in skipped and ("materialised", "points") in skipped
 
 
+@pytest.mark.xdist_group("bench")  # one worker runs the quick bench, once
 def test_quick_bench_reports_exponents_targets_and_tasks(quick_run):
     out, proc = quick_run
     summary = json.loads((out / "cost-cpu.json").read_text())
@@ -170,6 +176,7 @@ def test_quick_bench_reports_exponents_targets_and_tasks(quick_run):
         assert t["status"] == "ok" and t["samples_per_s"] > 0 and 0 < t["attention_share"] < 1 and t["mixers"] > 0
 
 
+@pytest.mark.xdist_group("bench")  # one worker runs the quick bench, once
 def test_quick_bench_markdown_and_plots(quick_run):
     from PIL import Image
 
@@ -198,6 +205,7 @@ def test_quick_bench_markdown_and_plots(quick_run):
                              "cost-cpu-memory.png"])
 
 
+@pytest.mark.xdist_group("bench")
 def test_results_reach_wandb_as_tables_and_images(quick_run, tmp_path, monkeypatch):
     from tasks.loggers import build_loggers, close_loggers
 

@@ -23,6 +23,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
+from conftest import once_per_worker
 from test_run import GAN_TINY, ROOT, SEG_TINY, TINY, env  # noqa: F401 - env is a fixture
 
 import attention
@@ -270,15 +271,17 @@ TASK_RUNS = {
 
 @pytest.fixture(scope="module")
 def task_runs(env, tmp_path_factory):  # noqa: F811 - env is the imported fixture
-    out = tmp_path_factory.mktemp("precision")
-    runs = [["-m", *args, "logger=none", f"trainer.precision={','.join(precisions)}", f"hydra.sweep.dir={out / task}"]
-            for task, (args, precisions, _) in TASK_RUNS.items()]
-    runs[list(TASK_RUNS).index("gan")].append(f"metrics.cache_dir={out / 'fid'}")
-    proc = subprocess.run([sys.executable, "-c", LAUNCHER, str(ROOT / "run.py"), json.dumps(runs)], cwd=env["HOME"],
-                          env={**env, "OMP_NUM_THREADS": "1"},  # small runs: 2 threads on 2 busy cores spin-wait
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return out
+    def build(out):
+        runs = [["-m", *args, "logger=none", f"trainer.precision={','.join(precisions)}",
+                 f"hydra.sweep.dir={out / task}"] for task, (args, precisions, _) in TASK_RUNS.items()]
+        runs[list(TASK_RUNS).index("gan")].append(f"metrics.cache_dir={out / 'fid'}")
+        proc = subprocess.run([sys.executable, "-c", LAUNCHER, str(ROOT / "run.py"), json.dumps(runs)],
+                              cwd=env["HOME"], env={**env, "OMP_NUM_THREADS": "1"},  # 2 threads on 2 busy cores spin
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        return proc
+
+    return once_per_worker(tmp_path_factory, "precision", build)[0]
 
 
 @pytest.mark.xdist_group("precision")  # one xdist worker runs the task_runs fixture, once

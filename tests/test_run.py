@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 import attention
+from conftest import once_per_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 # A small but real PCT run on generated shapes: a few seconds per run on 2 CPU cores.
@@ -159,9 +160,8 @@ def test_shapenet_missing_dataset_says_how_to_get_it(env, tmp_path):
 # Tests sharing the module fixtures wandb_run / gan_run carry one xdist group, so one worker builds them once.
 @pytest.fixture(scope="module")
 def wandb_run(env, tmp_path_factory):
-    out = tmp_path_factory.mktemp("wandb-run")
-    proc = run([*TINY, "data.batch_size=2", "trainer.log_every_n_steps=5", f"hydra.run.dir={out}"], env)
-    return out, proc
+    return once_per_worker(tmp_path_factory, "wandb-run", lambda out: run(
+        [*TINY, "data.batch_size=2", "trainer.log_every_n_steps=5", f"hydra.run.dir={out}"], env))
 
 
 @pytest.mark.xdist_group("runs")
@@ -279,11 +279,10 @@ def test_gan_summary_prints_generator_and_discriminator(env):
 @pytest.fixture(scope="module")
 def gan_run(env, tmp_path_factory):
     """4 generator steps, FID every 2 (8 samples), W&B offline."""
-    out = tmp_path_factory.mktemp("gan-run")
-    proc = run([*GAN_TINY, "attn=external", "trainer.max_steps=4", "metrics.every_n_steps=2",
-                "metrics.num_samples=8", "eval.num_samples=8", f"metrics.cache_dir={out / 'fid'}",
-                "trainer.log_every_n_steps=1", f"hydra.run.dir={out}"], env)
-    return out, proc
+    return once_per_worker(tmp_path_factory, "gan-run", lambda out: run(
+        [*GAN_TINY, "attn=external", "trainer.max_steps=4", "metrics.every_n_steps=2", "metrics.num_samples=8",
+         "eval.num_samples=8", f"metrics.cache_dir={out / 'fid'}", "trainer.log_every_n_steps=1",
+         f"hydra.run.dir={out}"], env))
 
 
 @pytest.mark.xdist_group("runs")
