@@ -9,6 +9,9 @@
   the count is logged as ``train/skipped_batches`` and reported at the end.
 - ``off``: no check (Lightning's own behaviour).
 
+The check reads the loss on the host before the update, one device-to-host
+synchronisation per step; ``off`` saves it where a GPU pipeline matters more.
+
 :class:`NonFiniteGuard` is a callback that works for every task without their
 cooperation: it wraps the module's ``training_step`` (automatic optimisation:
 returning ``None`` makes Lightning skip the batch) or ``manual_backward`` (manual

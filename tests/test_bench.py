@@ -17,7 +17,7 @@ import torch
 import attention
 from benchmarks import cost, measure
 from benchmarks.baselines import BASELINES
-from conftest import once_per_worker
+from fixture_cache import once_per_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 

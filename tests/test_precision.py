@@ -23,7 +23,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
-from conftest import once_per_worker
+from fixture_cache import once_per_worker
 from test_run import GAN_TINY, ROOT, SEG_TINY, TINY, env  # noqa: F401 - env is a fixture
 
 import attention

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 import attention
-from conftest import once_per_worker
+from fixture_cache import once_per_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 # A small but real PCT run on generated shapes: a few seconds per run on 2 CPU cores.
