@@ -166,3 +166,9 @@ def http_folder(tmp_path):
     httpd.server_close()
     thread.join()
 
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slow tests (``@pytest.mark.slow``, the two demo runs of about 4 minutes) first: xdist hands tests out in
+    collection order, and a demo collected last ran alone on one worker while the other sat idle."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: the rest keep their order
