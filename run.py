@@ -255,6 +255,7 @@ def identity_callback(identity: dict):
 
 def check_checkpoint(path: str, identity: dict) -> None:
     """Refuse a checkpoint written by another task or attention variant, naming what it was trained with."""
+    import attention
     from tasks.checkpoint_io import safe_torch_load
 
     state = safe_torch_load(path, f"ckpt_path={path}", mmap=True)
@@ -268,9 +269,16 @@ def check_checkpoint(path: str, identity: dict) -> None:
         raise UserError(f"ckpt_path={path} was trained with task={stored['task']}, but this run has "
                         f"task={identity['task']}: pass task={stored['task']} (and its attn) or another checkpoint.")
     want, have = stored["attn"], identity["attn"]
-    if want != have:
-        diff = ", ".join(f"attn.{k}={want.get(k)!r} (here {have.get(k)!r})" for k in sorted(set(want) | set(have))
-                         if want.get(k) != have.get(k))
+    # An option added to a variant after the checkpoint was written counts as its default there.
+    default = attention.options(want.get("name")) if want.get("name") in attention.names() else {}
+
+    def value(cfg, key):
+        v = cfg.get(key, default.get(key))
+        return list(v) if isinstance(v, tuple) else v
+
+    keys = sorted(k for k in set(want) | set(have) if value(want, k) != value(have, k))
+    if keys:
+        diff = ", ".join(f"attn.{k}={value(want, k)!r} (here {value(have, k)!r})" for k in keys)
         raise UserError(f"ckpt_path={path} was trained with attn={want.get('name')} and options differing from this "
                         f"run's: {diff}. Pass attn={want.get('name')} with the same options to load it.")
 

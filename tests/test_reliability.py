@@ -252,3 +252,17 @@ def test_config_is_checked_before_any_data_is_read(env, tmp_path):
 def test_classification_size_a_model_cannot_take_is_refused_before_data(env, tmp_path):
     user_error(["task=classification", "model=dilateformer_t", "data=imagenet", f"data.root={tmp_path / 'absent'}",
                 "data.img_size=200", "logger=none"], env, "data.img_size", "200", "model.pad=true")
+
+
+def test_checkpoint_identity_takes_options_added_later_at_their_default(tmp_path):
+    """A checkpoint written before a variant gained an option (external's `expand`) still loads when the run uses
+    the option's default, and is refused, naming the option, when it does not."""
+    import run as run_py
+
+    path = tmp_path / "old.ckpt"
+    torch.save({"state_dict": {}, "suite": {"task": "modelnet",
+                                            "attn": {"name": "external", "heads": 1, "memory": 64}}}, path)
+    now = {"name": "external", "heads": 1, "memory": 64, "expand": 1}
+    run_py.check_checkpoint(str(path), {"task": "modelnet", "attn": now})
+    with pytest.raises(UserError, match=r"attn.expand=1 \(here 4\)"):
+        run_py.check_checkpoint(str(path), {"task": "modelnet", "attn": {**now, "expand": 4}})

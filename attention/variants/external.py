@@ -4,7 +4,9 @@ Two learnable memory units M_k, M_v of S slots replace keys and values; the
 attention map is normalised twice (softmax over tokens, then l1 over slots).
 With heads > 1 this is EAMLP's multi-head form: the memories are shared by
 the heads. Queries come from a linear projection; an output projection mixes
-the heads, as in EAMLP.
+the heads, as in EAMLP. ``expand`` = e widens the queries as EAMLP does (its
+``coef``): Linear(C, eC) queries in e x heads heads of C / heads channels,
+output Linear(eC, C); e = 1 (the default) is EANet's form.
 """
 
 import torch
@@ -18,21 +20,22 @@ from ..registry import register
 
 @register("external")
 class ExternalAttention(Mixer):
-    def __init__(self, dim: int, heads: int = 1, memory: int = 64):
+    def __init__(self, dim: int, heads: int = 1, memory: int = 64, expand: int = 1):
         super().__init__(dim, heads)
         check_positive("memory", memory, self.name)
+        check_positive("expand", expand, self.name)
         d = dim // heads
-        self.memory = memory
-        self.q = nn.Linear(dim, dim)
+        self.memory, self.expand = memory, expand
+        self.q = nn.Linear(dim, expand * dim)
         self.mem_k = nn.Parameter(torch.randn(memory, d) * d ** -0.5)  # (S, d)
         # EANet initialises M_v as the transpose of M_k's initial weights; they train independently.
         self.mem_v = nn.Parameter(self.mem_k.detach().clone())  # (S, d)
-        self.proj = nn.Linear(dim, dim)
+        self.proj = nn.Linear(expand * dim, dim)
 
     def mix(self, x, layout):
-        q = rearrange(self.q(x), "b n (h d) -> b h n d", h=self.heads)
-        out = functional.external_attention(q, self.mem_k, self.mem_v)  # (B, h, N, d)
+        q = rearrange(self.q(x), "b n (h d) -> b h n d", h=self.heads * self.expand)  # (B, e*heads, N, d)
+        out = functional.external_attention(q, self.mem_k, self.mem_v)  # (B, e*heads, N, d)
         return self.proj(rearrange(out, "b h n d -> b n (h d)"))
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, memory={self.memory}"
+        return f"{super().extra_repr()}, memory={self.memory}" + (f", expand={self.expand}" if self.expand > 1 else "")

@@ -375,3 +375,28 @@ def test_cost_uses_one_layout_kind_and_leaves_global_rng_alone():
     mixer.cost(64)
     assert torch.equal(torch.rand(3), expected)
     assert mixer.cost(64, layout="grid") == mixer.cost(64, layout="points")  # external ignores positions
+
+
+def test_external_expand_is_eamlps_widened_multi_head_form():
+    """attn.expand = e: Linear(C, eC) queries in e*heads heads of C/heads channels, shared memories, output
+    Linear(eC, C); checked against loops over heads, tokens and slots in float64."""
+    torch.manual_seed(0)
+    b, n, c, heads, e, s = 2, 5, 8, 2, 3, 4
+    mixer = attention.build("external", dim=c, heads=heads, memory=s, expand=e).double()
+    x = torch.randn(b, n, c, dtype=torch.float64)
+    q = x @ mixer.q.weight.T + mixer.q.bias  # (B, N, eC)
+    d = c // heads
+    out = torch.zeros(b, n, e * c, dtype=torch.float64)
+    for bi in range(b):
+        for h in range(e * heads):
+            qh = q[bi, :, h * d:(h + 1) * d]  # (N, d)
+            logits = torch.tensor([[float(qh[i] @ mixer.mem_k[j]) for j in range(s)] for i in range(n)],
+                                  dtype=torch.float64)  # (N, S)
+            a = logits.exp() / logits.exp().sum(dim=0, keepdim=True)  # softmax over tokens
+            a = a / (1e-9 + a.sum(dim=1, keepdim=True))  # then l1 over slots
+            out[bi, :, h * d:(h + 1) * d] = a @ mixer.mem_v
+    expected = out @ mixer.proj.weight.T + mixer.proj.bias
+    torch.testing.assert_close(mixer(x), expected, rtol=1e-9, atol=1e-10)
+    assert sum(p.numel() for p in mixer.parameters()) == (c * e * c + e * c) + 2 * s * d + (e * c * c + c)
+    with pytest.raises(attention.UserError, match="expand"):
+        attention.build("external", dim=c, expand=0)

@@ -17,10 +17,8 @@ no FLOPs for it.
 
 The paper's mixer (``attn=external``, multi-head EA): queries Linear(C, 4C) (the official ``coef = 4``
 widening, ``trans_dims``), 4 x 6 = 24 heads of 64 channels, memories M_k, M_v of 64 slots shared by the
-heads, double normalisation (``attention.functional.external_attention``), output Linear(4C, C). The
-shared ``external`` variant has no widening option, so this module builds that one mixer
-(:class:`WideExternalAttention`) on the shared kernel; ``model.ea_expand=1`` makes it exactly
-``attention.build("external")``. The official memories are Linear layers with biases: the key bias is a
+heads, double normalisation (``attention.functional.external_attention``), output Linear(4C, C): the
+shared ``external`` variant with ``expand=model.ea_expand``. The official memories are Linear layers with biases: the key bias is a
 constant per slot and cancels in the softmax over tokens, the value bias folds into the output bias, so
 they are left out (48 parameters per block).
 
@@ -41,8 +39,6 @@ from timm.layers import Mlp, trunc_normal_
 from torch import nn
 
 import attention
-from attention import functional
-from attention.base import Mixer, check_positive
 from attention.errors import UserError
 
 from .common import Backbone, Block, attn_options, drop_path_rates, make_mixer, merge_spec
@@ -53,32 +49,6 @@ SPECS = {
 }
 NATIVE = "external"
 PRESETS = {"memory": 64}  # the official k = 256 // coef
-
-
-class WideExternalAttention(Mixer):
-    """EAMLP's multi-head external attention: Linear(C, eC) queries, eh heads, shared memories, Linear(eC, C)."""
-
-    name = "external"
-    layouts = frozenset({"grid", "points", "none"})
-
-    def __init__(self, dim: int, heads: int = 1, memory: int = 64, expand: int = 4):
-        super().__init__(dim, heads)
-        check_positive("memory", memory, self.name)
-        check_positive("ea_expand", expand, self.name)
-        d = dim // heads
-        self.memory, self.expand = memory, expand
-        self.q = nn.Linear(dim, expand * dim)
-        self.mem_k = nn.Parameter(torch.randn(memory, d) * d ** -0.5)  # (S, d)
-        self.mem_v = nn.Parameter(self.mem_k.detach().clone())  # (S, d), as the shared variant
-        self.proj = nn.Linear(expand * dim, dim)
-
-    def mix(self, x, layout):
-        q = rearrange(self.q(x), "b n (h d) -> b h n d", h=self.heads * self.expand)  # (B, e*heads, N, d)
-        out = functional.external_attention(q, self.mem_k, self.mem_v)  # (B, e*heads, N, d)
-        return self.proj(rearrange(out, "b h n d -> b n (h d)"))
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, memory={self.memory}, expand={self.expand}"
 
 
 class TokenBlock(nn.Module):
@@ -150,12 +120,13 @@ class EAMLP(Backbone):
         for i in range(depth):
             if attn["name"] == NATIVE:
                 opts = attn_options(attn, PRESETS)
-                unknown = sorted(set(opts) - {"memory", "heads"})
+                unknown = sorted(set(opts) - {"memory", "heads", "expand"})
                 if unknown:
                     raise UserError(f"model={name}: the external attention of its blocks has no option "
                                     f"{', '.join(f'attn.{k}' for k in unknown)}; its options are attn.memory and "
                                     f"model.ea_expand.")
-                mixer = WideExternalAttention(embed_dim, heads, opts.get("memory", 64), ea_expand)
+                mixer = attention.build(NATIVE, dim=embed_dim, heads=heads, memory=opts.get("memory", 64),
+                                        expand=ea_expand)
             else:
                 mixer = make_mixer(attn, embed_dim, heads, model=name, stage=f"block {i + 1}", layout=layout)
             blocks.append(Block(embed_dim, mixer, mlp_ratio, rates[i]))
