@@ -67,13 +67,12 @@ from datamodules.distributed import ResumableLoader, eval_loading, train_samplin
 from datamodules.download import ensure_release
 from datamodules.images import (CIFAR10_CLASSES, CIFAR10_FILES, CIFAR10_FOLDER, CIFAR10_MD5, CIFAR10_TRAIN_FILES,
                                 CIFAR10_URL, DECODE_ERRORS, _ArrayUnpickler, _read_cifar_batch, _read_cifar_meta)
-from datamodules.options import int_option
+from datamodules.options import int_option, on_bad_file_option
 
 log = logging.getLogger(__name__)
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-ON_BAD_FILE = ("error", "skip")
 VERIFY_CHOICES = ("auto", True, False)
 MAX_NAMES = 5  # names listed in one message
 # DeiT's training augmentation (timm create_transform keyword arguments); data.augment overrides keys.
@@ -248,9 +247,7 @@ class ClassificationDataModule(L.LightningDataModule):
                             "(ImageNet) or 1.0 (no border cropped).")
         self.crop_pct = float(crop_pct)
         self.mean, self.std = tuple(float(m) for m in mean), tuple(float(s) for s in std)
-        if on_bad_file not in ON_BAD_FILE:
-            raise UserError(f"data.on_bad_file must be 'error' or 'skip', got {on_bad_file!r}.")
-        self.on_bad_file = on_bad_file
+        self.on_bad_file = on_bad_file_option(on_bad_file)
         if verify_images not in VERIFY_CHOICES:
             raise UserError(f"data.verify_images must be auto, true or false, got {verify_images!r}.")
         self.verify_images = verify_images

@@ -62,7 +62,7 @@ from torch.utils.data import DataLoader, Dataset
 from attention.errors import UserError
 from datamodules.distributed import ResumableLoader, eval_loading, train_sampling
 from datamodules.download import ensure_release
-from datamodules.options import int_option
+from datamodules.options import int_option, on_bad_file_option
 
 log = logging.getLogger(__name__)
 
@@ -420,7 +420,7 @@ class CIFAR10(ImageDataModule):
         super().__init__(resolution, batch_size, batches_per_step, num_workers, flip, seed,
                          val_samples, test_samples, eval_batch_size)
         self.save_hyperparameters()
-        self.on_bad_file = _on_bad_file_option(on_bad_file)
+        self.on_bad_file = on_bad_file_option(on_bad_file)
         self.root = root
         self.download = bool(download)
         self.url = url
@@ -549,17 +549,6 @@ def _read_cifar_meta(path: Path) -> list[str]:
 # ---------------------------------------------------------------------------
 # A folder of images
 
-ON_BAD_FILE = ("error", "skip")
-
-
-def _on_bad_file_option(value) -> str:
-    if value not in ON_BAD_FILE:
-        raise UserError(
-            f"data.on_bad_file must be 'error' (stop at the first bad file) or 'skip' (drop bad files, counted), "
-            f"got {value!r}; e.g. data.on_bad_file=skip."
-        )
-    return str(value)
-
 # what PIL raises for unreadable, non-image, truncated or malformed files (plugins differ)
 DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, struct.error, IndexError, KeyError, TypeError)
 PROGRESS_THRESHOLD = 500  # show a progress bar when loading more files than this
@@ -628,7 +617,7 @@ class ImageFolder(ImageDataModule):
                          val_samples, test_samples, eval_batch_size)
         self.save_hyperparameters()
         self.root = root
-        self.on_bad_file = _on_bad_file_option(on_bad_file)
+        self.on_bad_file = on_bad_file_option(on_bad_file)
         self.files, self.class_names = self._scan()
         self.num_classes = len(self.class_names)
 

@@ -18,3 +18,16 @@ def int_option(name: str, value, minimum: int, example) -> int:
             f"e.g. data.{name}={example}."
         )
     return int(value)
+
+
+ON_BAD_FILE = ("error", "skip")
+
+
+def on_bad_file_option(value) -> str:
+    """``data.on_bad_file`` checked: "error" (stop at the first bad file) or "skip" (drop bad files and samples)."""
+    if value not in ON_BAD_FILE:
+        raise UserError(
+            f"data.on_bad_file must be 'error' (stop at the first bad file) or 'skip' (drop bad files and "
+            f"samples, counted), got {value!r}; e.g. data.on_bad_file=skip."
+        )
+    return str(value)

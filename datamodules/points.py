@@ -52,6 +52,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from attention.errors import UserError
 from datamodules.distributed import ResumableLoader, eval_loading, train_sampling
+from datamodules.options import on_bad_file_option
 
 log = logging.getLogger(__name__)
 
@@ -80,19 +81,8 @@ def scale_shift(points: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 
 DTYPE_KINDS = {"f": "floating point", "iu": "integer"}
-ON_BAD_FILE = ("error", "skip")
 SKIP_HINT = "Or set data.on_bad_file=skip to drop bad files and samples (they are counted and named)."
 MAX_NAMES = 5  # entries named in a "skipped" warning
-
-
-def on_bad_file_option(value) -> str:
-    """``data.on_bad_file`` checked: "error" or "skip"."""
-    if value not in ON_BAD_FILE:
-        raise UserError(
-            f"data.on_bad_file must be 'error' (stop at the first bad file) or 'skip' (drop bad files and "
-            f"samples, counted), got {value!r}; e.g. data.on_bad_file=skip."
-        )
-    return str(value)
 
 
 class DataError(UserError):

@@ -68,14 +68,13 @@ from torch.utils.data import DataLoader, Dataset
 from attention.errors import UserError
 from datamodules.distributed import ResumableLoader, eval_loading, train_sampling
 from datamodules.cache import read_cache, write_cache
-from datamodules.options import int_option
+from datamodules.options import int_option, on_bad_file_option
 
 log = logging.getLogger(__name__)
 
 IGNORE_INDEX = 255
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-ON_BAD_FILE = ("error", "skip")
 # what PIL raises for unreadable, non-image, truncated or malformed files (plugins differ)
 DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, struct.error, IndexError, KeyError, TypeError,
                  Image.DecompressionBombError)  # fmt: skip
@@ -438,12 +437,7 @@ class SegDataModule(L.LightningDataModule):
         self.batch_size = int_option("batch_size", batch_size, 1, 16)
         self.eval_batch_size = int_option("eval_batch_size", eval_batch_size, 1, 1)
         self.num_workers = int_option("num_workers", num_workers, 0, 4)
-        if on_bad_file not in ON_BAD_FILE:
-            raise UserError(
-                f"data.on_bad_file must be 'error' (stop at the first bad file) or 'skip' (drop bad samples, "
-                f"counted), got {on_bad_file!r}; e.g. data.on_bad_file=skip."
-            )
-        self.on_bad_file = on_bad_file
+        self.on_bad_file = on_bad_file_option(on_bad_file)
         self.lr = _float_option("lr", lr, 0.01)
         self.seed = int_option("seed", seed, 0, 0)
         self.skipped: list[str] = []  # "<file>: <what is wrong>" per sample dropped in setup (on_bad_file=skip)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from omegaconf import OmegaConf
 from timm.layers import DropPath, Mlp
 from torch import nn
@@ -193,3 +194,26 @@ class Backbone(nn.Module):
 
     def _forward(self, x: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:  # pragma: no cover
         raise NotImplementedError
+
+    def _stages_forward(self, x: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Hierarchical models (``stem``, ``stages``, ``downsamples``, ``norm``): every stage's map, and the normed
+        mean of the last one."""
+        x = self.stem(x)  # (B, C, H/4, W/4)
+        features = []
+        for stage, down in zip(self.stages, self.downsamples):
+            x = stage(x)  # (B, C_i, H_i, W_i)
+            features.append(x)
+            x = down(x)
+        pooled = self.norm(rearrange(x, "b c h w -> b (h w) c")).mean(dim=1)  # (B, C_last)
+        return features, pooled
+
+    def _tokens_forward(self, x: torch.Tensor, h: int, w: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Isotropic models (``blocks``, ``norm``, optional ``cls_token``): ``x`` (B, prefix + h*w, C) through the
+        blocks; the token map at stride 16, and the class token or the mean token."""
+        layout = None if self.cls_token is not None else attention.Grid(h, w)
+        for block in self.blocks:
+            x = block(x, layout)
+        x = self.norm(x)
+        tokens = x[:, self.num_prefix:]  # (B, N, C)
+        pooled = x[:, 0] if self.cls_token is not None else tokens.mean(dim=1)  # (B, C)
+        return [rearrange(tokens, "b (h w) c -> b c h w", h=h)], pooled

@@ -147,13 +147,7 @@ class EAMLP(Backbone):
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, 1 + N, C)
         x = x + sinusoid_table(x.shape[1], x.shape[2]).to(x)
-        layout = None if self.cls_token is not None else attention.Grid(h, w)
-        for block in self.blocks:
-            x = block(x, layout)
-        x = self.norm(x)
-        tokens = x[:, self.num_prefix:]  # (B, N, C)
-        pooled = x[:, 0] if self.cls_token is not None else tokens.mean(dim=1)  # (B, C)
-        return [rearrange(tokens, "b (h w) c -> b c h w", h=h)], pooled
+        return self._tokens_forward(x, h, w)
 
 
 def build(name: str, model: Mapping, attn: Mapping, num_classes: int, img_size: int, in_chans: int = 3):

@@ -125,14 +125,7 @@ class FocalTransformer(Backbone):
                 nn.init.zeros_(m.bias)
 
     def _forward(self, x):
-        x = self.stem(x)  # (B, C, H/4, W/4)
-        features = []
-        for stage, down in zip(self.stages, self.downsamples):
-            x = stage(x)  # (B, C_i, H_i, W_i)
-            features.append(x)
-            x = down(x)
-        pooled = self.norm(rearrange(x, "b c h w -> b (h w) c")).mean(dim=1)  # (B, C_last)
-        return features, pooled
+        return self._stages_forward(x)
 
 
 def build(name: str, model: Mapping, attn: Mapping, num_classes: int, img_size: int, in_chans: int = 3):

@@ -96,13 +96,7 @@ class VisionTransformer(Backbone):
         x = self.patch_embed(x)  # (B, C, H/16, W/16)
         h, w = x.shape[-2:]
         x = self._pos_embed(rearrange(x, "b c h w -> b (h w) c"), h, w)  # (B, prefix + N, C)
-        layout = None if self.cls_token is not None else attention.Grid(h, w)
-        for block in self.blocks:
-            x = block(x, layout)
-        x = self.norm(x)
-        tokens = x[:, self.num_prefix:]  # (B, N, C)
-        pooled = x[:, 0] if self.cls_token is not None else tokens.mean(dim=1)  # (B, C)
-        return [rearrange(tokens, "b (h w) c -> b c h w", h=h)], pooled
+        return self._tokens_forward(x, h, w)
 
 
 def build(name: str, model: Mapping, attn: Mapping, num_classes: int, img_size: int, in_chans: int = 3):
