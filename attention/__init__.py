@@ -12,7 +12,7 @@ Every module in ``attention/variants`` is imported here and registers itself.
 import importlib
 import pkgutil
 
-from . import functional, variants
+from . import flops, functional, variants  # flops: SDPA kernels' FLOP formulas where torch lacks them
 from .base import Mixer
 from .errors import UserError
 from .layout import Grid, Points
