@@ -1,18 +1,29 @@
-# make demo  - create .venv if missing, install (again only when pyproject.toml changed), run the demo
-# make test  - same set-up, then the test suite
-# make bench - same set-up, then what every attention variant costs here (tables and plots into benchmarks/);
-#              more overrides with ARGS, e.g. make bench ARGS='bench.dtypes=[float32,bfloat16]'
+# make install - create .venv if missing and install requirements/lock.txt into it (again only when the lock
+#                or pyproject.toml changed), then this project, editable
+# make demo    - same set-up, then the demo
+# make test    - same set-up, then the test suite
+# make bench   - same set-up, then what every attention variant costs here (tables and plots into benchmarks/);
+#                more overrides with ARGS, e.g. make bench ARGS='bench.dtypes=[float32,bfloat16]'
+# make lock    - resolve pyproject.toml (+ requirements/tools.in, under requirements/pins.txt) into
+#                requirements/lock.txt again, keeping every pin that still fits; make lock UPGRADE=1 moves every
+#                package to the newest release the constraints admit
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+LOCK   := requirements/lock.txt
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench lock clean
 
-$(STAMP): pyproject.toml
+# The lock is made for CPython 3.11 on x86_64 Linux; another Python may need other wheels than it names.
+$(STAMP): $(LOCK) pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install -e '.[dev]'   # the first install fetches torch (several GB with CUDA)
+	@$(PY) -c 'import platform, sys; ok = sys.version_info[:2] == (3, 11) and platform.machine() == "x86_64"; \
+		ok or print("warning: $(LOCK) is locked for CPython 3.11 on x86_64 Linux; this is Python %s on %s" % (platform.python_version(), platform.machine()))'
+	$(PY) -m pip install --quiet "$$(grep '^pip==' $(LOCK))"
+	$(PY) -m pip install --quiet -r $(LOCK)   # the first install fetches torch (several GB with CUDA)
+	$(PY) -m pip install --quiet --no-deps -e .
+	$(PY) -m pip check
 	@touch $(STAMP)
 
 install: $(STAMP)
@@ -25,6 +36,11 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) run.py mode=bench bench.tasks=true bench.table_dir=benchmarks 'hydra.run.dir=outputs/bench/$${run_stamp:}' $(ARGS)
+
+lock: $(STAMP)
+	$(PY) -m piptools compile --quiet $(if $(UPGRADE),--upgrade) --extra dev --allow-unsafe --strip-extras \
+		--no-emit-index-url --no-emit-find-links --constraint requirements/pins.txt \
+		--output-file $(LOCK) pyproject.toml requirements/tools.in
 
 clean:
 	rm -rf outputs multirun wandb .pytest_cache

@@ -226,6 +226,60 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+LOCK = Path(__file__).resolve().parents[1] / "requirements" / "lock.txt"
+
+
+def locked_versions(lock: Path = LOCK) -> dict:
+    """{canonical name: Version} of every pin in the lock file (`make install` installs exactly these)."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+    from packaging.version import Version
+
+    pins = {}
+    for line in lock.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()  # comments and pip-compile's `# via` lines
+        if not line:
+            continue
+        req = Requirement(line)
+        specs = list(req.specifier)
+        if len(specs) != 1 or specs[0].operator != "==":
+            raise ValueError(f"{lock}: {line!r} is not one exact pin (name==version); regenerate it with `make lock`")
+        pins[canonicalize_name(req.name)] = Version(specs[0].version)
+    return pins
+
+
+def lock_mismatches(lock: Path = LOCK) -> list[str]:
+    """Every locked package whose installed version differs from the lock's (a local build 2.14.1+cpu
+    differs from 2.14.1), as 'name: installed X, lock Y'; empty in the environment `make install` builds."""
+    from importlib import metadata
+
+    from packaging.version import Version
+
+    wrong = []
+    for name, version in sorted(locked_versions(lock).items()):
+        try:
+            installed = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            installed = None
+        if installed is None or Version(installed) != version:
+            wrong.append(f"{name}: installed {installed or 'nothing'}, lock {version}")
+    return wrong
+
+
+def environment_line() -> str:
+    """The library versions a table was measured with, and whether they are the lock's."""
+    import lightning
+    import numpy
+    import torchvision
+
+    libs = (f"python {platform.python_version()}, torch {torch.__version__}, torchvision {torchvision.__version__}, "
+            f"numpy {numpy.__version__}, lightning {lightning.__version__}")
+    wrong = lock_mismatches()
+    where = (f"`{LOCK.parent.name}/{LOCK.name}` exactly" if not wrong else
+             f"NOT `{LOCK.parent.name}/{LOCK.name}` ({len(wrong)} package(s) differ: {'; '.join(wrong[:3])})")
+    return f"{libs}; environment: {where}"
+
+
 def machine_info(device) -> dict:
     """CPU, cores, torch threads, GPU, library versions and the date, for a benchmark's header."""
     import numpy
@@ -242,4 +296,5 @@ def machine_info(device) -> dict:
         info["lightning"] = lightning.__version__
     except ImportError:  # pragma: no cover - lightning is a dependency
         pass
+    info["environment"] = environment_line()
     return info
