@@ -9,13 +9,17 @@ logger and experiment, then runs ``mode``:
 - ``summary``: per-module parameters and FLOPs, ending ``params=<int> flops=<int>``
   (a task with several networks, like the GAN's G and D, prints each first).
 - ``bench``: what every attention variant costs on this machine (``benchmarks/cost.py``, ``configs/bench``).
+- ``report``: the comparison of finished runs (``report.runs=<dir>[,<dir>...]`` or ``report.wandb=``): seeds
+  aggregated, every variant against a baseline, cost and protocol per row (``tasks/report.py``, ``configs/report``).
 
 A task may carry ``attn_presets: {<variant>: {option: value}}``: the options
 its paper uses for that variant (SAGAN's block for ``self``), applied under
 any ``attn.<option>=`` given on the command line.
 
 Train and test print their metrics and write ``metrics.json`` to Hydra's run
-directory. User errors print one message and exit with code 2.
+directory, with the run's wall time, peak memory, params and FLOPs per sample, training
+throughput and evaluation protocol (``tasks/run_record.py``). User errors print one
+message and exit with code 2.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import json
 import logging
 import os
 import sys
+import time
 import warnings
 from datetime import datetime
 from pathlib import Path
@@ -36,7 +41,7 @@ from attention.errors import UserError
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 GROUPS = ("task", "attn", "data", "model", "trainer", "logger", "experiment")
-MODES = ("train", "test", "eval", "summary", "bench")
+MODES = ("train", "test", "eval", "summary", "bench", "report")
 log = logging.getLogger("run")
 
 
@@ -75,18 +80,24 @@ def check_group_choices(argv: list[str]) -> None:
 
 
 def run(cfg: DictConfig) -> dict:
+    if cfg.mode not in MODES:
+        raise UserError(f"mode={cfg.mode!r} is not known: use one of {', '.join(MODES)}.")
+    if cfg.mode == "report":  # reads finished runs: trains nothing, needs neither Lightning nor data
+        from tasks.report import report
+
+        return report(cfg)
+
     import lightning as L
     from hydra.core.hydra_config import HydraConfig
     from hydra.utils import get_class, instantiate
 
     from tasks.loggers import build_loggers, close_loggers
 
-    if cfg.mode not in MODES:
-        raise UserError(f"mode={cfg.mode!r} is not known: use one of {', '.join(MODES)}.")
     if cfg.mode == "bench":  # no data or task: the attention package and the machine
         from benchmarks.cost import bench
 
         return bench(cfg)
+    started = time.perf_counter()
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     # Library chatter a user cannot act on: Lightning's own pytree deprecation, ThroughputMonitor's request
     # for a FLOP count (samples/s is what we log), and the litlogger advertisement.
@@ -150,6 +161,9 @@ def run(cfg: DictConfig) -> dict:
     from tasks.distributed import adjust_trainer_kwargs, apply_lr_scaling, check_launch
     from tasks.guard import NonFiniteGuard
     from tasks.resume import RandomState, resume_checkpoint, save_wandb_run_id, wandb_run_id
+    from tasks.run_record import record, reset_peak_memory, throughput_meter
+
+    reset_peak_memory()
 
     ckpt = cfg.get("ckpt_path")
     if cfg.mode == "train" or ckpt == "last":
@@ -179,7 +193,8 @@ def run(cfg: DictConfig) -> dict:
                                                save_top_k=1, enable_version_counter=False)
     trainer_kwargs = dict(container["trainer"])
     guard = NonFiniteGuard(trainer_kwargs.pop("on_nan", "stop"))
-    callbacks += [checkpoint, last, identity_callback(identity), RandomState(), guard]
+    meter = throughput_meter()
+    callbacks += [checkpoint, last, identity_callback(identity), RandomState(), guard, meter]
     if loggers:
         callbacks.append(L.pytorch.callbacks.LearningRateMonitor(logging_interval="epoch"))
     adjust_trainer_kwargs(trainer_kwargs, module)
@@ -199,8 +214,10 @@ def run(cfg: DictConfig) -> dict:
         results = trainer.test(module, datamodule=datamodule, ckpt_path=best, weights_only=True)
         if best:
             log.info("tested best checkpoint %s", best)
+        tested = best
     else:
         results = trainer.test(module, datamodule=datamodule, ckpt_path=ckpt, weights_only=True)
+        tested = ckpt
     for result in results:
         metrics.update(_floats(result))
     if guard.skipped:
@@ -214,11 +231,33 @@ def run(cfg: DictConfig) -> dict:
     metrics = {k: v for k, v in sorted(metrics.items()) if not k.endswith("_step")}
     log.info("rank %d metrics: %s", trainer.global_rank, json.dumps(metrics))  # each process logs what it saw
     if trainer.is_global_zero:
-        (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        # Beside the metrics, what mode=report needs: wall time, peak memory, params/FLOPs, throughput, protocol.
+        extra = record(module, container, tested, trainer.strategy.root_device.type, started,
+                       meter if cfg.mode == "train" else None)
+        (out_dir / "metrics.json").write_text(json.dumps({**metrics, **extra}, indent=2) + "\n")
         print("\n".join(f"{k:>24} {v:.4f}" for k, v in metrics.items()))
+        print("\n".join(f"{k:>24} {v:.6g}" for k, v in extra.items() if isinstance(v, (int, float))))
+        print(f"{'protocol':>24} {json.dumps(extra['protocol'])}")
         print(f"metrics written to {out_dir / 'metrics.json'}")
+        log_record(loggers, extra)
     close_loggers(loggers)
     return metrics
+
+
+def log_record(loggers, extra: dict) -> None:
+    """The run's cost (as metrics: in the run's summary) and protocol (as config) to W&B, so that
+    ``report.wandb=`` finds there what metrics.json holds."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    numbers = {k: float(v) for k, v in extra.items() if isinstance(v, (int, float))}
+    for logger in loggers:
+        if not isinstance(logger, WandbLogger):  # a CSV logger is finalised already; metrics.json has it all
+            continue
+        try:
+            logger.log_metrics(numbers)
+            logger.log_hyperparams({"protocol": extra["protocol"]})
+        except Exception as err:  # noqa: BLE001 - a logger never loses a run
+            log.warning("could not log the run record to %s: %s", type(logger).__name__, err)
 
 
 def is_rank_zero() -> bool:
@@ -300,6 +339,20 @@ def main(cfg: DictConfig) -> None:
         user_error(str(cause))
 
 
+def quote_report_runs(argv: list[str]) -> list[str]:
+    """``report.runs=a,b`` as the list ``report.runs=['a','b']``: Hydra would read the commas as a sweep (and any
+    path holding ``:``, ``=`` or spaces needs quoting), so each folder is passed quoted."""
+    out = []
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key.lstrip("+") == "report.runs" and value and value[0] not in "[\"'" and value != "null":
+            folders = ",".join("'" + v.replace("'", "\\'") + "'" for v in value.split(",") if v)
+            arg = f"{key}=[{folders}]"
+        out.append(arg)
+    return out
+
+
 if __name__ == "__main__":
+    sys.argv[1:] = quote_report_runs(sys.argv[1:])
     check_group_choices(sys.argv[1:])
     main()

@@ -30,6 +30,7 @@ import attention
 from attention import Grid, Points
 from attention import functional as AF
 from attention.pointops import knn
+from tasks.run_record import quality_metrics
 
 HALF = [torch.bfloat16, torch.float16]
 
@@ -293,7 +294,7 @@ def test_task_trains_in_mixed_precision_close_to_float32(task_runs, task):
     metrics = {}
     for job, precision in zip(jobs, precisions):  # jobs are numbered in sweep order
         assert f"trainer.precision={precision}" in (job / ".hydra" / "overrides.yaml").read_text()
-        metrics[precision] = json.loads((job / "metrics.json").read_text())
+        metrics[precision] = quality_metrics(json.loads((job / "metrics.json").read_text()))
         bad = {k: v for k, v in metrics[precision].items() if not math.isfinite(v)}
         assert not bad, (precision, bad)
     assert all(m.keys() == metrics[precisions[0]].keys() for m in metrics.values())

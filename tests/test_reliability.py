@@ -19,6 +19,7 @@ from hydra import compose, initialize_config_dir
 
 from attention.errors import UserError
 from tasks.checkpoint_io import SafeCheckpointIO, atomic_torch_save, safe_torch_load
+from tasks.run_record import quality_metrics
 from tasks.secrets import redact, redact_file, redact_override
 from tasks.validate import validate_config
 from test_run import TINY, env, run, user_error  # noqa: F401 - env is a fixture
@@ -117,7 +118,7 @@ def test_nan_batch_skipped_wandb_failing_and_no_credentials_written(env, tmp_pat
                   [*TWO_EPOCHS, "trainer.on_nan=skip", "logger=wandb", f"hydra.run.dir={tmp_path}",
                    "+notes=${oc.env:MY_TOKEN}", "+logger.api_key=plain-SECRET-123"], {**env, **secret_env})
     # The NaN batch: dropped, counted, reported; BatchNorm statistics and weights stay finite.
-    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    metrics = quality_metrics(json.loads((tmp_path / "metrics.json").read_text()))
     assert metrics["train/skipped_batches"] == 1.0
     assert all(math.isfinite(v) for v in metrics.values())
     assert "skipped 1 training batch(es) with a NaN or infinite loss" in proc.stdout  # Hydra logs to stdout

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tasks.run_record import quality_metrics
 from test_run import GAN_TINY, ROOT, TINY, env, run, user_error  # noqa: F401  (env is a fixture)
 
 # 5 epochs of a small PCT on 3 generated classes, a checkpoint after each: slow enough to be killed mid-run.
@@ -51,8 +52,8 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(env, tmp_path):
     resumed = run([*ARGS, f"hydra.run.dir={killed}", "resume=true"], env)
     assert f"resuming from {last}" in resumed.stdout + resumed.stderr
 
-    a = json.loads((straight / "metrics.json").read_text())
-    b = json.loads((killed / "metrics.json").read_text())
+    a = quality_metrics(json.loads((straight / "metrics.json").read_text()))
+    b = quality_metrics(json.loads((killed / "metrics.json").read_text()))
     assert a.keys() == b.keys()
     for key in a:
         assert b[key] == pytest.approx(a[key], abs=1e-6), key
@@ -84,8 +85,8 @@ def test_gan_resumed_mid_epoch_continues_where_it_stopped(env, tmp_path):
     run([*args, "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'split'}"], env)
     proc = run([*args, "trainer.max_steps=6", "ckpt_path=last", f"hydra.run.dir={tmp_path / 'split'}"], env)
     assert "resuming from" in proc.stdout + proc.stderr
-    a = json.loads((tmp_path / "straight" / "metrics.json").read_text())
-    b = json.loads((tmp_path / "split" / "metrics.json").read_text())
+    a = quality_metrics(json.loads((tmp_path / "straight" / "metrics.json").read_text()))
+    b = quality_metrics(json.loads((tmp_path / "split" / "metrics.json").read_text()))
     assert a.keys() == b.keys()
     for key in a:
         assert b[key] == pytest.approx(a[key], abs=1e-6), key

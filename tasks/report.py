@@ -1,0 +1,787 @@
+"""``python run.py mode=report report.runs=<dir>[,<dir>...]``: finished runs turned into a comparison.
+
+Reads every run folder under the given Hydra run or multirun folders (``metrics.json`` + ``resolved_config.yaml``,
+as ``run.py`` writes them), or W&B runs (``report.wandb=<entity>/<project>[/<sweep id>]``), and writes
+``report.md``, ``report.csv``, ``metrics.csv``, ``report.json`` and plots to ``report.out`` (default
+``<first runs folder>/report``). Nothing is trained. User documentation: ``docs/report.md``.
+
+Top to bottom:
+
+1. statistics: pure functions of lists of numbers (:func:`describe`, :func:`compare`, :func:`pareto_front`);
+2. reading runs from folders or W&B, with every run that cannot be used kept, with its reason (:class:`LeftOut`);
+3. grouping: runs agree on task, data, protocol and every config key that varies across them, except the seed;
+4. rows: aggregates, the comparison with the baseline, cost and protocol per group;
+5. output files and plots; 6. :func:`report`, the entry point.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import os
+import sys
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from attention.errors import UserError
+from tasks.run_record import data_name, protocol as derive_protocol
+
+log = logging.getLogger(__name__)
+
+NATIVE_BASELINE = {"modelnet": "offset", "shapenet": "offset"}  # PCT's own attention; every other task: self
+COST_KEYS = ("params", "flops", "train_samples_per_sec", "peak_memory_bytes", "wall_time_s")
+THROUGHPUT_HISTORY_KEY = "train/device/samples_per_sec"  # what ThroughputMonitor logs, when a logger was on
+TOO_FEW = 3  # fewer seeds than this on either side: flagged, not concluded
+# Config keys that never split groups: the seed (and anything equal to it), where files live, what is logged.
+IGNORED_KEYS = {"seed", "data_dir", "ckpt_path", "resume", "metrics.inception_weights", "eval.save_samples",
+                "model.weights"}
+IGNORED_PREFIXES = ("logger.", "callbacks.", "bench.", "report.", "hydra.", "protocol.")
+IGNORED_SUFFIXES = ("_dir", ".root")
+NOT_TRAINING = ("summary", "bench", "report")  # run folders of these modes hold no results
+PRUNE = {"wandb", "checkpoints", ".submitit", "csv", "wandb_fallback", "samples", ".hydra"}
+
+
+# --- 1. statistics -------------------------------------------------------------------------------------------------
+def t_quantile(confidence: float, df: float) -> float:
+    from scipy import stats
+
+    return float(stats.t.ppf((1 + confidence) / 2, df))
+
+
+def describe(values, higher_is_better: bool = True, confidence: float = 0.95) -> dict:
+    """n, mean, standard deviation (ddof=1), Student-t confidence interval of the mean, min, max and best of n.
+
+    With one value the spread and the interval are NaN: one run says nothing about seed-to-seed variation."""
+    x = np.asarray(values, dtype=float)
+    n = len(x)
+    mean = float(x.mean())
+    std = float(x.std(ddof=1)) if n > 1 else math.nan
+    half = t_quantile(confidence, n - 1) * std / math.sqrt(n) if n > 1 else math.nan
+    return {"n": n, "mean": mean, "std": std, "ci_low": mean - half, "ci_high": mean + half,
+            "min": float(x.min()), "max": float(x.max()), "best_of_n": float(x.max() if higher_is_better else x.min())}
+
+
+def compare(variant: list[tuple], baseline: list[tuple], confidence: float = 0.95) -> dict:
+    """Difference of means (variant - baseline), its confidence interval and a t-test.
+
+    ``variant`` and ``baseline`` are lists of (seed, value). When both hold the same seeds, once each, the runs are
+    paired by seed (paired t-test on the differences); otherwise Welch's unequal-variance t-test. Fewer than
+    ``TOO_FEW`` runs on either side are flagged as too few to conclude."""
+    from scipy import stats
+
+    a = np.array([v for _, v in variant], dtype=float)
+    b = np.array([v for _, v in baseline], dtype=float)
+    seeds_a, seeds_b = [s for s, _ in variant], [s for s, _ in baseline]
+    paired = (len(set(seeds_a)) == len(a) >= 2 and len(set(seeds_b)) == len(b) and set(seeds_a) == set(seeds_b))
+    out = {"diff": float(a.mean() - b.mean()), "ci_low": math.nan, "ci_high": math.nan, "test": "none",
+           "p_value": math.nan, "df": math.nan, "n_variant": len(a), "n_baseline": len(b)}
+    with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # identical values: scipy's precision warning, p is NaN
+        if paired:
+            order = sorted(seeds_a, key=repr)
+            x = np.array([dict(variant)[s] for s in order], dtype=float)
+            y = np.array([dict(baseline)[s] for s in order], dtype=float)
+            d = x - y
+            se, df = d.std(ddof=1) / math.sqrt(len(d)), len(d) - 1
+            out.update(test="paired t", df=float(df), p_value=float(stats.ttest_rel(x, y).pvalue))
+        elif len(a) >= 2 and len(b) >= 2:
+            va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
+            se = math.sqrt(va + vb)
+            df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1)) if va + vb > 0 else math.nan
+            out.update(test="Welch t", df=float(df),
+                       p_value=float(stats.ttest_ind(a, b, equal_var=False).pvalue))
+        else:
+            se = math.nan
+        if out["test"] != "none" and math.isfinite(out["df"]):
+            half = t_quantile(confidence, out["df"]) * se
+            out.update(ci_low=out["diff"] - half, ci_high=out["diff"] + half)
+    if min(len(a), len(b)) < TOO_FEW:
+        out["note"] = f"n < {TOO_FEW}: too few runs to conclude"
+    elif math.isfinite(out["p_value"]) and out["p_value"] < 1 - confidence:
+        out["note"] = f"differs (p < {1 - confidence:.2g})"
+    else:
+        out["note"] = "no significant difference"
+    return out
+
+
+def pareto_front(xs, ys, x_lower_is_better: bool = True, y_higher_is_better: bool = True) -> list[int]:
+    """Indices of the points no other point beats on both axes (at least as good on both, better on one), by x."""
+    def better_eq(i, j):  # i at least as good as j on both axes
+        x_ok = xs[i] <= xs[j] if x_lower_is_better else xs[i] >= xs[j]
+        y_ok = ys[i] >= ys[j] if y_higher_is_better else ys[i] <= ys[j]
+        return x_ok and y_ok
+
+    valid = [i for i in range(len(xs)) if math.isfinite(xs[i]) and math.isfinite(ys[i])]
+    front = [j for j in valid
+             if not any(better_eq(i, j) and (xs[i], ys[i]) != (xs[j], ys[j]) for i in valid if i != j)]
+    return sorted(front, key=lambda i: xs[i])
+
+
+def higher_is_better(metric: str, monitor: dict) -> bool:
+    """The monitored metric's direction when ``metric`` is it on another split; losses and FID are lower-better."""
+    tail = metric.split("/", 1)[-1]
+    if tail == str(monitor.get("metric", "")).split("/", 1)[-1]:
+        return monitor.get("mode", "max") == "max"
+    return not (tail in ("loss", "fid") or tail.endswith("_loss"))
+
+
+# --- 2. reading runs -----------------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    path: str                      # folder, or wandb:<entity>/<project>/<id>
+    config: dict                   # the resolved config
+    metrics: dict[str, float]      # every numeric entry of metrics.json but the cost
+    cost: dict[str, float]         # COST_KEYS present
+    protocol: dict
+    protocol_recorded: bool = True  # False: derived from the config (runs from before protocols were recorded)
+    history: object = None          # a metrics.csv path, or a W&B run (scan_history)
+
+    @property
+    def seed(self):
+        return self.config.get("seed")
+
+    @property
+    def task(self) -> str:
+        return str((self.config.get("task") or {}).get("name"))
+
+
+@dataclass
+class LeftOut:
+    path: str
+    reason: str
+
+
+def find_run_dirs(root: Path) -> list[Path]:
+    """Run folders under ``root`` (itself included): those holding ``metrics.json``, ``resolved_config.yaml`` or
+    Hydra's ``.hydra/``. A run's own subfolders (checkpoints, wandb, csv) are not searched."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        if "metrics.json" in filenames or "resolved_config.yaml" in filenames or ".hydra" in dirnames:
+            found.append(Path(dirpath))
+            dirnames[:] = []
+        else:
+            dirnames[:] = sorted(d for d in dirnames if d not in PRUNE)
+    return sorted(found)
+
+
+def numbers(mapping: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in mapping.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def split_record(values: dict[str, float]) -> tuple[dict, dict]:
+    return ({k: v for k, v in values.items() if k not in COST_KEYS},
+            {k: v for k, v in values.items() if k in COST_KEYS})
+
+
+def read_run_dir(folder: Path) -> Run | LeftOut | None:
+    """One run folder as a :class:`Run`, a :class:`LeftOut` saying why it cannot be used, or None for the folder
+    of a ``mode=summary|bench|report`` run (no results by design)."""
+    resolved, hydra_config, metrics_file = (folder / "resolved_config.yaml", folder / ".hydra" / "config.yaml",
+                                            folder / "metrics.json")
+    config = None
+    for candidate in (resolved, hydra_config):
+        if candidate.is_file():
+            try:
+                config = yaml.safe_load(candidate.read_text())
+            except (yaml.YAMLError, OSError, UnicodeDecodeError) as err:
+                return LeftOut(str(folder), f"unreadable {candidate.name} ({type(err).__name__})")
+            break
+    if isinstance(config, dict) and config.get("mode") in NOT_TRAINING:
+        return None
+    if not metrics_file.is_file():
+        return LeftOut(str(folder), "no metrics.json (the run crashed, was stopped, or is still running)")
+    try:
+        data = json.loads(metrics_file.read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"a JSON {type(data).__name__}, not an object")
+    except (ValueError, OSError, UnicodeDecodeError) as err:
+        return LeftOut(str(folder), f"corrupt metrics.json ({str(err).splitlines()[0] if str(err) else err!r})")
+    if not resolved.is_file() or not isinstance(config, dict):
+        return LeftOut(str(folder), "no resolved_config.yaml (not a run.py run folder)")
+    metrics, cost = split_record(numbers(data))
+    recorded = isinstance(data.get("protocol"), dict)
+    if recorded:
+        proto = data["protocol"]
+    else:  # before runs recorded it: run.py tested the best checkpoint when there was one
+        best = sorted((folder / "checkpoints").glob("best-*.ckpt")) if config.get("mode", "train") == "train" else []
+        proto = derive_protocol(config, str(best[-1]) if best else None)
+    history = next((p for p in (folder / "csv" / "metrics.csv", folder / "wandb_fallback" / "metrics.csv")
+                    if p.is_file()), None)
+    return Run(str(folder), config, metrics, cost, proto, recorded, history)
+
+
+def progress(items, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, unit="run", file=sys.stderr, mininterval=0.5, disable=len(items) < 2)
+
+
+def read_folders(roots: list[Path]) -> tuple[list[Run], list[LeftOut], int]:
+    """Every run under ``roots``: (runs, left out, folders of non-training modes skipped)."""
+    runs, left_out, skipped = [], [], 0
+    for root in roots:
+        if not root.is_dir():
+            raise UserError(f"report.runs: {root} is not a folder. Pass the Hydra run or multirun folders of "
+                            "finished runs, e.g. `report.runs=multirun/2026-11-23_10-00-00,outputs/modelnet`.")
+    folders = [d for root in roots for d in find_run_dirs(root)]
+    for folder in progress(folders, "reading runs"):
+        result = read_run_dir(folder)
+        if result is None:
+            skipped += 1
+        elif isinstance(result, LeftOut):
+            left_out.append(result)
+        else:
+            runs.append(result)
+    if not runs and not left_out:
+        raise UserError(f"no runs under {', '.join(map(str, roots))}: expected run folders holding metrics.json and "
+                        "resolved_config.yaml, as `python run.py ...` writes them (outputs/<task>/<attn>/<time>/) "
+                        "or `python run.py -m ...` (multirun/<time>/<n>_<task>_<attn>/). Pass such folders to "
+                        "report.runs.")
+    return runs, left_out, skipped
+
+
+def read_wandb(path: str, api=None) -> tuple[list[Run], list[LeftOut], int]:
+    """Runs of a W&B project or sweep through the public API (online): config, summary, history."""
+    parts = [p for p in path.strip("/").split("/") if p]
+    if len(parts) not in (2, 3):
+        raise UserError(f"report.wandb={path!r}: expected <entity>/<project> or <entity>/<project>/<sweep id>.")
+    if api is None:
+        import wandb
+
+        try:
+            api = wandb.Api()
+        except Exception as err:  # noqa: BLE001 - no credentials, no network: a user's fix
+            raise UserError(f"report.wandb needs W&B online (`wandb login` or WANDB_API_KEY): {err}") from err
+    try:
+        found = list(api.sweep("/".join(parts)).runs if len(parts) == 3 else api.runs("/".join(parts)))
+    except Exception as err:  # noqa: BLE001
+        raise UserError(f"report.wandb={path!r}: W&B could not list its runs ({err}). Check the entity, project "
+                        "and sweep id (`wandb sweep` printed them).") from err
+    runs, left_out, skipped = [], [], 0
+    for wrun in progress(found, "reading W&B runs"):
+        where = f"wandb:{'/'.join(parts[:2])}/{wrun.id}"
+        config = {k: v for k, v in dict(wrun.config).items() if not k.startswith("_")}
+        if config.get("mode") in NOT_TRAINING:
+            skipped += 1
+            continue
+        summary = numbers({k: v for k, v in dict(wrun.summary).items() if not k.startswith("_")})
+        if getattr(wrun, "state", "finished") != "finished":
+            left_out.append(LeftOut(where, f"W&B state {wrun.state} (crashed, stopped or still running)"))
+            continue
+        if not config.get("task"):
+            left_out.append(LeftOut(where, "no task in its config (not a run.py run)"))
+            continue
+        metrics, cost = split_record(summary)
+        recorded = isinstance(config.get("protocol"), dict)
+        proto = config["protocol"] if recorded else derive_protocol(config, "best")
+        runs.append(Run(where, config, metrics, cost, proto, recorded, wrun))
+    if not runs and not left_out:
+        raise UserError(f"no runs in W&B {'sweep' if len(parts) == 3 else 'project'} {path}.")
+    return runs, left_out, skipped
+
+
+def learning_curve(run: Run, key: str) -> list[tuple[float, float]]:
+    """(step, value) of ``key`` from the run's logged history: Lightning's metrics.csv or W&B's history."""
+    points = []
+    if isinstance(run.history, Path):
+        try:
+            with run.history.open(newline="") as f:
+                for row in csv.DictReader(f):
+                    if row.get(key) not in (None, "") and row.get("step") not in (None, ""):
+                        points.append((float(row["step"]), float(row[key])))
+        except (OSError, ValueError, csv.Error) as err:
+            log.warning("history of %s unreadable: %s", run.path, err)
+    elif run.history is not None:
+        try:
+            for row in run.history.scan_history(keys=[key, "trainer/global_step"]):
+                points.append((float(row["trainer/global_step"]), float(row[key])))
+        except Exception as err:  # noqa: BLE001 - a curve is not worth losing the report
+            log.warning("W&B history of %s unreadable: %s", run.path, err)
+    return points
+
+
+# --- 3. grouping ---------------------------------------------------------------------------------------------------
+def flatten(config: dict, prefix: str = "") -> dict[str, str]:
+    """``{"attn": {"name": "self"}}`` -> ``{"attn.name": "self"}``; values as JSON text (comparable, hashable)."""
+    out = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+    return out
+
+
+def ignored(key: str) -> bool:
+    return key in IGNORED_KEYS or key.startswith(IGNORED_PREFIXES) or key.endswith(IGNORED_SUFFIXES)
+
+
+def varying_keys(runs: list[Run]) -> list[str]:
+    """Config keys whose value differs between runs, except the ignored ones and any that equals the seed in every
+    run (``data.seed: ${seed}``)."""
+    flats = [flatten(r.config) for r in runs]
+    keys = sorted(set().union(*flats))
+    out = []
+    for key in keys:
+        values = [f.get(key, "<unset>") for f in flats]
+        if len(set(values)) < 2 or ignored(key):
+            continue
+        if all(v == json.dumps(r.seed) or v == str(r.seed) for v, r in zip(values, runs)):
+            continue
+        out.append(key)
+    return out
+
+
+def label_keys(runs: list[Run], keys: list[str]) -> list[str]:
+    """The keys a row's label shows: ``attn.name`` first, then each varying key that the keys shown before it do not
+    already determine (``attn.memory`` comes with ``attn=external``: shown only when external runs differ in it)."""
+    flats = [flatten(r.config) for r in runs]
+    order = ["attn.name"] + [k for k in ("model.name",) if k in keys] + [k for k in keys
+                                                                         if k not in ("attn.name", "model.name")]
+    shown = []
+    for key in order:
+        seen = {}
+        determined = True
+        for f in flats:
+            context = tuple(f.get(k, "<unset>") for k in shown)
+            if seen.setdefault(context, f.get(key, "<unset>")) != f.get(key, "<unset>"):
+                determined = False
+                break
+        if key == "attn.name" or not determined:
+            shown.append(key)
+    return shown
+
+
+def label(run: Run, keys: list[str]) -> str:
+    flat = flatten(run.config)
+    return " ".join(f"attn={flat.get(k)}" if k == "attn.name" else f"{k}={flat.get(k, '<unset>')}" for k in keys)
+
+
+@dataclass
+class Group:
+    task: str
+    data: str
+    label: str
+    attn: str
+    context: tuple          # the label's non-attn part: a baseline is looked for among groups with the same context
+    protocol: dict
+    runs: list[Run] = field(default_factory=list)
+
+
+def group_runs(runs: list[Run]) -> list[Group]:
+    """Runs of one task and data set that agree on the protocol and on every varying key but the seed."""
+    blocks = defaultdict(list)
+    for run in runs:
+        blocks[(run.task, data_name(run.config))].append(run)
+    groups = []
+    for (task, data), members in sorted(blocks.items()):
+        keys = varying_keys(members)
+        shown = label_keys(members, keys)
+        by_key: dict[tuple, Group] = {}
+        for run in members:
+            flat = flatten(run.config)
+            key = (json.dumps(run.protocol, sort_keys=True), tuple(flat.get(k, "<unset>") for k in keys))
+            if key not in by_key:
+                context = tuple((k, flat.get(k, "<unset>")) for k in shown if not k.startswith("attn."))
+                by_key[key] = Group(task, data, label(run, shown), str(flat.get("attn.name")), context, run.protocol)
+            by_key[key].runs.append(run)
+        groups += sorted(by_key.values(), key=lambda g: (g.label, json.dumps(g.protocol, sort_keys=True)))
+    return groups
+
+
+def find_baseline(group: Group, groups: list[Group], baseline: str) -> Group | None:
+    """The group ``group`` is compared with: same task, data and protocol, ``baseline`` as its attn name or label,
+    and the same context (other varying keys) when several match."""
+    candidates = [g for g in groups if g.task == group.task and g.data == group.data and g.protocol == group.protocol
+                  and baseline in (g.attn, g.label)]
+    if len(candidates) > 1:
+        candidates = [g for g in candidates if g.context == group.context]
+    return candidates[0] if len(candidates) == 1 else None
+
+
+# --- 4. rows -------------------------------------------------------------------------------------------------------
+def task_metric(run: Run, requested: str | None) -> str:
+    if requested:
+        return requested
+    monitored = str((run.config.get("monitor") or {}).get("metric", "val/loss"))
+    return "test/" + monitored.split("/", 1)[-1]
+
+
+def mean_of(values: list[float]) -> float:
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    return float(np.mean(values)) if values else math.nan
+
+
+def cost_of(group: Group) -> dict:
+    """Cost per row: params and FLOPs per sample (recorded at train time, the mode=summary count), then the means
+    over the seeds of training throughput (metrics.json, else the logged ThroughputMonitor history), peak memory
+    and wall time."""
+    out = {}
+    for key in COST_KEYS:
+        values = [r.cost.get(key) for r in group.runs]
+        if key == "train_samples_per_sec":
+            values = [v if v is not None else mean_of([y for _, y in learning_curve(r, THROUGHPUT_HISTORY_KEY)])
+                      for v, r in zip(values, group.runs)]
+        out[key] = mean_of([v for v in values if v is not None])
+    return out
+
+
+def build_rows(groups: list[Group], baseline: str | None, metric: str | None, confidence: float) -> list[dict]:
+    rows = []
+    for group in groups:
+        first = group.runs[0]
+        name = task_metric(first, metric)
+        higher = higher_is_better(name, first.config.get("monitor") or {})
+        chosen = baseline or NATIVE_BASELINE.get(group.task, "self")
+        values = [(r.seed, r.metrics[name]) for r in group.runs]
+        row = {"task": group.task, "data": group.data, "variant": group.label, "attn": group.attn,
+               "metric": name, "higher_is_better": higher, "seeds": [s for s, _ in values],
+               **describe([v for _, v in values], higher, confidence), "baseline": chosen}
+        base = find_baseline(group, groups, chosen)
+        if base is group:
+            row.update(baseline=group.label, diff=0.0, diff_ci_low=math.nan, diff_ci_high=math.nan, test="",
+                       p_value=math.nan, note="baseline")
+        elif base is None:
+            row.update(diff=math.nan, diff_ci_low=math.nan, diff_ci_high=math.nan, test="", p_value=math.nan,
+                       note=f"no {chosen} runs with this protocol to compare with")
+        else:
+            c = compare(values, [(r.seed, r.metrics[name]) for r in base.runs], confidence)
+            row.update(baseline=base.label, diff=c["diff"], diff_ci_low=c["ci_low"], diff_ci_high=c["ci_high"],
+                       test=c["test"], p_value=c["p_value"], note=c["note"])
+        row.update(cost_of(group))
+        row["protocol"] = group.protocol
+        row["protocol_recorded"] = all(r.protocol_recorded for r in group.runs)
+        row["runs"] = [r.path for r in group.runs]
+        rows.append(row)
+    return rows
+
+
+def all_metrics(groups: list[Group], confidence: float) -> list[dict]:
+    """Every metric every run of a group has, aggregated over the seeds (metrics.csv)."""
+    out = []
+    for group in groups:
+        names = sorted(set.intersection(*(set(r.metrics) for r in group.runs)))
+        for name in names:
+            higher = higher_is_better(name, group.runs[0].config.get("monitor") or {})
+            out.append({"task": group.task, "data": group.data, "variant": group.label, "metric": name,
+                        **describe([r.metrics[name] for r in group.runs], higher, confidence)})
+    return out
+
+
+# --- 5. output -----------------------------------------------------------------------------------------------------
+def fmt(value, digits: int = 4) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    return f"{value:.{digits}f}"
+
+
+def fmt_p(p: float) -> str:
+    if not math.isfinite(p):
+        return "n/a"
+    return "< 0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def fmt_count(value: float, unit: str = "") -> str:
+    if not math.isfinite(value):
+        return "n/a"
+    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.2f} {prefix}{unit}"
+    return f"{value:.0f} {unit}".strip()
+
+
+def fmt_bytes(value: float) -> str:
+    if not math.isfinite(value):
+        return "n/a"
+    return f"{value / 2**30:.2f} GiB" if value >= 2**30 else f"{value / 2**20:.0f} MiB"
+
+
+def fmt_seconds(value: float) -> str:
+    if not math.isfinite(value):
+        return "n/a"
+    minutes, seconds = divmod(value, 60)
+    return f"{int(minutes)} min {seconds:02.0f} s" if minutes else f"{seconds:.1f} s"
+
+
+def protocol_text(protocol: dict) -> str:
+    return "; ".join(f"{k} {v}" for k, v in protocol.items())
+
+
+def markdown(rows: list[dict], left_out: list[LeftOut], sources: list[str], plots: dict, confidence: float) -> str:
+    pct = f"{confidence:.0%}"
+    lines = ["# Report", "", f"Sources: {', '.join(sources)}. {sum(len(r['runs']) for r in rows)} runs in "
+             f"{len(rows)} rows; {len(left_out)} left out (listed at the end).", "",
+             f"Per row: the seeds aggregated (mean, standard deviation, {pct} Student-t interval of the mean, min, "
+             f"max; best of n is not the result). Difference = row mean - baseline mean, with its {pct} interval and "
+             "a paired t-test across seeds when both rows hold the same seeds, Welch's t-test otherwise. Cost: "
+             "params and FLOPs for one sample (mode=summary's count), training samples/s of one process, peak "
+             "memory (CUDA max allocated, or the process's peak RSS on CPU) and wall time, means over the seeds. "
+             "Rows whose protocols differ are never averaged together.", ""]
+    blocks = defaultdict(list)
+    for row in rows:
+        blocks[(row["task"], row["data"])].append(row)
+    for (task, data), members in blocks.items():
+        metric = members[0]["metric"]
+        direction = "higher is better" if members[0]["higher_is_better"] else "lower is better"
+        lines += [f"## {task} on {data}: {metric} ({direction})", "",
+                  f"| variant | n | seeds | mean ± std | {pct} CI | min | max | best of n | vs baseline | "
+                  f"difference [{pct} CI] | test | p | note | params | FLOPs/sample | samples/s | peak memory | "
+                  "wall time | protocol |",
+                  "|" + " --- |" * 19]
+        for r in members:
+            diff = "" if r["note"] == "baseline" else (
+                f"{r['diff']:+.4f} [{fmt(r['diff_ci_low'])}, {fmt(r['diff_ci_high'])}]"
+                if math.isfinite(r["diff"]) else "n/a")
+            lines.append(
+                f"| `{r['variant']}` | {r['n']} | {', '.join(map(str, r['seeds']))} | {fmt(r['mean'])} ± "
+                f"{fmt(r['std'])} | [{fmt(r['ci_low'])}, {fmt(r['ci_high'])}] | {fmt(r['min'])} | {fmt(r['max'])} | "
+                f"{fmt(r['best_of_n'])} | `{r['baseline']}` | {diff} | {r['test'] or ''} | "
+                f"{'' if r['note'] == 'baseline' else fmt_p(r['p_value'])} | {r['note']} | "
+                f"{fmt_count(r['params'])} | {fmt_count(r['flops'])} | {fmt(r['train_samples_per_sec'], 1)} | "
+                f"{fmt_bytes(r['peak_memory_bytes'])} | {fmt_seconds(r['wall_time_s'])} | "
+                f"{protocol_text(r['protocol'])}{'' if r['protocol_recorded'] else ' (from config)'} |")
+        lines.append("")
+        for title, path in plots.get((task, data), []):
+            lines += [f"![{title}]({path})", ""]
+    lines += ["## Runs left out", ""]
+    lines += [f"- `{x.path}`: {x.reason}" for x in left_out] or ["None."]
+    return "\n".join(lines) + "\n"
+
+
+def csv_value(value):
+    if isinstance(value, (list, tuple)):
+        return ";".join(map(str, value))
+    if isinstance(value, dict):
+        return json.dumps(value, sort_keys=True)
+    return value
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: csv_value(v) for k, v in row.items()})
+
+
+def json_safe(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def plot_blocks(rows: list[dict], groups: list[Group], out: Path) -> dict:
+    """Per task and data set: the metric against FLOPs and against throughput (mean with its confidence interval,
+    Pareto front dashed), and learning curves (the monitored validation metric, mean +/- std over the seeds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = defaultdict(list)
+    by_label = {(g.task, g.data, g.label, json.dumps(g.protocol, sort_keys=True)): g for g in groups}
+    blocks = defaultdict(list)
+    for row in rows:
+        blocks[(row["task"], row["data"])].append(row)
+    for (task, data), members in blocks.items():
+        slug = f"{task}-{data}".lower().replace("/", "_")
+        metric, higher = members[0]["metric"], members[0]["higher_is_better"]
+        for axis, key, x_lower in (("FLOPs per sample", "flops", True),
+                                   ("training samples/s (one process)", "train_samples_per_sec", False)):
+            xs = [r[key] for r in members]
+            if not any(math.isfinite(x) for x in xs):
+                continue
+            fig, ax = plt.subplots(figsize=(6.4, 4.4))
+            ys = [r["mean"] for r in members]
+            for r, x, y in zip(members, xs, ys):
+                if not math.isfinite(x):
+                    continue
+                err = [[y - r["ci_low"]], [r["ci_high"] - y]] if math.isfinite(r["ci_low"]) else None
+                ax.errorbar([x], [y], yerr=err, fmt="o", capsize=4, label=r["variant"])
+            front = pareto_front(xs, ys, x_lower, higher)
+            if len(front) > 1:
+                ax.plot([xs[i] for i in front], [ys[i] for i in front], "k--", lw=1, label="Pareto front")
+            elif front:
+                ax.plot([xs[front[0]]], [ys[front[0]]], "k*", ms=12, label="Pareto front")
+            finite = [x for x in xs if math.isfinite(x) and x > 0]
+            if finite and max(finite) / min(finite) > 20:
+                ax.set_xscale("log")
+            ax.set_xlabel(axis)
+            ax.set_ylabel(f"{metric} (mean, {'higher' if higher else 'lower'} is better)")
+            ax.set_title(f"{task} on {data}: error bars = confidence interval over seeds", fontsize=9)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+            name = f"{slug}-{key.split('_')[0] if key == 'flops' else 'throughput'}.png"
+            fig.tight_layout()
+            fig.savefig(out / name, dpi=110)
+            plt.close(fig)
+            made[(task, data)].append((f"{metric} vs {axis}", name))
+        block_groups = [by_label[(task, data, r["variant"], json.dumps(r["protocol"], sort_keys=True))]
+                        for r in members]
+        # The compared metric on the validation split (test/loss -> val/loss), else the monitored one.
+        monitored = str((block_groups[0].runs[0].config.get("monitor") or {}).get("metric", ""))
+        curves = []
+        for key in dict.fromkeys(["val/" + metric.split("/", 1)[-1], monitored]):
+            for r, group in zip(members, block_groups):
+                per_step = defaultdict(list)
+                for run in group.runs:
+                    for step, value in learning_curve(run, key):
+                        per_step[step].append(value)
+                if per_step:
+                    curves.append((r["variant"], sorted(per_step.items())))
+            if curves:
+                monitored = key
+                break
+        if curves:
+            fig, ax = plt.subplots(figsize=(6.4, 4.4))
+            for variant, points in curves:
+                steps = np.array([s for s, _ in points])
+                mean = np.array([np.mean(v) for _, v in points])
+                std = np.array([np.std(v, ddof=1) if len(v) > 1 else 0.0 for _, v in points])
+                line, = ax.plot(steps, mean, marker="o", ms=3, label=variant)
+                ax.fill_between(steps, mean - std, mean + std, color=line.get_color(), alpha=0.2)
+            ax.set_xlabel("training step")
+            ax.set_ylabel(f"{monitored} (mean ± std over seeds)")
+            ax.set_title(f"{task} on {data}: learning curves", fontsize=9)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+            fig.tight_layout()
+            fig.savefig(out / f"{slug}-curves.png", dpi=110)
+            plt.close(fig)
+            made[(task, data)].append((f"{monitored} learning curves", f"{slug}-curves.png"))
+    return made
+
+
+def log_to_wandb(cfg, rows: list[dict], out: Path, plots: dict) -> None:
+    """The tables and plots as one W&B run (job_type=report), with the logger's project and mode."""
+    import wandb
+
+    from tasks.loggers import wandb_mode
+
+    logger = cfg.get("logger") or {}
+    try:
+        run = wandb.init(project=logger.get("project") or "attention-suite", entity=logger.get("entity"),
+                         job_type="report", dir=str(out), mode=wandb_mode(logger.get("mode", "auto")),
+                         config={"report": dict(cfg.report)})
+        columns = [k for k in rows[0] if k not in ("runs", "protocol", "seeds")] + ["protocol", "seeds"]
+        run.log({"report": wandb.Table(columns=columns, data=[[csv_value(json_safe(r.get(c))) for c in columns]
+                                                              for r in rows])})
+        for items in plots.values():
+            for title, name in items:
+                run.log({name.removesuffix(".png"): wandb.Image(str(out / name), caption=title)})
+        run.finish()
+    except Exception as err:  # noqa: BLE001 - the files are written; W&B is extra
+        log.warning("the report was not logged to W&B: %s", err)
+
+
+# --- 6. entry point ------------------------------------------------------------------------------------------------
+def as_list(value) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [v for v in value.split(",") if v]
+    return [str(v) for v in value]
+
+
+def check_metric(runs: list[Run], left_out: list[LeftOut], metric: str | None) -> list[Run]:
+    """Runs without the compared metric are left out, by path; none with it at all is a user error."""
+    kept = []
+    for run in runs:
+        name = task_metric(run, metric)
+        if name in run.metrics and math.isfinite(run.metrics[name]):
+            kept.append(run)
+        else:
+            left_out.append(LeftOut(run.path, f"no finite {name} in its metrics"))
+    if not kept:
+        available = sorted(set().union(*(r.metrics for r in runs))) if runs else []
+        wanted = task_metric(runs[0], metric) if runs else metric
+        raise UserError(f"none of the runs has the compared metric ({wanted}). Metrics they have: "
+                        f"{', '.join(available) or 'none'}. Pass one with report.metric=.")
+    return kept
+
+
+def check_baseline(baseline: str | None, groups: list[Group]) -> None:
+    if baseline and not any(baseline in (g.attn, g.label) for g in groups):
+        variants = sorted({g.attn for g in groups})
+        labels = sorted({g.label for g in groups} - set(variants))
+        raise UserError(f"report.baseline={baseline!r} is none of the variants in these runs. Known variants: "
+                        f"{', '.join(variants)}" + (f"; rows: {'; '.join(labels)}" if labels else "")
+                        + f". Example: `report.baseline={variants[0]}`.")
+
+
+def report(cfg, api=None) -> dict:
+    """``mode=report``: read, group, compare, write. Returns the JSON document it writes (NaN as None)."""
+    rc = cfg.report
+    roots = [Path(p) for p in as_list(rc.get("runs"))]
+    if not roots and not rc.get("wandb"):
+        raise UserError("mode=report needs runs: `report.runs=<dir>[,<dir>...]` (Hydra run or multirun folders) or "
+                        "`report.wandb=<entity>/<project>[/<sweep id>]`.")
+    runs, left_out, skipped, sources = [], [], 0, []
+    if roots:
+        found = read_folders(roots)
+        runs += found[0]
+        left_out += found[1]
+        skipped += found[2]
+        sources += [str(r) for r in roots]
+    if rc.get("wandb"):
+        found = read_wandb(str(rc.wandb), api)
+        runs += found[0]
+        left_out += found[1]
+        skipped += found[2]
+        sources.append(f"wandb:{rc.wandb}")
+    if not runs:
+        raise UserError(f"none of the {len(left_out)} runs found can be used: "
+                        + "; ".join(f"{x.path}: {x.reason}" for x in left_out))
+    metric = rc.get("metric")
+    runs = check_metric(runs, left_out, metric)
+    groups = group_runs(runs)
+    baseline = rc.get("baseline")
+    check_baseline(baseline, groups)
+    confidence = float(rc.get("confidence", 0.95))
+    rows = build_rows(groups, baseline, metric, confidence)
+
+    if rc.get("out"):
+        out = Path(rc.out)
+    elif roots:
+        out = roots[0] / "report"
+    else:
+        from hydra.core.hydra_config import HydraConfig
+
+        out = Path(HydraConfig.get().runtime.output_dir) / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    plots = plot_blocks(rows, groups, out) if rc.get("plots", True) else {}
+    document = {"sources": sources, "confidence": confidence, "rows": rows,
+                "metrics": all_metrics(groups, confidence),
+                "left_out": [{"path": x.path, "reason": x.reason} for x in left_out],
+                "skipped_non_training_runs": skipped,
+                "plots": [name for items in plots.values() for _, name in items]}
+    (out / "report.json").write_text(json.dumps(json_safe(document), indent=2) + "\n")
+    write_csv(out / "report.csv", rows)
+    write_csv(out / "metrics.csv", document["metrics"])
+    text = markdown(rows, left_out, sources, plots, confidence)
+    (out / "report.md").write_text(text)
+    if rc.get("log_wandb"):
+        log_to_wandb(cfg, rows, out, plots)
+
+    print(text[text.index("## "):text.index("## Runs left out")] if "## " in text else text)
+    if left_out:
+        print(f"{len(left_out)} run(s) left out:")
+        print("\n".join(f"  {x.path}: {x.reason}" for x in left_out))
+    if skipped:
+        print(f"{skipped} folder(s) of mode=summary/bench/report runs skipped (they hold no results)")
+    print(f"report written to {out / 'report.md'} (and report.csv, metrics.csv, report.json, "
+          f"{len(document['plots'])} plots)")
+    return json_safe(document)

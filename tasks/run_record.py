@@ -1,0 +1,203 @@
+"""What a train or test run records beside its metrics, for ``mode=report`` (``tasks/report.py``).
+
+``metrics.json`` keeps every final metric (``train/*``, ``val/*``, ``test/*``) and gains:
+
+- ``wall_time_s``: seconds from the start of ``run.py``'s run to the end of testing (data set-up included);
+- ``peak_memory_bytes`` with ``peak_memory_source``: CUDA's ``torch.cuda.max_memory_allocated`` when the run
+  used a GPU (reset when the run starts), else the process's peak resident set size (``getrusage``; in a local
+  multirun, where the jobs share one process, the peak so far);
+- ``params`` and ``flops``: trainable parameters and forward FLOPs for one sample, counted as ``mode=summary``
+  counts them (``tasks/summary.py``), after testing;
+- ``train_samples_per_sec``: training samples per second of one process (data loading included, validation and
+  the first batch excluded), when the run trained;
+- ``protocol``: how the test metrics were obtained (:func:`protocol`).
+
+Nothing here may lose a run: a count or measurement that fails is left out with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import resource
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# What :func:`record` adds to metrics.json beside the metrics (these differ between two runs of one seed).
+RECORD_KEYS = ("wall_time_s", "peak_memory_bytes", "peak_memory_source", "train_samples_per_sec", "params", "flops",
+               "protocol")
+
+
+def quality_metrics(metrics_json: dict) -> dict:
+    """metrics.json without the run record: the metrics that a seed reproduces."""
+    return {k: v for k, v in metrics_json.items() if k not in RECORD_KEYS}
+
+
+# Data sets without public test labels: their "test" metrics are measured on the validation split.
+VAL_IS_TEST_SPLIT = {"VOC", "ADE20K", "Cityscapes", "ImageNet", "FolderClassification"}
+
+
+def data_name(config: dict) -> str:
+    """The data module's class name (``datamodules.Shapes`` -> ``Shapes``), or ``?``."""
+    target = str((config.get("data") or {}).get("_target_") or "?")
+    return target.rsplit(".", 1)[-1]
+
+
+def checkpoint_choice(config: dict, tested: str | None) -> str:
+    """Which weights were tested: ``best <monitor> (<max|min>)``, ``last``, or ``file <name>``."""
+    monitor = config.get("monitor") or {}
+    name = Path(tested).name if tested else ""
+    if not name and config.get("mode", "train") != "train" and config.get("ckpt_path"):
+        name = Path(str(config["ckpt_path"])).name
+    if name.startswith("best"):
+        return f"best {monitor.get('metric')} ({monitor.get('mode')})"
+    if not name or name.startswith(("last", "hpc_ckpt")):
+        return "last"
+    return f"file {name}"
+
+
+def protocol(config: dict, tested: str | None = None) -> dict:
+    """The evaluation protocol of a run, from its resolved config and the checkpoint it tested.
+
+    Runs whose protocols differ are never averaged together by ``mode=report``. Keys: ``checkpoint`` (see
+    :func:`checkpoint_choice`), ``split`` (what the test metrics were measured on), ``selected_on`` (the split
+    the checkpoint was chosen on: ``test`` when validation uses the test split, as PCT's reference does), and
+    per task what else decides the numbers: test-time augmentation, points, FID/IS sample counts, reference
+    split and feature extractor, the segmentation evaluation mode, EMA weights.
+    """
+    task = (config.get("task") or {}).get("name")
+    data = config.get("data") or {}
+    name = data_name(config)
+    p = {"checkpoint": checkpoint_choice(config, tested)}
+    val_is_test = (name in VAL_IS_TEST_SPLIT or data.get("val_fraction") == 0 or bool(data.get("trainval"))
+                   or ("val_size" in data and not data.get("val_size")))
+    if task == "gan":
+        metrics, evaluation = config.get("metrics") or {}, config.get("eval") or {}
+        weights = metrics.get("inception_weights")
+        if weights is None:
+            extractor = "inception-v3-compat"
+        elif str(weights).startswith("random"):
+            extractor = f"{weights} Inception (not comparable)"
+        else:
+            extractor = f"inception-v3-compat ({Path(str(weights)).name})"
+        reference = metrics.get("reference_samples")
+        p.update(split="generated samples", selected_on=f"val FID of {metrics.get('num_samples')} samples",
+                 fid_samples=evaluation.get("num_samples") or "as many as training images",
+                 fid_reference="train split" + (f" (first {reference})" if reference else ""),
+                 feature_extractor=extractor, is_splits=metrics.get("isc_splits"),
+                 ema=bool((config.get("ema") or {}).get("enabled")))
+        return p
+    p.update(split="val" if name in VAL_IS_TEST_SPLIT else "test", selected_on="test" if val_is_test else "val")
+    if task in ("modelnet", "shapenet"):
+        p.update(tta="none", points=data.get("npoints"))
+        if task == "shapenet":
+            p["restrict_to_category"] = bool((config.get("task") or {}).get("restrict_to_category", True))
+    elif task == "segmentation":
+        evaluation = config.get("eval") or {}
+        p.update(eval_mode=evaluation.get("mode"), scales=list(evaluation.get("scales") or [1.0]),
+                 flip=bool(evaluation.get("flip")))
+        if evaluation.get("mode") == "slide":
+            p["stride"] = evaluation.get("stride")
+    elif task == "classification":
+        p.update(tta="none", crop=data.get("img_size"), ema=bool(((config.get("task") or {}).get("ema") or {})
+                                                                 .get("enabled")))
+    return p
+
+
+def reset_peak_memory() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_memory(device_type: str) -> tuple[int, str]:
+    """(bytes, source): CUDA's max_memory_allocated on a GPU, else this process's peak RSS."""
+    import torch
+
+    if device_type == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated()), "cuda_max_memory_allocated"
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "cpu_peak_rss"  # Linux: KiB
+
+
+def count_cost(module) -> dict:
+    """``params`` and ``flops`` for one sample, as ``mode=summary`` counts them (every network of the task)."""
+    import numpy as np
+    import torch
+
+    from tasks.summary import summarize
+
+    parts = module.summaries() if hasattr(module, "summaries") else [("", module.net, module.example_input_array)]
+    params = flops = 0
+    state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):  # a count must not move any random stream
+        for _, net, example in parts:
+            device = next(net.parameters()).device
+            example = tuple(x.to(device) for x in example) if isinstance(example, tuple) else example.to(device)
+            _, p, f = summarize(net, example)
+            params, flops = params + p, flops + f
+    random.setstate(state[0])
+    np.random.set_state(state[1])
+    return {"params": params, "flops": flops}
+
+
+def throughput_meter():
+    """A Lightning callback measuring training samples per second of this process: the time from each training
+    batch's start to the next one's (data loading included), validation and each epoch's first batch excluded."""
+    import lightning as L
+
+    from tasks.callbacks import batch_size
+
+    class TrainThroughput(L.pytorch.callbacks.Callback):
+        def __init__(self):
+            self.samples, self.seconds, self._start, self._first = 0, 0.0, None, True
+
+        def on_train_epoch_start(self, trainer, pl_module):
+            self._start, self._first = None, True
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            now = time.perf_counter()
+            self._pending = batch_size(batch)
+            if self._start is not None and not self._first:
+                self.seconds += now - self._start
+            self._start = now
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if self._first:  # warm-up: allocations, lazy initialisation
+                self._first = False
+                self._start = time.perf_counter()
+                return
+            self.samples += self._pending
+            self.seconds += time.perf_counter() - self._start
+            self._start = time.perf_counter()
+
+        def on_validation_start(self, trainer, pl_module):
+            self._start = None  # validation inside an epoch does not count
+
+        def on_validation_end(self, trainer, pl_module):
+            self._start = time.perf_counter()
+
+        def rate(self) -> float | None:
+            return self.samples / self.seconds if self.samples and self.seconds > 0 else None
+
+    return TrainThroughput()
+
+
+def record(module, config: dict, tested: str | None, device_type: str, started: float, meter=None) -> dict:
+    """The fields above for ``metrics.json`` (``started``: ``time.perf_counter()`` at the run's start)."""
+    out: dict = {"wall_time_s": time.perf_counter() - started}
+    try:
+        out["peak_memory_bytes"], out["peak_memory_source"] = peak_memory(device_type)
+    except Exception as err:  # noqa: BLE001 - a measurement never loses a run
+        log.warning("peak memory not recorded: %s", err)
+    rate = meter.rate() if meter is not None else None
+    if rate:
+        out["train_samples_per_sec"] = rate
+    try:
+        out.update(count_cost(module))
+    except Exception as err:  # noqa: BLE001
+        log.warning("params/FLOPs not recorded in metrics.json: %s", err)
+    out["protocol"] = protocol(config, tested)
+    return out

@@ -1,0 +1,391 @@
+"""``mode=report``: a real multirun of two variants x two seeds, reported, and every number checked by hand.
+
+The expected values are computed here from the runs' own metrics.json files with explicit formulas (numpy for
+sums, scipy only for the Student t distribution's quantile and tail), never with tasks/report.py's helpers.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from omegaconf import OmegaConf
+from scipy.stats import t as student_t
+
+from attention.errors import UserError
+from fixture_cache import once_per_worker
+from tasks import report as rep
+from tasks.run_record import protocol
+
+ROOT = Path(__file__).resolve().parents[1]
+# Two epochs of three generated classes at 128 points: about 5 s a run on 2 CPU cores.
+SWEEP = ["-m", "experiment=demo", "trainer.max_epochs=2", "data.num_classes=3", "data.train_per_class=6",
+         "data.val_per_class=2", "data.test_per_class=4", "data.batch_size=6", "data.eval_batch_size=12",
+         "data.npoints=128", "model.samples=[32,16]", "trainer.enable_progress_bar=false", "logger=csv",
+         "attn=self,offset", "seed=0,1"]
+VARIANTS, SEEDS = ("offset", "self"), (0, 1)
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def run_py(args, cwd: Path, check=True):
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(cwd), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+           "WANDB_MODE": "disabled"}
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"run.py {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-3000:]}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """The multirun (4 runs), plus a second folder holding a crashed run and a corrupt one, then
+    ``mode=report report.runs=<multirun>,<broken> report.metric=test/loss`` through run.py."""
+
+    def build(out: Path):
+        runs = out / "multirun"
+        run_py([*SWEEP, f"hydra.sweep.dir={runs}"], out)
+        broken = out / "broken"
+        for name in ("crashed", "corrupt"):  # copies of a real run folder, without / with a bad metrics.json
+            shutil.copytree(runs / "0_modelnet_self", broken / name, ignore=shutil.ignore_patterns("checkpoints"))
+        (broken / "crashed" / "metrics.json").unlink()
+        (broken / "corrupt" / "metrics.json").write_text('{"test/oa": 0.5, ')
+        return run_py(["mode=report", f"report.runs={runs},{broken}", "report.metric=test/loss", "logger=none",
+                       f"hydra.run.dir={out / 'report-run'}"], out)
+
+    return once_per_worker(tmp_path_factory, "report-sweep", build)
+
+
+def job_dirs(runs: Path) -> dict[tuple[str, int], Path]:
+    """(attn, seed) -> run folder, read from what Hydra saved (not from the report)."""
+    out = {}
+    for job in sorted(runs.glob("*_modelnet_*")):
+        config = yaml.safe_load((job / ".hydra" / "config.yaml").read_text())
+        out[(config["attn"]["name"], config["seed"])] = job
+    return out
+
+
+def by_hand(values) -> dict:
+    x = np.asarray(values, dtype=float)
+    n = len(x)
+    mean = x.sum() / n
+    std = math.sqrt(((x - mean) ** 2).sum() / (n - 1))
+    half = student_t.ppf(0.975, n - 1) * std / math.sqrt(n)
+    return {"n": n, "mean": mean, "std": std, "ci_low": mean - half, "ci_high": mean + half, "min": x.min(),
+            "max": x.max()}
+
+
+def paired_by_hand(x, y) -> dict:
+    d = np.asarray(x, dtype=float) - np.asarray(y, dtype=float)
+    n = len(d)
+    mean = d.sum() / n
+    se = math.sqrt(((d - mean) ** 2).sum() / (n - 1)) / math.sqrt(n)
+    t = mean / se
+    half = student_t.ppf(0.975, n - 1) * se
+    return {"diff": mean, "ci_low": mean - half, "ci_high": mean + half, "p": 2 * student_t.sf(abs(t), n - 1)}
+
+
+def welch_by_hand(x, y) -> dict:
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    vx, vy = x.var(ddof=1) / len(x), y.var(ddof=1) / len(y)
+    se = math.sqrt(vx + vy)
+    df = (vx + vy) ** 2 / (vx ** 2 / (len(x) - 1) + vy ** 2 / (len(y) - 1))
+    diff = x.mean() - y.mean()
+    half = student_t.ppf(0.975, df) * se
+    return {"diff": diff, "ci_low": diff - half, "ci_high": diff + half, "p": 2 * student_t.sf(abs(diff / se), df)}
+
+
+def close(a, b, rel=1e-9):
+    if a is None or b is None:
+        return a is None and b is None
+    if isinstance(b, float) and math.isnan(b):
+        return a is None or math.isnan(a)
+    return a == pytest.approx(b, rel=rel, abs=1e-12)
+
+
+def cfg(**report) -> OmegaConf:
+    base = {"runs": None, "wandb": None, "baseline": None, "metric": None, "out": None, "confidence": 0.95,
+            "plots": False, "log_wandb": False}
+    return OmegaConf.create({"report": {**base, **report}, "logger": {"name": "none"}})
+
+
+# --- what every run records ------------------------------------------------------------------------------------------
+def test_runs_record_cost_and_protocol(sweep):
+    out, _ = sweep
+    for (attn, seed), job in job_dirs(out / "multirun").items():
+        m = json.loads((job / "metrics.json").read_text())
+        assert m["wall_time_s"] > 0 and m["peak_memory_bytes"] > 2**20 and m["peak_memory_source"] == "cpu_peak_rss"
+        assert m["params"] > 0 and m["flops"] > 0 and m["train_samples_per_sec"] > 0
+        assert m["protocol"] == {"checkpoint": "best val/oa (max)", "split": "test", "selected_on": "val",
+                                 "tta": "none", "points": 128}
+    jobs = job_dirs(out / "multirun")
+    a, b = (json.loads((jobs[(v, 0)] / "metrics.json").read_text()) for v in VARIANTS)
+    assert a["params"] != b["params"]  # offset and self attention differ in size
+
+
+# --- the report, end to end ------------------------------------------------------------------------------------------
+def test_report_aggregates_and_compares_as_computed_by_hand(sweep):
+    out, proc = sweep
+    jobs = job_dirs(out / "multirun")
+    assert sorted(jobs) == [(v, s) for v in VARIANTS for s in SEEDS]
+    metrics = {key: json.loads((job / "metrics.json").read_text()) for key, job in jobs.items()}
+    document = json.loads((out / "multirun" / "report" / "report.json").read_text())
+    rows = {row["attn"]: row for row in document["rows"]}
+    assert sorted(rows) == sorted(VARIANTS)
+    loss = {v: [metrics[(v, s)]["test/loss"] for s in SEEDS] for v in VARIANTS}
+    for variant in VARIANTS:
+        row, expected = rows[variant], by_hand(loss[variant])
+        assert row["metric"] == "test/loss" and row["higher_is_better"] is False
+        assert row["variant"] == f"attn={variant}" and row["seeds"] == list(SEEDS)
+        for key, value in expected.items():
+            assert close(row[key], value), (variant, key, row[key], value)
+        assert close(row["best_of_n"], min(loss[variant]))  # lower is better
+        for key in ("params", "flops", "train_samples_per_sec", "peak_memory_bytes", "wall_time_s"):
+            assert close(row[key], np.mean([metrics[(variant, s)][key] for s in SEEDS])), key
+        assert row["protocol"] == metrics[(variant, 0)]["protocol"]
+        assert sorted(row["runs"]) == sorted(str(jobs[(variant, s)]) for s in SEEDS)
+    # The default baseline of task=modelnet is offset; the seeds match, so the test is paired.
+    assert rows["offset"]["note"] == "baseline" and rows["offset"]["baseline"] == "attn=offset"
+    self_row, paired = rows["self"], paired_by_hand(loss["self"], loss["offset"])
+    assert self_row["baseline"] == "attn=offset" and self_row["test"] == "paired t"
+    assert close(self_row["diff"], paired["diff"])
+    assert close(self_row["diff_ci_low"], paired["ci_low"]) and close(self_row["diff_ci_high"], paired["ci_high"])
+    assert close(self_row["p_value"], paired["p"], rel=1e-6)
+    assert self_row["note"] == "n < 3: too few runs to conclude"
+    # Every other metric, aggregated (metrics.csv / the JSON's "metrics").
+    for entry in document["metrics"]:
+        values = [metrics[(entry["variant"].removeprefix("attn="), s)][entry["metric"]] for s in SEEDS]
+        expected = by_hand(values)
+        for key in ("n", "mean", "min", "max"):
+            assert close(entry[key], expected[key]), (entry, key)
+        if expected["std"] > 0:
+            assert close(entry["std"], expected["std"]) and close(entry["ci_low"], expected["ci_low"])
+    assert {e["metric"] for e in document["metrics"]} >= {"test/oa", "test/macc", "test/loss", "val/oa_best"}
+    # The same numbers in the CSV.
+    with (out / "multirun" / "report" / "report.csv").open() as f:
+        table = {r["attn"]: r for r in csv.DictReader(f)}
+    assert float(table["self"]["p_value"]) == pytest.approx(paired["p"], rel=1e-6)
+    assert float(table["offset"]["mean"]) == pytest.approx(np.mean(loss["offset"]), rel=1e-9)
+
+
+def test_report_lists_runs_left_out_and_writes_plots(sweep):
+    out, proc = sweep
+    folder = out / "multirun" / "report"
+    broken = out / "broken"
+    document = json.loads((folder / "report.json").read_text())
+    reasons = {x["path"]: x["reason"] for x in document["left_out"]}
+    assert set(reasons) == {str(broken / "crashed"), str(broken / "corrupt")}
+    assert "no metrics.json" in reasons[str(broken / "crashed")]
+    assert "corrupt metrics.json" in reasons[str(broken / "corrupt")]
+    text = (folder / "report.md").read_text()
+    section = text[text.index("## Runs left out"):]
+    for path in reasons:
+        assert path in section and path in proc.stdout  # in the report and on stdout, never dropped silently
+    assert "| `attn=self` | 2 | 0, 1 |" in text and "paired t" in text and "## modelnet on Shapes" in text
+    assert "report written to" in proc.stdout
+    for name in ("modelnet-shapes-flops.png", "modelnet-shapes-throughput.png", "modelnet-shapes-curves.png"):
+        data = (folder / name).read_bytes()
+        assert data.startswith(PNG) and len(data) > 10_000, name
+        assert f"({name})" in text
+    assert (folder / "metrics.csv").is_file()
+
+
+# --- more of the same runs, in the process ----------------------------------------------------------------------------
+def copy_runs(out: Path, dest: Path) -> dict:
+    jobs = {}
+    for key, job in job_dirs(out / "multirun").items():
+        jobs[key] = dest / job.name
+        shutil.copytree(job, jobs[key], ignore=shutil.ignore_patterns("checkpoints"))
+    return jobs
+
+
+def test_default_metric_and_welch_when_the_seeds_differ(sweep, tmp_path, capsys):
+    out, _ = sweep
+    jobs = copy_runs(out, tmp_path / "runs")
+    # Say the second offset run had seed 5: the seed sets differ, so the runs cannot be paired.
+    resolved = jobs[("offset", 1)] / "resolved_config.yaml"
+    config = yaml.safe_load(resolved.read_text())
+    config["seed"] = config["data"]["seed"] = 5
+    resolved.write_text(yaml.safe_dump(config))
+    document = rep.report(cfg(runs=[str(tmp_path / "runs")], out=str(tmp_path / "rep"), baseline="offset"))
+    rows = {row["attn"]: row for row in document["rows"]}
+    assert rows["offset"]["seeds"] == [0, 5] and rows["offset"]["n"] == 2  # data.seed follows seed: one group
+    metrics = {k: json.loads((j / "metrics.json").read_text()) for k, j in jobs.items()}
+    name = "test/oa"  # the task's monitored metric, on the test split
+    x = [metrics[("self", s)][name] for s in SEEDS]
+    y = [metrics[("offset", s)][name] for s in SEEDS]
+    row = rows["self"]
+    assert row["metric"] == name and row["higher_is_better"] is True
+    assert close(row["mean"], np.mean(x)) and close(row["best_of_n"], max(x))
+    assert close(row["diff"], np.mean(x) - np.mean(y))
+    if np.var(x) + np.var(y) > 0:
+        expected = welch_by_hand(x, y)
+        assert row["test"] == "Welch t"
+        assert close(row["p_value"], expected["p"], rel=1e-6) and close(row["diff_ci_low"], expected["ci_low"])
+    else:  # every run scored the same: nothing to test, and no number pretends otherwise
+        assert row["p_value"] is None and row["diff_ci_low"] is None
+    assert "report written to" in capsys.readouterr().out
+
+
+def test_baseline_by_name_and_unknown_baseline(sweep, tmp_path):
+    out, _ = sweep
+    runs = str(out / "multirun")
+    document = rep.report(cfg(runs=[runs], out=str(tmp_path / "a"), baseline="self", metric="test/loss"))
+    rows = {row["attn"]: row for row in document["rows"]}
+    assert rows["self"]["note"] == "baseline" and rows["offset"]["baseline"] == "attn=self"
+    before = {r["attn"]: r for r in json.loads((out / "multirun" / "report" / "report.json").read_text())["rows"]}
+    assert close(rows["offset"]["diff"], -before["self"]["diff"])  # the other way round: the same test
+    assert close(rows["offset"]["p_value"], before["self"]["p_value"])
+    with pytest.raises(UserError, match=r"report.baseline='softmax'.*Known variants: offset, self"):
+        rep.report(cfg(runs=[runs], out=str(tmp_path / "b"), baseline="softmax"))
+
+
+def test_bad_input_is_one_clear_error(sweep, tmp_path):
+    out, _ = sweep
+    empty = tmp_path / "empty"
+    (empty / "sub").mkdir(parents=True)
+    with pytest.raises(UserError, match="no runs under"):
+        rep.report(cfg(runs=[str(empty)]))
+    with pytest.raises(UserError, match="is not a folder"):
+        rep.report(cfg(runs=[str(tmp_path / "missing")]))
+    with pytest.raises(UserError, match="needs runs"):
+        rep.report(cfg())
+    with pytest.raises(UserError, match="report.metric="):
+        rep.report(cfg(runs=[str(out / "multirun")], out=str(tmp_path / "o"), metric="test/nothing"))
+    only_broken = out / "broken"  # every run there is left out: one error listing each, with its reason
+    with pytest.raises(UserError, match="corrupt metrics.json") as err:
+        rep.report(cfg(runs=[str(only_broken)]))
+    assert str(only_broken / "crashed") in str(err.value)
+    # Through run.py: exit code 2, one paragraph, no traceback.
+    proc = run_py(["mode=report", f"report.runs={empty}", "logger=none", f"hydra.run.dir={tmp_path / 'h'}"],
+                  tmp_path, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "no runs under" in proc.stderr and str(empty) in proc.stderr
+
+
+# --- W&B ------------------------------------------------------------------------------------------------------------
+class FakeWandbRun:
+    """What the report reads of a ``wandb.apis.public.Run``: id, state, config, summary, scan_history."""
+
+    def __init__(self, job: Path, state="finished"):
+        self.id, self.state = job.name, state
+        self.config = yaml.safe_load((job / "resolved_config.yaml").read_text())
+        data = json.loads((job / "metrics.json").read_text())
+        self.config["protocol"] = data.pop("protocol")  # run.py logs it as config
+        self.summary = {**data, "_runtime": 3.0, "media": {"_type": "image-file"}}
+        with (job / "csv" / "metrics.csv").open() as f:
+            self._rows = [{"trainer/global_step": float(r["step"]), **{k: float(v) for k, v in r.items()
+                                                                      if v and k != "step"}}
+                          for r in csv.DictReader(f)]
+
+    def scan_history(self, keys):
+        return [r for r in self._rows if all(k in r for k in keys)]
+
+
+class FakeApi:
+    def __init__(self, runs):
+        self._runs, self.asked = runs, []
+
+    def runs(self, path):
+        self.asked.append(("runs", path))
+        return self._runs
+
+    def sweep(self, path):
+        self.asked.append(("sweep", path))
+        return type("Sweep", (), {"runs": self._runs})()
+
+
+def test_report_from_wandb_matches_the_folders(sweep, tmp_path, monkeypatch):
+    out, _ = sweep
+    import wandb
+
+    jobs = job_dirs(out / "multirun")
+    fake = FakeApi([FakeWandbRun(j) for j in jobs.values()] + [FakeWandbRun(jobs[("self", 0)], state="running")])
+    monkeypatch.setattr(wandb, "Api", lambda *a, **k: fake)
+    document = rep.report(cfg(wandb="me/attention-suite/abc123", out=str(tmp_path), metric="test/loss",
+                              plots=True))
+    assert fake.asked == [("sweep", "me/attention-suite/abc123")]
+    folders = json.loads((out / "multirun" / "report" / "report.json").read_text())
+    for mine, theirs in zip(document["rows"], folders["rows"]):
+        for key in ("variant", "n", "mean", "std", "ci_low", "ci_high", "diff", "p_value", "test", "params",
+                    "flops", "protocol"):
+            assert close(mine[key], theirs[key]) if isinstance(theirs[key], float) else mine[key] == theirs[key]
+    assert [x["reason"] for x in document["left_out"]] == ["W&B state running (crashed, stopped or still running)"]
+    assert (tmp_path / "modelnet-shapes-curves.png").read_bytes().startswith(PNG)  # from W&B's history
+    rep.report(cfg(wandb="me/attention-suite", out=str(tmp_path / "p"), metric="test/loss"))
+    assert fake.asked[-1] == ("runs", "me/attention-suite")
+    with pytest.raises(UserError, match="<entity>/<project>"):
+        rep.report(cfg(wandb="just-a-name"))
+
+
+# --- the pure parts ---------------------------------------------------------------------------------------------------
+def test_statistics_edge_cases():
+    one = rep.describe([0.5])
+    assert one["n"] == 1 and math.isnan(one["std"]) and math.isnan(one["ci_low"]) and one["best_of_n"] == 0.5
+    three = rep.describe([1.0, 2.0, 4.0], higher_is_better=False)
+    assert three["std"] == pytest.approx(math.sqrt(7 / 3)) and three["best_of_n"] == 1.0
+    c = rep.compare([(0, 1.0), (1, 2.0), (2, 3.5)], [(0, 0.5), (1, 1.0), (2, 2.0)])
+    expected = paired_by_hand([1.0, 2.0, 3.5], [0.5, 1.0, 2.0])
+    assert c["test"] == "paired t" and c["p_value"] == pytest.approx(expected["p"]) and c["note"] != "n < 3"
+    lone = rep.compare([(0, 1.0)], [(0, 0.5), (1, 0.7)])
+    assert lone["test"] == "none" and math.isnan(lone["p_value"]) and "too few" in lone["note"]
+    # FLOPs lower-better, accuracy higher-better: (1, .9) and (3, .95) are the front; (2, .8) and (4, .95) are not.
+    assert rep.pareto_front([2, 1, 3, 4], [0.8, 0.9, 0.95, 0.95]) == [1, 2]
+    assert rep.pareto_front([10, 20, 5], [1.0, 2.0, 3.0], x_lower_is_better=False) == [2, 1]  # throughput, higher
+
+
+def test_protocol_per_task():
+    gan = {"task": {"name": "gan"}, "data": {"_target_": "datamodules.CIFAR10"}, "monitor": {"metric": "val/fid",
+           "mode": "min"}, "metrics": {"num_samples": 10000, "inception_weights": None, "isc_splits": 1},
+           "eval": {"num_samples": None}, "ema": {"enabled": True}}
+    p = protocol(gan, "/x/checkpoints/best-epoch000-step002000.ckpt")
+    assert p["checkpoint"] == "best val/fid (min)" and p["feature_extractor"] == "inception-v3-compat"
+    assert p["fid_reference"] == "train split" and p["ema"] is True
+    seg = {"task": {"name": "segmentation"}, "data": {"_target_": "datamodules.VOC"}, "mode": "test",
+           "ckpt_path": "run/checkpoints/last.ckpt", "eval": {"mode": "slide", "scales": [0.5, 1.0], "flip": True}}
+    p = protocol(seg)
+    assert p["checkpoint"] == "last" and p["split"] == "val" and p["selected_on"] == "test"
+    assert p["eval_mode"] == "slide" and p["scales"] == [0.5, 1.0] and p["flip"] is True
+    pct = {"task": {"name": "modelnet"}, "data": {"_target_": "datamodules.ModelNet40", "val_fraction": 0.0}}
+    assert protocol(pct)["selected_on"] == "test"  # PCT's reference validates on the test split
+
+
+def test_report_runs_with_commas_become_a_list():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_py", ROOT / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.quote_report_runs(["report.runs=/a/b,/c d/e:1", "attn=self,offset", "report.runs=[x]"]) == [
+        "report.runs=['/a/b','/c d/e:1']", "attn=self,offset", "report.runs=[x]"]
+
+
+def test_log_wandb_logs_the_table_and_plots(sweep, tmp_path, monkeypatch):
+    out, _ = sweep
+    import wandb
+
+    logged, inits = {}, []
+
+    class FakeRun:
+        def log(self, data):
+            logged.update(data)
+
+        def finish(self):
+            logged["finished"] = True
+
+    monkeypatch.setattr(wandb, "init", lambda **kw: inits.append(kw) or FakeRun())
+    config = cfg(runs=[str(out / "multirun")], out=str(tmp_path), plots=True, log_wandb=True)
+    config.logger = {"name": "wandb", "project": "attention-suite", "entity": None, "mode": "offline"}
+    rep.report(config)
+    assert inits[0]["job_type"] == "report" and inits[0]["mode"] == "offline"
+    assert len(logged["report"].data) == 2 and logged["finished"]
+    assert {"modelnet-shapes-flops", "modelnet-shapes-throughput", "modelnet-shapes-curves"} <= set(logged)
