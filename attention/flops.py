@@ -14,11 +14,13 @@ causal mask does not halve the count.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.utils.flop_counter import flop_registry, register_flop_formula
 
-# (op name, index of the query among its arguments): forward kernels take (query, key, value, ...),
-# backward kernels (grad_out, query, key, value, ...). All of them see (B, heads, N, d) tensors.
+# Forward kernels take (query, key, value, ...), backward kernels (grad_out, query, key, value, ...); all of them
+# see (B, heads, N, d) tensors. The MPS math kernel has no backward op of its own.
 FORWARD = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
            "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
            "_scaled_dot_product_fused_attention_overrideable", "_scaled_dot_product_attention_math_for_mps")
@@ -29,7 +31,7 @@ def sdpa_flops(query_shape, key_shape, value_shape) -> int:
     """Forward: Q K^T (B H N M d) and A V (B H N M d_v), 2 FLOPs per multiply-add."""
     *batch, n, d = query_shape
     m, d_v = key_shape[-2], value_shape[-1]
-    return 2 * _prod(batch) * n * m * (d + d_v)
+    return 2 * math.prod(batch) * n * m * (d + d_v)
 
 
 def sdpa_backward_flops(query_shape, key_shape, value_shape) -> int:
@@ -37,14 +39,7 @@ def sdpa_backward_flops(query_shape, key_shape, value_shape) -> int:
     dP = dO V^T and dV = P^T dO (d_v each), dQ = dS K and dK = dS^T Q (d each)."""
     *batch, n, d = query_shape
     m, d_v = key_shape[-2], value_shape[-1]
-    return 2 * _prod(batch) * n * m * (3 * d + 2 * d_v)
-
-
-def _prod(sizes) -> int:
-    out = 1
-    for s in sizes:
-        out *= int(s)
-    return out
+    return 2 * math.prod(batch) * n * m * (3 * d + 2 * d_v)
 
 
 def _forward_formula(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
