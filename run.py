@@ -10,7 +10,7 @@ logger and experiment, then runs ``mode``:
   (a task with several networks, like the GAN's G and D, prints each first).
 - ``bench``: what every attention variant costs on this machine (``benchmarks/cost.py``, ``configs/bench``).
 - ``report``: the comparison of finished runs (``report.runs=<dir>[,<dir>...]`` or ``report.wandb=``): seeds
-  aggregated, every variant against a baseline, cost and protocol per row (``tasks/report.py``, ``configs/report``).
+  aggregated, every variant against a baseline, cost and protocol per row (``suite/report.py``, ``configs/report``).
 
 A task may carry ``attn_presets: {<variant>: {option: value}}``: the options
 its paper uses for that variant (SAGAN's block for ``self``), applied under
@@ -18,7 +18,7 @@ any ``attn.<option>=`` given on the command line.
 
 Train and test print their metrics and write ``metrics.json`` to Hydra's run
 directory, with the run's wall time, peak memory, params and FLOPs per sample, training
-throughput and evaluation protocol (``tasks/run_record.py``). User errors print one
+throughput and evaluation protocol (``suite/run_record.py``). User errors print one
 message and exit with code 2.
 """
 
@@ -64,17 +64,34 @@ OmegaConf.register_new_resolver("run_stamp", run_stamp, replace=True)
 
 
 def check_group_choices(argv: list[str]) -> None:
-    """Reject ``group=unknown`` before Hydra does, listing the choices, with exit code 2."""
+    """Reject ``group=unknown`` before Hydra does, listing the choices, with exit code 2. Sweeps are parsed as
+    Hydra parses them: each choice of ``attn=self,offset`` or ``choice(...)`` is checked, and ``glob(...)`` must
+    match at least one config of the group."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import Glob
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
     for arg in argv:
         if arg.startswith("-") or "=" not in arg:
             continue
-        key, value = arg.split("=", 1)
-        key = key.lstrip("+~").removeprefix("override ").strip()
-        if key not in GROUPS:
+        try:
+            override = parser.parse_override(arg)
+        except HydraException:
+            continue  # not ours to report: Hydra's own message names the bad override
+        key = override.key_or_group
+        if key not in GROUPS or override.value() is None:
             continue
-        for choice in value.split(","):  # multirun sweeps list choices with commas
-            if choice and choice != "null" and not (CONFIGS / key / f"{choice}.yaml").is_file():
-                available = sorted(p.stem for p in (CONFIGS / key).glob("*.yaml"))
+        available = sorted(p.stem for p in (CONFIGS / key).glob("*.yaml"))
+        value = override.value()
+        if isinstance(value, Glob):
+            if not value.filter(available):
+                user_error(f"{arg!r} matches no {key} config. Available {key} choices: {', '.join(available)} "
+                           f"(configs/{key}/). Example: `python run.py -m '{key}=glob(*)'`.")
+            continue
+        choices = list(override.sweep_string_iterator()) if override.is_sweep_override() else [str(value)]
+        for choice in choices:
+            if choice and choice != "null" and choice not in available:
                 user_error(f"unknown {key} {choice!r}. Available {key} choices: {', '.join(available)} "
                            f"(configs/{key}/). Example: `python run.py {key}={available[0]}`.")
 
@@ -83,7 +100,7 @@ def run(cfg: DictConfig) -> dict:
     if cfg.mode not in MODES:
         raise UserError(f"mode={cfg.mode!r} is not known: use one of {', '.join(MODES)}.")
     if cfg.mode == "report":  # reads finished runs: trains nothing, needs neither Lightning nor data
-        from tasks.report import report
+        from suite.report import report
 
         return report(cfg)
 
@@ -91,7 +108,7 @@ def run(cfg: DictConfig) -> dict:
     from hydra.core.hydra_config import HydraConfig
     from hydra.utils import get_class, instantiate
 
-    from tasks.loggers import build_loggers, close_loggers
+    from suite.loggers import build_loggers, close_loggers
 
     if cfg.mode == "bench":  # no data or task: the attention package and the machine
         from benchmarks.cost import bench
@@ -112,7 +129,7 @@ def run(cfg: DictConfig) -> dict:
     overrides = list(HydraConfig.get().overrides.task)
     apply_attn_preset(cfg, overrides)
     L.seed_everything(cfg.seed, workers=True)
-    from tasks.secrets import redact, redact_file
+    from suite.secrets import redact, redact_file
 
     # Everything that is logged, saved or printed comes from the redacted copy (no API keys or tokens from
     # the environment); only the data module sees the config as given.
@@ -124,8 +141,8 @@ def run(cfg: DictConfig) -> dict:
         for name in ("config.yaml", "overrides.yaml", "hydra.yaml"):
             redact_file(out_dir / ".hydra" / name)
 
-    from tasks.distributed import check_scale_rule
-    from tasks.validate import validate_config
+    from suite.distributed import check_scale_rule
+    from suite.validate import validate_config
 
     check_scale_rule((cfg.get("optim") or {}).get("scale_lr"))  # before any data is read
     validate_config(cfg, overrides)
@@ -142,7 +159,7 @@ def run(cfg: DictConfig) -> dict:
                          optim=container["optim"], _convert_="all", _recursive_=False)  # optim built in the module
 
     if cfg.mode == "summary":
-        from tasks.summary import summarize
+        from suite.summary import summarize
 
         parts = module.summaries() if hasattr(module, "summaries") else [("", module.net, module.example_input_array)]
         result = {"params": 0, "flops": 0}
@@ -157,11 +174,11 @@ def run(cfg: DictConfig) -> dict:
         print(f"params={result['params']} flops={result['flops']}")
         return result
 
-    from tasks.checkpoint_io import SafeCheckpointIO
-    from tasks.distributed import adjust_trainer_kwargs, apply_lr_scaling, check_launch
-    from tasks.guard import NonFiniteGuard
-    from tasks.resume import RandomState, resume_checkpoint, save_wandb_run_id, wandb_run_id
-    from tasks.run_record import record, reset_peak_memory, throughput_meter
+    from suite.checkpoint_io import SafeCheckpointIO
+    from suite.distributed import adjust_trainer_kwargs, apply_lr_scaling, check_launch
+    from suite.guard import NonFiniteGuard
+    from suite.resume import RandomState, resume_checkpoint, save_wandb_run_id, wandb_run_id
+    from suite.run_record import record, reset_peak_memory, throughput_meter
 
     reset_peak_memory()
 
@@ -295,7 +312,7 @@ def identity_callback(identity: dict):
 def check_checkpoint(path: str, identity: dict) -> None:
     """Refuse a checkpoint written by another task or attention variant, naming what it was trained with."""
     import attention
-    from tasks.checkpoint_io import safe_torch_load
+    from suite.checkpoint_io import safe_torch_load
 
     state = safe_torch_load(path, f"ckpt_path={path}", mmap=True)
     if not isinstance(state, dict) or "state_dict" not in state:
@@ -328,12 +345,12 @@ def _floats(metrics) -> dict[str, float]:
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
 def main(cfg: DictConfig) -> None:
+    from suite.errors import as_user_error
+
     try:
         run(cfg)
-    except Exception as err:  # Hydra's instantiate wraps what constructors raise: look down the chain
-        cause = err
-        while cause is not None and not isinstance(cause, UserError):
-            cause = cause.__cause__ or cause.__context__
+    except Exception as err:  # a UserError (or an option error of Lightning/torch) is a message, a bug a traceback
+        cause = as_user_error(err)
         if cause is None:
             raise
         user_error(str(cause))

@@ -678,7 +678,7 @@ def bench(cfg: DictConfig) -> dict:
     """``run.py mode=bench``: measure, analyse, write the table, CSV, JSON and plots, log them."""
     from hydra.core.hydra_config import HydraConfig
 
-    from tasks.loggers import build_loggers, close_loggers
+    from suite.loggers import build_loggers, close_loggers
 
     started = time.perf_counter()
     overrides = HydraConfig.get().overrides.task

@@ -54,7 +54,7 @@ class AttentionClock:
 def _timer_callback(clock: AttentionClock, device):
     import lightning as L
 
-    from tasks.callbacks import batch_size
+    from suite.callbacks import batch_size
 
     class StepTimer(L.pytorch.callbacks.Callback):
         """Per training batch: start, end, samples, attention seconds."""

@@ -19,7 +19,7 @@ on the accelerator, in the task (:mod:`tasks.classification`).
 The random numbers come from python's and torch's generators in the process
 that loads the sample (a DataLoader worker, seeded by ``seed_everything``, or
 the main process). The training order depends on (seed, epoch) only
-(:mod:`datamodules.distributed`), so DDP shards and resumed runs keep it.
+(:mod:`datamodules.loaders`), so DDP shards and resumed runs keep it.
 
 Datasets:
 
@@ -63,7 +63,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from attention.errors import UserError
-from datamodules.distributed import ResumableLoader, eval_loading, train_sampling
+from datamodules.loaders import ResumableLoader, eval_loading, train_sampling
 from datamodules.download import ensure_release
 from datamodules.images import (CIFAR10_CLASSES, CIFAR10_FILES, CIFAR10_FOLDER, CIFAR10_MD5, CIFAR10_TRAIN_FILES,
                                 CIFAR10_URL, DECODE_ERRORS, _ArrayUnpickler, _read_cifar_batch, _read_cifar_meta)

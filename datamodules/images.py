@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from attention.errors import UserError
-from datamodules.distributed import ResumableLoader, eval_loading, train_sampling
+from datamodules.loaders import ResumableLoader, eval_loading, train_sampling
 from datamodules.download import ensure_release
 from datamodules.options import int_option, on_bad_file_option
 

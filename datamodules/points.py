@@ -51,7 +51,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from attention.errors import UserError
-from datamodules.distributed import ResumableLoader, eval_loading, train_sampling
+from datamodules.loaders import ResumableLoader, eval_loading, train_sampling
 from datamodules.options import on_bad_file_option
 
 log = logging.getLogger(__name__)

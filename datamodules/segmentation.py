@@ -66,7 +66,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from attention.errors import UserError
-from datamodules.distributed import ResumableLoader, eval_loading, train_sampling
+from datamodules.loaders import ResumableLoader, eval_loading, train_sampling
 from datamodules.cache import read_cache, write_cache
 from datamodules.options import int_option, on_bad_file_option
 

@@ -37,7 +37,7 @@ from torchvision.utils import make_grid, save_image
 
 from attention.errors import UserError
 
-from . import fid
+from .metrics import fid
 from .nets.sagan import Discriminator, Generator
 
 log = logging.getLogger(__name__)

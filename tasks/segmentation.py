@@ -23,7 +23,7 @@ from torch import nn
 from torchmetrics import MaxMetric
 
 from .nets.segnet import SegNet
-from .seg_metrics import SegConfusion, predict, scores
+from .metrics.segmentation import SegConfusion, predict, scores
 from .wandb_media import log_table
 
 SCALARS = ("miou", "pixel_acc", "aa", "kappa", "f1")

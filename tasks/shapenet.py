@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torchmetrics import MaxMetric, MeanMetric
 
-from .metrics import PartIoU, category_part_mask, restrict_to_category
+from .metrics.part_iou import PartIoU, category_part_mask, restrict_to_category
 from .nets.pct import PCTPartSeg
 from .optim import build_optimizers
 from .wandb_media import log_point_clouds, log_table, palette

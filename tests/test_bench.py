@@ -207,7 +207,7 @@ def test_quick_bench_markdown_and_plots(quick_run):
 
 @pytest.mark.xdist_group("bench")
 def test_results_reach_wandb_as_tables_and_images(quick_run, tmp_path, monkeypatch):
-    from tasks.loggers import build_loggers, close_loggers
+    from suite.loggers import build_loggers, close_loggers
 
     out, _ = quick_run
     monkeypatch.setenv("WANDB_MODE", "offline")

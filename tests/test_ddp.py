@@ -17,8 +17,8 @@ import pytest
 import torch
 from test_run import GAN_TINY, SEG_TINY, TINY, env, run, user_error  # noqa: F401  (env is a fixture)
 
-from tasks.distributed import lr_scale, scale_learning_rates
-from tasks.run_record import quality_metrics
+from suite.distributed import lr_scale, scale_learning_rates
+from suite.run_record import quality_metrics
 
 DDP = ["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "logger=csv"]
 RANK_METRICS = re.compile(r"rank (\d+) metrics: (\{.*\})")

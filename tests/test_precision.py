@@ -30,7 +30,7 @@ import attention
 from attention import Grid, Points
 from attention import functional as AF
 from attention.pointops import knn
-from tasks.run_record import quality_metrics
+from suite.run_record import quality_metrics
 
 HALF = [torch.bfloat16, torch.float16]
 

@@ -18,10 +18,10 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from attention.errors import UserError
-from tasks.checkpoint_io import SafeCheckpointIO, atomic_torch_save, safe_torch_load
-from tasks.run_record import quality_metrics
-from tasks.secrets import redact, redact_file, redact_override
-from tasks.validate import validate_config
+from suite.checkpoint_io import SafeCheckpointIO, atomic_torch_save, safe_torch_load
+from suite.run_record import quality_metrics
+from suite.secrets import redact, redact_file, redact_override
+from suite.validate import validate_config
 from test_run import TINY, env, run, user_error  # noqa: F401 - env is a fixture
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +67,7 @@ wr.Run.log = failing_log
 # kills the process there (os.fsync is the last step before os.replace).
 HANG_IN_SECOND_LAST_CKPT = r"""
 import os, time
-import tasks.checkpoint_io as cio
+import suite.checkpoint_io as cio
 fsync, seen = os.fsync, []
 def hanging_fsync(fd):
     name = os.readlink(f"/proc/self/fd/{fd}") if os.path.exists(f"/proc/self/fd/{fd}") else ""

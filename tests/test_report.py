@@ -1,7 +1,7 @@
 """``mode=report``: a real multirun of two variants x two seeds, reported, and every number checked by hand.
 
 The expected values are computed here from the runs' own metrics.json files with explicit formulas (numpy for
-sums, scipy only for the Student t distribution's quantile and tail), never with tasks/report.py's helpers.
+sums, scipy only for the Student t distribution's quantile and tail), never with suite/report.py's helpers.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from scipy.stats import t as student_t
 
 from attention.errors import UserError
 from fixture_cache import once_per_worker
-from tasks import report as rep
-from tasks.run_record import protocol
+from suite import report as rep
+from suite.run_record import protocol
 
 ROOT = Path(__file__).resolve().parents[1]
 # Two epochs of three generated classes at 128 points: about 5 s a run on 2 CPU cores.

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tasks.run_record import quality_metrics
+from suite.run_record import quality_metrics
 from test_run import GAN_TINY, ROOT, TINY, env, run, user_error  # noqa: F401  (env is a fixture)
 
 # 5 epochs of a small PCT on 3 generated classes, a checkpoint after each: slow enough to be killed mid-run.

@@ -14,7 +14,7 @@ import yaml
 
 import attention
 from fixture_cache import once_per_worker
-from tasks.run_record import quality_metrics
+from suite.run_record import quality_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 # A small but real PCT run on generated shapes: a few seconds per run on 2 CPU cores.
@@ -82,6 +82,16 @@ def wandb_records(path: Path):
 def test_unknown_attention_lists_choices(env):
     err = user_error(["attn=softmaxx"], env, "softmaxx", "external", "linear_taylor", "offset", "self")
     assert "attn" in err
+
+
+def test_sweeps_over_groups_are_checked_as_hydra_expands_them(env):
+    user_error(["-m", "attn=self,softmaxx"], env, "unknown attn 'softmaxx'", "external")
+    user_error(["-m", "attn=choice(offset,softmaxx)"], env, "unknown attn 'softmaxx'")
+    user_error(["-m", "attn=glob(soft*)"], env, "'attn=glob(soft*)' matches no attn config", "linear_elu")
+    import run as entry
+
+    # glob(*) is every variant's yaml, and a list of known ones is fine: both pass the check and reach Hydra
+    entry.check_group_choices(["attn=glob(*)", "attn=self,offset", "task=choice(modelnet,gan)", "seed=0,1,2"])
 
 
 def test_unknown_task_lists_choices(env):

@@ -1,5 +1,5 @@
-"""W&B sweep files: each is the command a person types, over every registered variant and three seeds (what
-``mode=report`` needs to aggregate), and composes."""
+"""W&B sweep files: each is the command a person types, over every registered variant (added from the registry by
+``suite.sweep``, never listed by hand) and three seeds (what ``mode=report`` needs to aggregate), and composes."""
 
 import itertools
 from pathlib import Path
@@ -9,6 +9,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 
 import attention
+from suite import sweep as sweeps
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEEPS = sorted((ROOT / "configs" / "sweep").glob("*.yaml"))
@@ -28,7 +29,8 @@ def test_a_sweep_per_task_and_a_combined_one():
 
 @pytest.mark.parametrize("path", SWEEPS, ids=lambda p: p.stem)
 def test_sweep_runs_the_command_a_person_types(path):
-    sweep = yaml.safe_load(path.read_text())
+    assert "attn" not in yaml.safe_load(path.read_text())["parameters"]  # the registry's, not a hand-kept list
+    sweep = sweeps.sweep_config(path.stem)
     assert sweep["program"] == "run.py" and sweep["method"] == "grid"
     assert sweep["command"] == ["${env}", "${interpreter}", "${program}", "${args_no_hyphens}"]
     assert set(sweep["parameters"]["attn"]["values"]) == set(attention.names())  # every registered variant
@@ -38,7 +40,7 @@ def test_sweep_runs_the_command_a_person_types(path):
 @pytest.mark.parametrize("path", SWEEPS, ids=lambda p: p.stem)
 def test_every_combination_composes(path):
     """Each run's overrides (what ${args_no_hyphens} passes) compose into a valid config."""
-    sweep = yaml.safe_load(path.read_text())
+    sweep = sweeps.sweep_config(path.stem)
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         seeds = sweep["parameters"]["seed"]["values"]
         # The seed changes no choice of config: one seed per task x attn keeps this test as fast as before.
@@ -49,3 +51,31 @@ def test_every_combination_composes(path):
             metric = sweep.get("metric", {}).get("name")
             if metric:  # the sweep optimises what the task monitors (its best-so-far value)
                 assert metric == f"{cfg.monitor.metric}_best"
+
+
+def test_a_new_variant_is_swept_without_editing_a_sweep_file(monkeypatch):
+    monkeypatch.setattr(attention, "names", lambda: ["self", "brand_new"])
+    assert sweeps.sweep_config("modelnet")["parameters"]["attn"] == {"values": ["self", "brand_new"]}
+
+
+def test_a_sweep_file_may_choose_its_own_subset(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("program: run.py\nmethod: grid\nparameters:\n  attn: {values: [self, external]}\n")
+    assert sweeps.sweep_config(path)["parameters"]["attn"] == {"values": ["self", "external"]}
+
+
+def test_sweep_cli_prints_writes_and_refuses(tmp_path, capsys, monkeypatch):
+    assert sweeps.main(["gan"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["parameters"]["attn"]["values"] == attention.names() and printed["parameters"]["task"] == {"value": "gan"}
+    assert sweeps.main(["gan", "--out", str(tmp_path / "s.yaml")]) == 0
+    assert yaml.safe_load((tmp_path / "s.yaml").read_text()) == printed
+    assert sweeps.main(["nope"]) == 2
+    assert "no sweep file" in capsys.readouterr().err
+    (tmp_path / "bad.yaml").write_text("- just a list\n")
+    assert sweeps.main([str(tmp_path / "bad.yaml")]) == 2
+    assert "is not a W&B sweep file" in capsys.readouterr().err
+    monkeypatch.setenv("NETRC", str(tmp_path / "missing"))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    assert sweeps.main(["gan", "--create"]) == 2  # never prompts for a login
+    assert "needs credentials" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""FID / Inception Score (tasks/fid.py): real numbers, offline.
+"""FID / Inception Score (tasks/metrics/fid.py): real numbers, offline.
 
 No test downloads anything: the Inception weights are a seeded random
 initialisation saved to a file once per module. Inception runs at 299x299 on
@@ -24,7 +24,7 @@ from PIL import Image
 from torchvision.utils import save_image
 
 from attention.errors import UserError
-from tasks import fid
+from tasks.metrics import fid
 
 N_IMAGES = 16
 BATCH = 16
@@ -235,7 +235,7 @@ def test_reference_statistics_cache(tmp_path, extractor, weights_file, image_set
     def must_not_run():
         raise AssertionError("images materialised on a cache hit")
 
-    caplog.set_level(logging.INFO, logger="tasks.fid")
+    caplog.set_level(logging.INFO, logger="tasks.metrics.fid")
     first = fid.reference_statistics(extractor, materialise, "toy/train", weights_file, tmp_path, batch_size=4)
     expected_file = tmp_path / f"fid_ref_toy-train_{fid.weights_id(weights_file)}.npz"
     assert calls == [1] and expected_file.is_file()
@@ -290,7 +290,7 @@ def test_load_inception_file_and_random(weights_file, extractor, caplog):
     assert extractor.get_requested_features_list() == ["2048", "logits_unbiased"]
     assert not extractor.training and not any(p.requires_grad for p in extractor.parameters())
     assert fid.load_inception(weights_file) is extractor   # cached in-process
-    with caplog.at_level(logging.WARNING, logger="tasks.fid"):
+    with caplog.at_level(logging.WARNING, logger="tasks.metrics.fid"):
         random_1 = fid.load_inception("random:1")
     assert "not comparable" in caplog.text
     # the file holds the random:1 initialisation: both routes give the same network

@@ -8,7 +8,7 @@ import torch
 from PIL import Image
 
 from datamodules import Digits
-from tasks import fid
+from tasks.metrics import fid
 from tasks.gan import GAN, first_of_each
 
 ADAM = {"_target_": "torch.optim.Adam", "_partial_": True, "lr": 2e-4, "betas": [0.5, 0.999], "eps": 1e-6}

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from tasks.metrics import PartIoU, restrict_to_category, shape_ious
+from tasks.metrics.part_iou import PartIoU, restrict_to_category, shape_ious
 
 # Two categories: 0 owns parts {0, 1}, 1 owns parts {2, 3, 4}.
 CATS = [[0, 1], [2, 3, 4]]
@@ -17,7 +17,7 @@ def test_shape_iou_hand_computed():
     pred = torch.tensor([[0, 1, 1, 1], [2, 2, 3, 3], [3, 3, 2, 2]])
     gt = torch.tensor([[0, 0, 1, 1], [2, 2, 3, 3], [2, 2, 2, 2]])
     cat = torch.tensor([0, 1, 1])
-    from tasks.metrics import category_part_mask
+    from tasks.metrics.part_iou import category_part_mask
 
     got = shape_ious(pred, gt, cat, category_part_mask(CATS, 5))
     expected = torch.tensor([(1 / 2 + 2 / 3) / 2, 1.0, 1.5 / 3], dtype=torch.float64)
@@ -44,7 +44,7 @@ def test_unseen_category_is_left_out_of_class_miou():
 
 
 def test_prediction_restricted_to_own_category():
-    from tasks.metrics import category_part_mask
+    from tasks.metrics.part_iou import category_part_mask
 
     logits = torch.zeros(2, 5, 3)
     logits[:, 4] = 10.0  # part 4 wins everywhere if unrestricted

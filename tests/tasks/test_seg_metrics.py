@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from sklearn.metrics import balanced_accuracy_score, cohen_kappa_score, f1_score, jaccard_score
 
 from attention.errors import UserError
-from tasks.seg_metrics import SegConfusion, predict, predict_slide, predict_whole, scores
+from tasks.metrics.segmentation import SegConfusion, predict, predict_slide, predict_whole, scores
 
 # ---------------------------------------------------------------- hand-computed 3-class case
 # 15 pixels, 4 of them ignored (255, predictions 0, 1, 2, 2 must not count).

@@ -4,7 +4,7 @@ Training: the shuffle of epoch ``e`` is a function of (seed, e), as
 ``DistributedSampler``'s is, and no loader draws from the global torch
 generator. A run resumed from an end-of-epoch checkpoint therefore gets the
 same order as one that never stopped (the global generators, which draw the
-augmentations and dropout masks, are restored by ``tasks.resume``), and under
+augmentations and dropout masks, are restored by ``suite.resume``), and under
 DDP Lightning swaps in its ``DistributedSampler`` with the same rule.
 
 Evaluation: every sample scored exactly once.

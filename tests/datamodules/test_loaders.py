@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from datamodules.distributed import EpochRandomSampler, ResumableLoader, train_sampling
+from datamodules.loaders import EpochRandomSampler, ResumableLoader, train_sampling
 
 
 def loader(num_workers=0, seed=7):

@@ -31,7 +31,7 @@ import numpy as np
 import yaml
 
 from attention.errors import UserError
-from tasks.run_record import data_name, protocol as derive_protocol
+from suite.run_record import data_name, protocol as derive_protocol
 
 log = logging.getLogger(__name__)
 
@@ -669,7 +669,7 @@ def log_to_wandb(cfg, rows: list[dict], out: Path, plots: dict) -> None:
     """The tables and plots as one W&B run (job_type=report), with the logger's project and mode."""
     import wandb
 
-    from tasks.loggers import wandb_mode
+    from suite.loggers import wandb_mode
 
     logger = cfg.get("logger") or {}
     try:

@@ -11,6 +11,10 @@ refused ``wandb.init``), says once that W&B is unavailable, and goes on without
 it; the metrics it could not send from then on go to
 ``<run dir>/wandb_fallback/metrics.csv`` (Lightning's CSV logger), and
 ``metrics.json`` is written at the end as always.
+
+Every W&B run also keeps its history in ``<run dir>/csv/metrics.csv`` (Lightning's CSV logger beside it,
+``logger.csv_history=true``): a plain local copy that ``mode=report`` draws learning curves from without W&B
+online, and that does not depend on the format of wandb's offline ``.wandb`` files, which is wandb's own.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from urllib.parse import urlparse
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
 from attention.errors import UserError
-from tasks.secrets import scrubbed_argv
+from suite.secrets import scrubbed_argv
 
 log = logging.getLogger(__name__)
 
@@ -169,8 +173,12 @@ def build_loggers(cfg: Mapping, save_dir: str | Path, config: Mapping, run_id: s
                         "online logging). Upload this run later with: wandb sync %s", save_dir / "wandb")
     else:
         raise UserError(f"logger={kind!r} is not known: use logger=wandb, logger=csv or logger=none.")
-    logger.log_hyperparams(dict(config))
-    return [logger]
+    loggers = [logger]
+    if kind == "wandb" and cfg.get("csv_history", True):
+        loggers.append(CSVLogger(save_dir=str(save_dir), name="csv", version=""))
+    for each in loggers:
+        each.log_hyperparams(dict(config))
+    return loggers
 
 
 def close_loggers(loggers) -> None:
@@ -181,3 +189,5 @@ def close_loggers(loggers) -> None:
             logger.experiment.finish()
         if isinstance(logger, ResilientWandbLogger) and logger._fallback is not None:
             logger._fallback.save()
+        if isinstance(logger, CSVLogger):
+            logger.save()

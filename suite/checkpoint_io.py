@@ -15,7 +15,7 @@
   the caller asks for: a checkpoint that needs arbitrary code to unpickle (a
   pickled callable, a whole ``nn.Module``) is refused with a UserError naming
   the file instead of being executed. Our own checkpoints hold tensors and
-  plain Python values only (see ``tasks.resume.RandomState``).
+  plain Python values only (see ``suite.resume.RandomState``).
 """
 
 from __future__ import annotations

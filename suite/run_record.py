@@ -1,4 +1,4 @@
-"""What a train or test run records beside its metrics, for ``mode=report`` (``tasks/report.py``).
+"""What a train or test run records beside its metrics, for ``mode=report`` (``suite/report.py``).
 
 ``metrics.json`` keeps every final metric (``train/*``, ``val/*``, ``test/*``) and gains:
 
@@ -7,7 +7,7 @@
   used a GPU (reset when the run starts), else the process's peak resident set size (``getrusage``; in a local
   multirun, where the jobs share one process, the peak so far);
 - ``params`` and ``flops``: trainable parameters and forward FLOPs for one sample, counted as ``mode=summary``
-  counts them (``tasks/summary.py``), after testing;
+  counts them (``suite/summary.py``), after testing;
 - ``train_samples_per_sec``: training samples per second of one process (data loading included, validation and
   the first batch excluded), when the run trained;
 - ``protocol``: how the test metrics were obtained (:func:`protocol`).
@@ -127,7 +127,7 @@ def count_cost(module) -> dict:
     import numpy as np
     import torch
 
-    from tasks.summary import summarize
+    from suite.summary import summarize
 
     parts = module.summaries() if hasattr(module, "summaries") else [("", module.net, module.example_input_array)]
     params = flops = 0
@@ -148,7 +148,7 @@ def throughput_meter():
     batch's start to the next one's (data loading included), validation and each epoch's first batch excluded."""
     import lightning as L
 
-    from tasks.callbacks import batch_size
+    from suite.callbacks import batch_size
 
     class TrainThroughput(L.pytorch.callbacks.Callback):
         def __init__(self):

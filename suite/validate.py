@@ -27,7 +27,7 @@ EVAL_SIZE_KEYS = ("num_val", "num_test", "val_samples", "test_samples")
 
 
 def validate_config(cfg: DictConfig, overrides: Iterable[str]) -> None:
-    from tasks.guard import MODES
+    from suite.guard import MODES
 
     on_nan = cfg.trainer.get("on_nan", "stop")
     if on_nan not in MODES:
