@@ -334,3 +334,4 @@ class DataModule(L.LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         """In order, every sample exactly once."""
         return self._loader("test")
+# BASE READY
