@@ -40,10 +40,20 @@ class Mixer(nn.Module):
     Options that act on one layout only are declared in ``layout_options``
     (option -> the layouts it acts on), so that run.py can refuse, before any
     data is read, an option given for a task whose layout ignores it.
+
+    ``complexity`` is how the mixer's cost grows with the token count N on a
+    grid: ``"quadratic"`` (every token may attend to every other, the general
+    case and so the default) or ``"linear"`` (O(N): a fixed memory, a kernel
+    feature map, a fixed window). The benchmark holds a linear variant's
+    measured time to an exponent of 1 and the tests its FLOPs to N, so a new
+    variant says which it is here rather than in a list elsewhere. (On point
+    sets the local variants' k-nearest-neighbour search adds an O(N^2) distance
+    computation: their mixing stays O(N).)
     """
 
     name: ClassVar[str] = "?"  # set by @register
     layouts: ClassVar[frozenset[str]] = frozenset({"grid", "points", "none"})
+    complexity: ClassVar[str] = "quadratic"
     layout_options: ClassVar[dict[str, frozenset[str]]] = {}
 
     def __init__(self, dim: int, heads: int):

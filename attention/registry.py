@@ -7,15 +7,20 @@ import inspect
 from .errors import UserError
 
 _REGISTRY: dict[str, type] = {}
+COMPLEXITIES = ("linear", "quadratic")  # a mixer's ``complexity``: how its cost grows with N (attention/base.py)
 
 
 def register(name: str):
     """Class decorator: make a mixer buildable as ``attention.build(name, ...)``.
 
-    Duplicate names are a bug (two modules claiming one variant), so they raise.
+    Duplicate names are a bug (two modules claiming one variant), so they raise, as does a ``complexity`` other
+    than those of :data:`COMPLEXITIES` (the benchmark and the tests read it).
     """
 
     def deco(cls):
+        if getattr(cls, "complexity", None) not in COMPLEXITIES:
+            raise ValueError(f"attention variant {name!r} ({cls.__module__}) declares complexity="
+                             f"{getattr(cls, 'complexity', None)!r}; expected one of {', '.join(COMPLEXITIES)}.")
         if name in _REGISTRY and _REGISTRY[name] is not cls:
             raise KeyError(f"attention variant {name!r} is registered twice "
                            f"({_REGISTRY[name].__module__} and {cls.__module__}).")

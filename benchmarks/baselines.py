@@ -71,6 +71,7 @@ class MaterialisedAttention(attention.get("self")):
     """softmax(q k^T * scale) v with the (B, heads, N, N) matrix materialised; ``self``'s options and projections."""
 
     name = "materialised"
+    complexity = "quadratic"  # the reference N^2 of the benchmark's exponent targets
 
     def mix(self, x, layout):
         q, k, v = self.qkv(x).split([self.qk_dim, self.qk_dim, self.v_dim], dim=-1)  # (B, N, C'), each

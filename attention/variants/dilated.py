@@ -45,6 +45,7 @@ from ..registry import register
 
 @register("dilated")
 class DilatedAttention(Mixer):
+    complexity = "linear"  # k x k windows at fixed rates
     layouts = frozenset({"grid", "points"})
     layout_options = {"border": frozenset({"grid"}), "neighbours": frozenset({"points"})}
 

@@ -20,6 +20,8 @@ from ..registry import register
 
 @register("external")
 class ExternalAttention(Mixer):
+    complexity = "linear"  # a memory of S slots, not the tokens
+
     def __init__(self, dim: int, heads: int = 1, memory: int = 64, expand: int = 1):
         super().__init__(dim, heads)
         check_positive("memory", memory, self.name)

@@ -171,6 +171,7 @@ def grid_plan(h: int, w: int, ws: int, e: int, focal_level: int, focal_window: i
 
 @register("focal")
 class FocalAttention(Mixer):
+    complexity = "linear"  # fixed windows and pooled regions
     layouts = frozenset({"grid", "points"})
     layout_options = {"expand_size": frozenset({"grid"}), "focal_window": frozenset({"grid"}),
                       "neighbours": frozenset({"points"})}

@@ -10,6 +10,8 @@ from ..registry import register
 
 @register("linear_elu")
 class EluLinearAttention(Mixer):
+    complexity = "linear"  # phi(K)^T V summed once over the tokens
+
     def __init__(self, dim: int, heads: int = 4, qkv_bias: bool = True):
         super().__init__(dim, heads)
         self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)

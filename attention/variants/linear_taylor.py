@@ -14,6 +14,8 @@ from ..registry import register
 
 @register("linear_taylor")
 class TaylorLinearAttention(Mixer):
+    complexity = "linear"  # K^T V summed once over the tokens
+
     def __init__(self, dim: int, heads: int = 1, qkv_bias: bool = True):
         super().__init__(dim, heads)
         self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)

@@ -16,6 +16,8 @@ from ..registry import register
 
 @register("offset")
 class OffsetAttention(Mixer):
+    complexity = "quadratic"  # the N x N map
+
     def __init__(self, dim: int, heads: int = 1, qk_ratio: int = 4):
         super().__init__(dim, heads)
         check_divides("qk_ratio", qk_ratio, dim, self.name)

@@ -30,6 +30,8 @@ from ..registry import register
 
 @register("self")
 class SelfAttention(Mixer):
+    complexity = "quadratic"  # the N x N map (SDPA may not hold it)
+
     def __init__(self, dim: int, heads: int = 4, qkv_bias: bool = True, qk_ratio: int = 1, v_ratio: int = 1,
                  kv_pool: int = 1, scale: float | None = None, proj_bias: bool = True):
         super().__init__(dim, heads)
