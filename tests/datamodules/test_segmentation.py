@@ -443,7 +443,8 @@ def test_gid_cache_is_reused_and_rebuilt_when_stale(gid_root, monkeypatch):
     root, folder, _ = gid_root
     GID(str(root)).prepare_data()
     (cache,) = (root / "GID" / "processed").glob("*.npz")
-    monkeypatch.setattr(seg, "read_image", lambda *a: pytest.fail("decoded a tile despite the cache"))
+    monkeypatch.setattr("datamodules.segmentation.gid.read_image",
+                        lambda *a: pytest.fail("decoded a tile despite the cache"))
     dm = GID(str(root))
     dm.setup()
     assert len(dm.train_set) == 4
