@@ -15,7 +15,7 @@ from PIL import Image
 from attention.errors import UserError
 from datamodules import CIFAR100, CIFAR10Classification, FolderClassification, ImageNet, TinyDigits
 from datamodules.classification import IMAGENET_MEAN, IMAGENET_STD, ClassificationDataset, FileSource, collate
-from datamodules.images import CIFAR10_CLASSES
+from datamodules.formats.cifar import CIFAR10_CLASSES
 
 COLOURS = {"n01440764": (200, 30, 30), "n01443537": (30, 200, 30), "n01484850": (30, 30, 200)}
 EVAL = {"img_size": 16, "crop_pct": 1.0, "batch_size": 2, "num_workers": 0}

@@ -19,7 +19,10 @@ from sklearn.datasets import load_digits
 
 from attention.errors import UserError
 from datamodules import CIFAR10, Digits, ImageDataModule, ImageFolder
-from datamodules.images import CIFAR10_CLASSES, CIFAR10_FOLDER
+from datamodules.formats.cifar import CIFAR10_CLASSES
+from datamodules.formats.cifar import CIFAR10 as CIFAR10_RELEASE
+
+CIFAR10_FOLDER = CIFAR10_RELEASE.folder
 
 # ---------------------------------------------------------------------------
 # helpers

@@ -1,0 +1,65 @@
+"""Folders of image files: listing them and decoding them, for every module that reads such folders.
+
+The GAN's ``image_folder`` (``<root>/<class>/<image>`` or ``<root>/<image>``) and the classification
+folders (``<root>/<split>/<class>/<image>``, ImageNet's layout) list entries and decode images here.
+Every non-hidden regular file is a candidate image; hidden names (``.DS_Store``) are ignored. PIL's
+errors for files that are not images are :data:`~datamodules.base.DECODE_ERRORS`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageOps
+
+
+def visible_entries(folder: Path) -> tuple[list[str], list[str]]:
+    """Names of the non-hidden sub-folders and regular files directly in ``folder``, each sorted."""
+    dirs, files = [], []
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            if entry.is_dir():
+                dirs.append(entry.name)
+            elif entry.is_file():
+                files.append(entry.name)
+    return sorted(dirs), sorted(files)
+
+
+def visible_files(folder: Path) -> list[Path]:
+    """The non-hidden regular files directly in ``folder``, sorted by name."""
+    return [folder / name for name in visible_entries(folder)[1]]
+
+
+def open_rgb(path: Path, upright: bool = False) -> Image.Image:
+    """The image at ``path`` in RGB; PIL's errors propagate (callers name the file).
+
+    ``upright`` applies the camera's EXIF orientation tag. Classification leaves it off, as torchvision's
+    and timm's folder datasets (and so the published ImageNet recipes) do."""
+    with Image.open(path) as img:
+        if upright:
+            img = ImageOps.exif_transpose(img)
+        return img.convert("RGB")
+
+
+def check_image(path: Path) -> None:
+    """Decode ``path`` cheaply (JPEGs at 1/8 scale through PIL's draft mode); PIL's errors propagate."""
+    with Image.open(path) as img:
+        if img.format == "JPEG":
+            img.draft("RGB", (max(1, img.size[0] // 8), max(1, img.size[1] // 8)))
+        img.load()
+
+
+def square_crop(img: Image.Image, resolution: int) -> np.ndarray:
+    """Shorter side resized to ``resolution`` (bicubic, antialiased), centre square kept: uint8 (3, R, R)."""
+    w, h = img.size
+    scale = resolution / min(w, h)
+    size = (max(resolution, round(w * scale)), max(resolution, round(h * scale)))
+    if size != (w, h):
+        img = img.resize(size, Image.Resampling.BICUBIC)
+    left, top = (size[0] - resolution) // 2, (size[1] - resolution) // 2
+    img = img.crop((left, top, left + resolution, top + resolution))
+    return np.asarray(img, dtype=np.uint8).transpose(2, 0, 1)  # (R, R, 3) -> (3, R, R)
