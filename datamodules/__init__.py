@@ -1,11 +1,11 @@
-"""Point-cloud data modules (Lightning), configured from Hydra.
+"""Data modules (Lightning), configured from Hydra; every one is a :class:`datamodules.base.DataModule`.
 
-Classification (samples ``{"points", "label"}``, see :mod:`datamodules.points`):
+Point-cloud classification (samples ``{"points", "label"}``, see :mod:`datamodules.points`):
 ``modelnet40`` -> :class:`ModelNet40`, ``modelnet40_pyg`` -> :class:`ModelNet40PyG`,
 ``shapes`` -> :class:`Shapes`.
 
 Part segmentation (samples ``{"points", "parts", "category"[, "normals"]}``, see
-:mod:`datamodules.shapenet`): ``shapenet_part`` -> :class:`ShapeNetPart`,
+:mod:`datamodules.partseg`): ``shapenet_part`` -> :class:`ShapeNetPart`,
 ``shapenet_part_h5`` -> :class:`ShapeNetPartH5`, ``shapenet_part_pyg`` ->
 :class:`ShapeNetPartPyG`, ``parts`` -> :class:`Parts`.
 
@@ -24,13 +24,10 @@ Semantic segmentation (``{"image", "mask"}``, :mod:`datamodules.segmentation`): 
 from datamodules.classification import (CIFAR100, CIFAR10Classification, ClassificationDataModule,
                                         FolderClassification, ImageNet, TinyDigits)
 from datamodules.download import download_and_extract
-from datamodules.images import CIFAR10, Digits, ImageDataModule, ImageFolder
-from datamodules.modelnet import ModelNet40, ModelNet40PyG
-from datamodules.parts import Parts
-from datamodules.points import PointCloudDataModule, PointCloudDataset
+from datamodules.generation import CIFAR10, Digits, ImageDataModule, ImageFolder
+from datamodules.partseg import PartDataset, PartSegDataModule, Parts, ShapeNetPart, ShapeNetPartH5, ShapeNetPartPyG
+from datamodules.points import ModelNet40, ModelNet40PyG, PointCloudDataModule, PointCloudDataset, Shapes
 from datamodules.segmentation import ADE20K, GID, VOC, Blobs, Cityscapes, SegDataModule
-from datamodules.shapenet import PartDataset, PartSegDataModule, ShapeNetPart, ShapeNetPartH5, ShapeNetPartPyG
-from datamodules.shapes import Shapes
 
 __all__ = [
     "ADE20K",

@@ -119,6 +119,13 @@ def is_sequence(value) -> bool:
     return isinstance(value, Sequence) and not isinstance(value, (str, bytes))
 
 
+def split_sizes_option(suffix: str, train, val, test, example: int) -> dict[str, int]:
+    """``{"train": ..., "val": ..., "test": ...}`` from ``data.train_<suffix>``, ``data.val_<suffix>`` and
+    ``data.test_<suffix>`` (generated data sets): train and test >= 1, val >= 0 (0: no val split)."""
+    return {split: int_option(f"{split}_{suffix}", value, least, example)
+            for split, value, least in [("train", train, 1), ("val", val, 0), ("test", test, 1)]}  # fmt: skip
+
+
 def on_bad_file_option(value) -> str:
     """``data.on_bad_file`` checked: "error" (stop at the first bad file) or "skip" (drop bad files and samples)."""
     if value not in ON_BAD_FILE:

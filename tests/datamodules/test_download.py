@@ -11,7 +11,7 @@ import pytest
 
 from attention.errors import UserError
 from datamodules import ModelNet40, download_and_extract
-from datamodules.modelnet import HDF5_FOLDER
+from datamodules.points.modelnet40 import HDF5_FOLDER
 
 
 def md5(path):

@@ -10,8 +10,8 @@ import torch
 
 from attention.errors import UserError
 from datamodules import ModelNet40, ModelNet40PyG
-from datamodules.modelnet import HDF5_FOLDER, MODELNET40_CLASSES
-from datamodules.points import augment_points
+from datamodules.points.modelnet40 import HDF5_FOLDER, MODELNET40_CLASSES
+from datamodules.points.ops import augment_points
 
 
 @pytest.fixture
@@ -138,7 +138,7 @@ def test_val_fraction_holds_out_a_seeded_stratified_part_of_train(tmp_path, mode
 
 
 def test_val_split_is_stratified():
-    from datamodules.points import split_train_val
+    from datamodules.points.base import split_train_val
 
     labels = np.repeat(np.arange(4), [40, 20, 20, 20])
     train, val = split_train_val(labels, 0.25, seed=0)

@@ -9,7 +9,7 @@ import torch
 
 from attention.errors import UserError
 from datamodules import Parts
-from datamodules.parts import CATEGORIES, CATEGORY_NAMES, generate_parts
+from datamodules.partseg.parts import CATEGORIES, CATEGORY_NAMES, generate_parts
 
 
 def small(**kwargs):

@@ -39,9 +39,9 @@ from datamodules import (
     ShapeNetPartH5,
     ShapeNetPartPyG,
 )
-from datamodules.modelnet import MODELNET40_CLASSES
+from datamodules.partseg.shapenet import CATEGORY_PARTS, SYNSETS
+from datamodules.points.modelnet40 import MODELNET40_CLASSES
 from datamodules.segmentation import GID_PALETTE, bit_colormap
-from datamodules.shapenet import CATEGORY_PARTS, SYNSETS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

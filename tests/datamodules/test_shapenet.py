@@ -13,14 +13,9 @@ import torch
 
 from attention.errors import UserError
 from datamodules import ShapeNetPart, ShapeNetPartH5, ShapeNetPartPyG
-from datamodules.points import sample_rng, scale_shift
-from datamodules.shapenet import (
-    CATEGORY_NAMES,
-    CATEGORY_PARTS,
-    H5_FOLDER,
-    TXT_FOLDER,
-    sample_indices,
-)
+from datamodules.partseg.base import sample_indices
+from datamodules.partseg.shapenet import CATEGORY_NAMES, CATEGORY_PARTS, H5_FOLDER, TXT_FOLDER
+from datamodules.points.ops import sample_rng, scale_shift
 
 EXPECTED_PARTS = {
     "Airplane": (0, 3), "Bag": (4, 5), "Cap": (6, 7), "Car": (8, 11), "Chair": (12, 15), "Earphone": (16, 18),
@@ -176,7 +171,7 @@ def test_root_may_be_the_release_folder(txt):
 
 
 def test_cache_is_reused_and_rebuilt_when_files_change(txt, monkeypatch):
-    import datamodules.shapenet as shapenet
+    import datamodules.partseg.shapenet_part as shapenet_part
 
     root, written = txt
     ShapeNetPart(root=str(root)).prepare_data()
@@ -184,8 +179,8 @@ def test_cache_is_reused_and_rebuilt_when_files_change(txt, monkeypatch):
     assert caches == ["shapenet_part_test.npz", "shapenet_part_train.npz", "shapenet_part_val.npz"]
 
     calls = []
-    original = shapenet._read_txt
-    monkeypatch.setattr(shapenet, "_read_txt", lambda *a: calls.append(a[0]) or original(*a))
+    original = shapenet_part.read_shape_txt
+    monkeypatch.setattr(shapenet_part, "read_shape_txt", lambda *a: calls.append(a[0]) or original(*a))
     dm = ShapeNetPart(root=str(root), npoints=8)
     dm.setup()
     assert calls == []  # all three splits from the cache

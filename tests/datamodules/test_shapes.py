@@ -7,7 +7,7 @@ import torch
 
 from attention.errors import UserError
 from datamodules import Shapes
-from datamodules.shapes import SHAPE_NAMES, generate_shapes
+from datamodules.points.shapes import SHAPE_NAMES, generate_shapes
 
 
 def small(**kwargs):

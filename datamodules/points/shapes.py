@@ -21,7 +21,7 @@ another split's size leaves a class's samples unchanged.
 
 ``num_classes`` and ``class_names`` are available right after construction.
 Batches, train augmentation and validation protocol: see
-:mod:`datamodules.points`; validation uses the generated val split, or, when
+:mod:`datamodules.points.base`; validation uses the generated val split, or, when
 ``val_per_class == 0``, follows ``val_fraction`` like the other modules.
 """
 
@@ -32,9 +32,10 @@ from typing import Callable
 import numpy as np
 
 from attention.errors import UserError
-from datamodules.points import ArraySource, PointCloudDataModule, PointSource
+from datamodules.base import SPLITS, float_option, split_sizes_option
+from datamodules.points.base import ArraySource, PointCloudDataModule, PointSource
+from datamodules.points.ops import random_rotations
 
-SPLITS = {"train": 0, "val": 1, "test": 2}
 SCALE_RANGE = (0.5, 1.5)
 
 
@@ -205,17 +206,6 @@ SAMPLERS: dict[str, Callable[[np.random.Generator, int, int], np.ndarray]] = {
 SHAPE_NAMES = list(SAMPLERS)
 
 
-def _rotations(rng: np.random.Generator, m: int) -> np.ndarray:
-    """Uniformly random rotation matrices from unit quaternions, (m, 3, 3)."""
-    q = rng.standard_normal((m, 4))
-    w, x, y, z = (q / np.linalg.norm(q, axis=1, keepdims=True)).T
-    return np.stack([
-        [1 - 2 * (y * y + z * z), 2 * (x * y - z * w), 2 * (x * z + y * w)],
-        [2 * (x * y + z * w), 1 - 2 * (x * x + z * z), 2 * (y * z - x * w)],
-        [2 * (x * z - y * w), 2 * (y * z + x * w), 1 - 2 * (x * x + y * y)],
-    ]).transpose(2, 0, 1)  # (3, 3, m) -> (m, 3, 3)
-
-
 def generate_shapes(
     num_classes: int, per_class: int, npoints: int, noise: float, seed: int, split: str
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -227,7 +217,7 @@ def generate_shapes(
     for label, sampler in enumerate(list(SAMPLERS.values())[:num_classes]):
         rng = np.random.default_rng([seed, SPLITS[split], label])
         pts = sampler(rng, per_class, npoints)  # (m, n, 3) canonical shape
-        pts = np.einsum("mij,mnj->mni", _rotations(rng, per_class), pts)
+        pts = np.einsum("mij,mnj->mni", random_rotations(rng, per_class), pts)
         pts = pts * rng.uniform(*SCALE_RANGE, (per_class, 1, 1))
         pts = pts + noise * rng.standard_normal(pts.shape)
         pts = pts - pts.mean(axis=1, keepdims=True)
@@ -248,7 +238,7 @@ class Shapes(PointCloudDataModule):
         npoints: points per shape.
         noise: standard deviation of the Gaussian jitter (before normalisation).
         batch_size, eval_batch_size, num_workers, augment, val_fraction, seed:
-            see :class:`~datamodules.points.PointCloudDataModule`; ``seed`` also
+            see :class:`~datamodules.points.base.PointCloudDataModule`; ``seed`` also
             seeds the generation.
     """
 
@@ -270,26 +260,21 @@ class Shapes(PointCloudDataModule):
     ):
         super().__init__(root, npoints, batch_size, eval_batch_size, num_workers, augment, val_fraction, seed)
         self.save_hyperparameters()
-        if not 1 <= int(num_classes) <= len(SHAPE_NAMES):
+        if num_classes not in range(1, len(SHAPE_NAMES) + 1):
             raise UserError(
                 f"data.num_classes must be in 1..{len(SHAPE_NAMES)} for Shapes ({', '.join(SHAPE_NAMES)}), "
-                f"got {num_classes}."
+                f"got {num_classes!r}."
             )
-        for name, value, least in [("train_per_class", train_per_class, 1), ("val_per_class", val_per_class, 0),
-                                   ("test_per_class", test_per_class, 1)]:  # fmt: skip
-            if int(value) < least:
-                raise UserError(f"data.{name} must be >= {least}, got {value}.")
-        if int(val_per_class) > 0 and self.val_fraction > 0:
+        per_class = split_sizes_option("per_class", train_per_class, val_per_class, test_per_class, 100)
+        if per_class["val"] > 0 and self.val_fraction > 0:
             raise UserError(
                 f"Shapes generates its own validation split (data.val_per_class={val_per_class}), so "
                 f"data.val_fraction={val_fraction} is ambiguous; set one of them to 0."
             )
-        if float(noise) < 0:
-            raise UserError(f"data.noise must be >= 0, got {noise}.")
         self.num_classes = int(num_classes)
         self.class_names = SHAPE_NAMES[: self.num_classes]
-        self.per_class = {"train": int(train_per_class), "val": int(val_per_class), "test": int(test_per_class)}
-        self.noise = float(noise)
+        self.per_class = per_class
+        self.noise = float_option("noise", noise, 0.01, low_closed=True)
 
     def _generate(self, split: str) -> ArraySource:
         per_class = self.per_class[split]

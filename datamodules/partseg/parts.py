@@ -27,7 +27,7 @@ present once ``npoints`` is a few dozen), with the analytic outward normals, the
 Split ``s`` of category ``c`` is drawn from ``np.random.default_rng([seed, s, c])``
 with s = 0, 1, 2 for train, val, test, so changing ``num_categories`` or another
 split's size leaves a category's shapes unchanged. Batches, point sampling and
-train augmentation: see :mod:`datamodules.shapenet`.
+train augmentation: see :mod:`datamodules.partseg.base`.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from collections.abc import Callable
 import numpy as np
 
 from attention.errors import UserError
-from datamodules.shapenet import PackedSource, PartSegDataModule, contiguous_parts, unit_sphere
-from datamodules.shapes import _rotations
+from datamodules.base import SPLITS, choice_option, float_option, split_sizes_option
+from datamodules.partseg.base import PackedSource, PartSegDataModule, contiguous_parts
+from datamodules.points.ops import random_rotations, unit_sphere
 
-SPLITS = {"train": 0, "val": 1, "test": 2}
 ROTATIONS = ("z", "so3", "none")
 
 Sample = tuple[np.ndarray, np.ndarray]  # points (k, 3), normals (k, 3)
@@ -287,7 +287,7 @@ def generate_parts(
 ) -> PackedSource:
     """Generate one split: ``num_categories * per_category`` shapes of ``npoints`` points, grouped by category.
 
-    Returns a :class:`~datamodules.shapenet.PackedSource` with points (normalised),
+    Returns a :class:`~datamodules.partseg.base.PackedSource` with points (normalised),
     normals, global part ids (uint8) and categories.
     """
     parts = contiguous_parts([len(CATEGORIES[name][0]) for name in CATEGORY_NAMES])
@@ -296,7 +296,7 @@ def generate_parts(
         rng = np.random.default_rng([seed, SPLITS[split], c])
         build = CATEGORIES[name][1]
         if rotation == "so3":
-            rotations = _rotations(rng, per_category)
+            rotations = random_rotations(rng, per_category)
         elif rotation == "z":
             rotations = np.stack([_rot(2, a) for a in rng.uniform(0, 2 * np.pi, per_category)]) if per_category else []
         else:
@@ -333,7 +333,7 @@ class Parts(PartSegDataModule):
         rotation: ``"z"`` (about the vertical axis), ``"so3"`` or ``"none"``.
         normals: add the analytic surface normals.
         batch_size, eval_batch_size, num_workers, augment, seed: see
-            :class:`~datamodules.shapenet.PartSegDataModule`; ``seed`` also seeds the generation.
+            :class:`~datamodules.partseg.base.PartSegDataModule`; ``seed`` also seeds the generation.
     """
 
     def __init__(
@@ -355,27 +355,19 @@ class Parts(PartSegDataModule):
     ):
         super().__init__(root, npoints, normals, batch_size, eval_batch_size, num_workers, augment, seed)
         self.save_hyperparameters()
-        if not 1 <= int(num_categories) <= len(CATEGORY_NAMES):
+        if num_categories not in range(1, len(CATEGORY_NAMES) + 1):
             raise UserError(
                 f"data.num_categories must be in 1..{len(CATEGORY_NAMES)} for Parts "
-                f"({', '.join(CATEGORY_NAMES)}), got {num_categories}."
+                f"({', '.join(CATEGORY_NAMES)}), got {num_categories!r}."
             )
-        for name, value, least in [("train_per_category", train_per_category, 1),
-                                   ("val_per_category", val_per_category, 0),
-                                   ("test_per_category", test_per_category, 1)]:  # fmt: skip
-            if int(value) < least:
-                raise UserError(f"data.{name} must be >= {least}, got {value}.")
-        if float(noise) < 0:
-            raise UserError(f"data.noise must be >= 0, got {noise}.")
-        if rotation not in ROTATIONS:
-            raise UserError(f"data.rotation must be one of {', '.join(ROTATIONS)}, got {rotation!r}.")
+        per_category = split_sizes_option("per_category", train_per_category, val_per_category,
+                                          test_per_category, 100)  # fmt: skip
+        self.noise = float_option("noise", noise, 0.005, low_closed=True)
+        self.rotation = choice_option("rotation", rotation, ROTATIONS)
         k = int(num_categories)
         self._set_categories(CATEGORY_NAMES[:k], contiguous_parts([len(CATEGORIES[c][0]) for c in CATEGORY_NAMES[:k]]))
         self.part_names = [f"{c}/{p}" for c in self.category_names for p in CATEGORIES[c][0]]
-        self.per_category = {"train": int(train_per_category), "val": int(val_per_category),
-                             "test": int(test_per_category)}  # fmt: skip
-        self.noise = float(noise)
-        self.rotation = rotation
+        self.per_category = per_category
 
     def _generate(self, split: str) -> PackedSource:
         return generate_parts(self.num_categories, self.per_category[split], self.npoints, self.noise, self.seed,

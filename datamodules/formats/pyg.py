@@ -1,0 +1,52 @@
+"""torch-geometric's collated datasets (``InMemoryDataset`` storage): where each item's rows are, and
+which meshes of a processed mesh dataset (ModelNet's OFF files) ``SamplePoints`` cannot sample."""
+
+from __future__ import annotations
+
+import torch
+
+
+def pyg_offsets(dataset, key: str) -> torch.Tensor:
+    """Offsets (n + 1,) of ``key`` in a collated PyG dataset's storage (PyG keeps no slices for a
+    dataset of one item, nor for an attribute no item has)."""
+    slices = dataset.slices.get(key) if dataset.slices else None
+    if slices is not None:
+        return slices
+    value = getattr(dataset._data, key, None)
+    size = 0 if value is None else value.shape[-1 if key == "face" else 0]
+    return torch.tensor([0, size]) if len(dataset) == 1 else torch.zeros(len(dataset) + 1, dtype=torch.long)
+
+
+def mesh_problems(dataset) -> dict[int, str]:
+    """Meshes of a processed PyG ModelNet dataset that ``SamplePoints`` cannot sample: mesh index ->
+    what is wrong (non-finite vertices, no faces, a face naming a missing vertex, zero area)."""
+    data = dataset._data
+    pos = data.pos.to(torch.float64)  # (T, 3)
+    face = data.face if data.face is not None else torch.empty((3, 0), dtype=torch.long)  # (3, F), per-mesh indices
+    nv, nf = pyg_offsets(dataset, "pos").diff(), pyg_offsets(dataset, "face").diff()  # (n,) each
+    n = len(nv)
+    vert_mesh = torch.repeat_interleave(torch.arange(n), nv)  # (T,)
+    face_mesh = torch.repeat_interleave(torch.arange(n), nf)  # (F,)
+    nonfinite = torch.zeros(n).index_add_(0, vert_mesh, (~torch.isfinite(pos).all(dim=1)).to(torch.float32))
+    outside = ((face < 0) | (face >= nv[face_mesh])).any(dim=0)  # (F,)
+    bad_faces = torch.zeros(n).index_add_(0, face_mesh, outside.to(torch.float32))
+    scale = torch.zeros(n, dtype=torch.float64).scatter_reduce_(
+        0, vert_mesh, pos.abs().amax(dim=1).nan_to_num(0.0, 0.0, 0.0), "amax")  # (n,) as SamplePoints divides
+    ok_face = ~outside
+    corner = (face.clamp(min=0) + pyg_offsets(dataset, "pos")[:-1][face_mesh]).clamp(max=max(len(pos) - 1, 0))  # (3, F)
+    unit = pos / scale[vert_mesh].clamp(min=1e-300)[:, None]
+    area = torch.zeros(n, dtype=torch.float64)
+    if face.shape[1] and len(pos):
+        cross = torch.linalg.cross(unit[corner[1]] - unit[corner[0]], unit[corner[2]] - unit[corner[0]], dim=1)
+        area.index_add_(0, face_mesh, torch.where(ok_face, cross.norm(dim=1), 0.0).nan_to_num(0.0))
+    problems = {}
+    for i in range(n):
+        if nonfinite[i]:
+            problems[i] = "NaN or infinite vertex coordinates"
+        elif nf[i] == 0:
+            problems[i] = "no faces"
+        elif bad_faces[i]:
+            problems[i] = "a face refers to a vertex that does not exist"
+        elif not float(area[i]) / 2 > 1e-12:
+            problems[i] = "zero surface area (all faces degenerate), nothing to sample points on"
+    return problems

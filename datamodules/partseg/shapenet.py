@@ -1,0 +1,46 @@
+"""What the three ShapeNetPart modules share: the 16 categories, their part ranges and where the releases live.
+
+16 categories, 50 parts; category index = position in the official ``synsetoffset2category.txt``
+(sorted by name), part ids are global and each category owns a contiguous range (:data:`CATEGORY_PARTS`:
+Airplane 0-3, Bag 4-5, Cap 6-7, Car 8-11, Chair 12-15, Earphone 16-18, Guitar 19-21, Knife 22-23,
+Lamp 24-27, Laptop 28-29, Motorbike 30-35, Mug 36-37, Pistol 38-40, Rocket 41-43, Skateboard 44-46,
+Table 47-49). The releases: the txt release with normals (:mod:`datamodules.partseg.shapenet_part`),
+the HDF5 release (:mod:`~datamodules.partseg.shapenet_part_h5`) and the txt release read by
+torch-geometric (:mod:`~datamodules.partseg.shapenet_part_pyg`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from datamodules.partseg.base import contiguous_parts
+
+# (name, synset, number of parts), in the official synsetoffset2category.txt order.
+SHAPENET_CATEGORIES = [
+    ("Airplane", "02691156", 4), ("Bag", "02773838", 2), ("Cap", "02954340", 2), ("Car", "02958343", 4),
+    ("Chair", "03001627", 4), ("Earphone", "03261776", 3), ("Guitar", "03467517", 3), ("Knife", "03624134", 2),
+    ("Lamp", "03636649", 4), ("Laptop", "03642806", 2), ("Motorbike", "03790512", 6), ("Mug", "03797390", 2),
+    ("Pistol", "03948459", 3), ("Rocket", "04099429", 3), ("Skateboard", "04225987", 3), ("Table", "04379243", 3),
+]  # fmt: skip
+CATEGORY_NAMES = [name for name, _, _ in SHAPENET_CATEGORIES]
+SYNSETS = [synset for _, synset, _ in SHAPENET_CATEGORIES]
+CATEGORY_PARTS = contiguous_parts([n for _, _, n in SHAPENET_CATEGORIES])
+NUM_PARTS = 50
+
+TXT_FOLDER = "shapenetcore_partanno_segmentation_benchmark_v0_normal"
+TXT_URL = f"https://shapenet.cs.stanford.edu/media/{TXT_FOLDER}.zip"
+H5_FOLDER = "shapenet_part_seg_hdf5_data"
+H5_URL = f"https://shapenet.cs.stanford.edu/media/{H5_FOLDER}.zip"
+H5_ZIP_FOLDER = "hdf5_data"  # what the official shapenet_part_seg_hdf5_data.zip unpacks to
+
+
+def part_range(category: int) -> tuple[int, int]:
+    """Lowest and highest global part id of category index ``category``."""
+    parts = CATEGORY_PARTS[category]
+    return parts[0], parts[-1]
+
+
+def part_bounds(categories: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Lowest and highest allowed global part id of each category index, (n,) each."""
+    table = np.array([part_range(c) for c in range(len(CATEGORY_PARTS))])
+    return table[categories, 0], table[categories, 1]

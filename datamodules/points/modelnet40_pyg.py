@@ -1,0 +1,142 @@
+"""ModelNet40 meshes through torch-geometric (config ``modelnet40_pyg``).
+
+Reads the Princeton OFF meshes through ``torch_geometric.datasets.ModelNet`` and samples ``npoints``
+points on the surfaces, area-weighted, on every access (so test points are resampled each epoch too)::
+
+    <root>/raw/<category>/train/<category>_0001.off ...   40 category folders
+    <root>/raw/<category>/test/<category>_0627.off ...
+    <root>/processed/training.pt, test.pt                 written by PyG once
+
+``raw`` is the ``ModelNet40`` folder of Princeton's ``ModelNet40.zip``, renamed. Labels are the indices
+of the sorted category names; ``num_classes == 40`` and ``class_names`` are available right after
+construction. See :mod:`datamodules.points.base` for the batch contract, the train augmentation and the
+validation protocol.
+"""
+
+from __future__ import annotations
+
+import glob
+from pathlib import Path
+
+import numpy as np
+
+from attention.errors import UserError
+from datamodules.base import DataError
+from datamodules.formats.pyg import mesh_problems
+from datamodules.points.base import PointCloudDataModule, PointSource
+from datamodules.points.modelnet40 import MODELNET40_CLASSES
+
+
+class PyGSource:
+    """A torch-geometric dataset seen as a :class:`~datamodules.points.base.PointSource`, restricted to
+    the meshes ``keep`` (default: all)."""
+
+    def __init__(self, dataset, keep: np.ndarray | None = None):
+        self.dataset = dataset
+        labels = dataset._data.y.numpy().astype(np.int64).reshape(-1)  # (n,); no transform runs
+        self.index = np.arange(len(labels)) if keep is None else np.flatnonzero(keep)
+        self.labels = labels[self.index]
+
+    def points(self, index: int) -> np.ndarray:
+        return self.dataset[int(self.index[index])].pos.numpy()  # (npoints, 3), freshly sampled
+
+
+class ModelNet40PyG(PointCloudDataModule):
+    """ModelNet40 meshes through ``torch_geometric.datasets.ModelNet`` (layout in the module docstring).
+
+    :meth:`prepare_data` processes the raw meshes once into ``<root>/processed``
+    (the first run parses all 12,311 OFF files and takes minutes). Nothing is
+    ever downloaded: a missing or incomplete ``<root>/raw`` raises UserError.
+
+    Args:
+        root: folder holding ``raw/`` (and, after processing, ``processed/``).
+        npoints: points sampled on each mesh per access.
+        on_bad_file: ``"error"``, or ``"skip"``: meshes that cannot be sampled (NaN vertices, no
+            faces, faces naming missing vertices, zero area) are dropped. A file torch-geometric
+            cannot parse at all stops processing either way.
+        batch_size, eval_batch_size, num_workers, augment, val_fraction, seed:
+            see :class:`~datamodules.points.base.PointCloudDataModule`.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        npoints: int = 1024,
+        batch_size: int = 32,
+        eval_batch_size: int | None = None,
+        num_workers: int = 0,
+        augment: bool = True,
+        val_fraction: float = 0.0,
+        seed: int = 0,
+        on_bad_file: str = "error",
+    ):
+        super().__init__(root, npoints, batch_size, eval_batch_size, num_workers, augment, val_fraction, seed,
+                         on_bad_file)  # fmt: skip
+        self.save_hyperparameters()
+        self.num_classes = len(MODELNET40_CLASSES)
+        self.class_names = list(MODELNET40_CLASSES)
+
+    def _check_raw(self) -> Path:
+        """Check ``<root>/raw`` has exactly the 40 category folders and some meshes per split."""
+        raw = Path(self.root).expanduser() / "raw"
+        how = (
+            f"Unzip Princeton's ModelNet40.zip (http://modelnet.cs.princeton.edu/ModelNet40.zip) and rename its "
+            f"ModelNet40 folder to {raw}, so that {raw}/airplane/train/airplane_0001.off exists; or use "
+            f"data=modelnet40 (HDF5, supports data.download=true) or data=shapes offline."
+        )
+        if not raw.is_dir():
+            raise UserError(f"ModelNet40 meshes not found: {raw} does not exist. {how}")
+        present = {p.name for p in raw.iterdir() if p.is_dir()}
+        missing = sorted(set(MODELNET40_CLASSES) - present)
+        extra = sorted(present - set(MODELNET40_CLASSES))
+        if missing or extra:
+            raise UserError(
+                f"{raw} must hold exactly the 40 ModelNet40 category folders (labels are their sorted "
+                f"indices); missing: {missing or 'none'}, unexpected: {extra or 'none'}. {how}"
+            )
+        for split in ("train", "test"):
+            if not any(next((raw / c / split).glob(f"{c}_*.off"), None) for c in MODELNET40_CLASSES):
+                raise UserError(f"No {split} meshes under {raw}/<category>/{split}/<category>_*.off. {how}")
+        return raw
+
+    def _dataset(self, train: bool):
+        from torch_geometric.datasets import ModelNet
+        from torch_geometric.transforms import SamplePoints
+
+        raw = self._check_raw()
+        try:
+            return ModelNet(str(raw.parent), name="40", train=train, transform=SamplePoints(self.npoints))
+        except (OSError, ValueError, IndexError, RuntimeError) as err:
+            raise UserError(
+                f"torch-geometric could not process the ModelNet40 meshes under {raw} ({type(err).__name__}: "
+                f"{err}). A mesh file is probably malformed; restore the original ModelNet40.zip contents "
+                f"and delete {raw.parent / 'processed'} to reprocess."
+            ) from None
+
+    def prepare_data(self) -> None:
+        """Process the raw meshes into ``<root>/processed`` (once; later runs load it)."""
+        self._dataset(train=True)
+
+    def _source(self, train: bool) -> PyGSource:
+        """The split's meshes, those that cannot be sampled raised or (skip) dropped and recorded."""
+        dataset = self._dataset(train)
+        raw = self._check_raw()
+        split = "train" if train else "test"
+        problems = mesh_problems(dataset)
+        files = [Path(p) for c in MODELNET40_CLASSES for p in glob.glob(f"{raw / c / split}/{c}_*.off")]  # PyG's order
+        name = (lambda i: str(files[i])) if len(files) == len(dataset) else (lambda i: f"mesh {i} of {raw} ({split})")
+        fix = (f"Repair or remove the mesh (restore it from the original ModelNet40.zip), then delete "
+               f"{raw.parent / 'processed'} to reprocess.")  # fmt: skip
+        keep = np.ones(len(dataset), dtype=bool)
+        for i, what in problems.items():
+            self.bad.file(DataError(f"{name(i)}: {what}. {fix}", f"{name(i)}: {what}"))
+            keep[i] = False
+        if not keep.any():
+            raise UserError(
+                f"No usable ModelNet40 {split} mesh under {raw}: all {len(keep)} were skipped "
+                f"(data.on_bad_file=skip). {fix}"
+            )
+        return PyGSource(dataset, keep)
+
+    def _load(self) -> tuple[PointSource, None, PointSource]:
+        return self._source(train=True), None, self._source(train=False)
