@@ -1,12 +1,18 @@
 """ImageNet backbones: published sizes, every attention variant in every model, features, input checks."""
 
+import inspect
+from pathlib import Path
+
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
 import attention
 from attention.errors import UserError
-from tasks.nets.backbones import MODELS, NATIVE_ATTN, build_backbone, native_attn
+from tasks.nets import backbones
+from tasks.nets.backbones import MODELS, NATIVE_ATTN, Backbone, build_backbone, native_attn
 from tasks.nets.backbones.common import attn_defaults
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -123,3 +129,45 @@ def test_paper_presets_apply_unless_the_option_was_set():
     focal = build_backbone({"name": "focal_t"}, native_attn("focal_t"), num_classes=0, img_size=224)
     windows = [(s.blocks[0].attn.focal_window, s.blocks[0].attn.expand_size) for s in focal.stages]
     assert windows == [(7, 3), (5, 3), (3, 3), (1, 0)]  # stage 4 at 224 is one 7x7 window, no expansion
+
+
+# --------------------------------------------------------------------------------------------
+# The registry and the one home of each architecture (configs/model/<name>.yaml)
+# --------------------------------------------------------------------------------------------
+
+MODEL_CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "model"
+
+
+def test_every_model_yaml_is_a_registered_backbone():
+    assert sorted(p.stem for p in MODEL_CONFIGS.glob("*.yaml")) == backbones.names() == sorted(MODELS)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_the_yaml_holds_every_option_and_the_constructor_defaults_none(model):
+    """The architecture is written once: the yaml's keys are the constructor's keyword-only options, none of which
+    has a default, so nothing in Python can drift from the file."""
+    params = inspect.signature(backbones.get(model).__init__).parameters.values()
+    options = {p.name: p for p in params if p.kind == p.KEYWORD_ONLY}
+    assert set(options) == set(backbones.spec(model))
+    assert all(p.default is inspect.Parameter.empty for p in options.values())
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_the_yaml_picks_the_class_native_mixer(model):
+    with initialize_config_dir(config_dir=str(MODEL_CONFIGS.parent), version_base="1.3"):
+        cfg = compose("config", overrides=["task=classification", f"model={model}"])
+    assert cfg.model.name == model and cfg.attn.name == backbones.get(model).native_attn == NATIVE_ATTN[model]
+    composed = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k != "name"}
+    assert composed == backbones.spec(model)  # what a classification run gets is what a segmentation one gets
+
+
+def test_register_rejects_a_second_class_under_a_name():
+    existing = backbones.get("vit_s")
+
+    class Impostor(Backbone):
+        pass
+
+    with pytest.raises(KeyError, match="vit_s"):
+        backbones.register("vit_s")(Impostor)
+    assert backbones.get("vit_s") is existing
+    assert backbones.register("vit_s")(existing) is existing

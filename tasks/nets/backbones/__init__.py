@@ -5,18 +5,20 @@
     logits = net(images)                      # (B, 1000)
     maps = net.forward_features(images)       # [(B, C_i, H_i, W_i)], strides net.feature_strides
 
-``model`` is the composed ``model`` config: ``name`` (one of :data:`MODELS`) and
-optional overrides of the architecture, whose defaults (the papers' configs)
-live in Python, one spec per name (``SPECS`` in each module), so any task can
-build a backbone from its name alone; ``pretrained`` and ``weights`` are the
-task's keys and are ignored here. ``attn`` is the ``attn`` config: ``name``
-plus options; it replaces the mixer of the stages that use local attention
-(DilateFormer stages 1-2, every Focal stage, every ViT / EAMLP block), with
-the heads of the model's spec. DilateFormer's global stages keep ``self``
-unless ``model.global_attn`` names another variant. Paper presets of the
-native variant (DilateFormer: ``dilations=[1, 2, 3]``; Focal: per-stage
-``focal_window``) are set in Python and apply only to options left at their
-``configs/attn`` value (see :mod:`.common`).
+Every module in this folder registers its backbone class under its model names
+(``@register``, :mod:`.registry`) and is imported here, so a new backbone is one
+module and one ``configs/model/<name>.yaml``. ``model`` is the composed ``model``
+config: ``name`` (one of :data:`MODELS`) and optional overrides of the
+architecture, whose defaults (the papers' configs) are that yaml, read for a
+backbone built by name alone too (:func:`.registry.spec`); ``pretrained`` and
+``weights`` are the task's keys and are ignored here. ``attn`` is the ``attn``
+config: ``name`` plus options; it replaces the mixer of the stages that use
+local attention (DilateFormer stages 1-2, every Focal stage, every ViT / EAMLP
+block), with the heads of the model's spec. DilateFormer's global stages keep
+``self`` unless ``model.global_attn`` names another variant. Each class declares
+its paper's mixer (``native_attn``); paper presets of it (DilateFormer:
+``dilations=[1, 2, 3]``; Focal: per-stage ``focal_window``) are set in Python and
+apply only to options left at their ``configs/attn`` value (see :mod:`.common`).
 
 | model | paper | params | GFLOPs (MACs) at 224 | top-1 |
 | --- | --- | --- | --- | --- |
@@ -29,38 +31,24 @@ native variant (DilateFormer: ``dilations=[1, 2, 3]``; Focal: per-stage
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
-
-from attention.errors import UserError
+import pkgutil
 
 from .common import Backbone, attn_defaults
+from .registry import build as build_backbone
+from .registry import get, names, register, spec
 
-_MODULES = {  # name -> module holding its SPECS and build()
-    "dilateformer_t": "dilateformer", "dilateformer_s": "dilateformer", "dilateformer_b": "dilateformer",
-    "focal_t": "focal", "focal_s": "focal", "eamlp": "eamlp", "vit_s": "vit",
-}
-MODELS: tuple[str, ...] = tuple(_MODULES)
-NATIVE_ATTN = {  # the paper's mixer of each model's local stages
-    "dilateformer_t": "dilated", "dilateformer_s": "dilated", "dilateformer_b": "dilated",
-    "focal_t": "focal", "focal_s": "focal", "eamlp": "external", "vit_s": "self",
-}
+for _mod in pkgutil.iter_modules(__path__):
+    if _mod.name not in ("common", "registry"):
+        importlib.import_module(f"{__name__}.{_mod.name}")
+
+MODELS: tuple[str, ...] = tuple(names())
+NATIVE_ATTN: dict[str, str] = {name: get(name).native_attn for name in MODELS}  # each model's paper mixer
 
 
 def native_attn(name: str) -> dict:
     """The ``attn`` config of model ``name``'s own mixer: its configs/attn yaml (paper presets apply on build)."""
-    variant = NATIVE_ATTN[name]
+    variant = get(name).native_attn
     return {"name": variant, **attn_defaults(variant)}
 
 
-def build_backbone(model: Mapping, attn: Mapping, *, num_classes: int, img_size: int, in_chans: int = 3) -> Backbone:
-    """The backbone ``model['name']`` with ``model``'s overrides and the ``attn`` variant in its local stages."""
-    model = dict(model)
-    name = model.get("name")
-    if name not in MODELS:
-        raise UserError(f"Unknown model {name!r} (option `model`, or model.backbone in task=segmentation). "
-                        f"Available: {', '.join(MODELS)}. Pick one with e.g. `model=focal_t`.")
-    module = importlib.import_module(f"{__name__}.{_MODULES[name]}")
-    return module.build(name, model, dict(attn), num_classes=num_classes, img_size=img_size, in_chans=in_chans)
-
-
-__all__ = ["MODELS", "NATIVE_ATTN", "Backbone", "build_backbone", "native_attn"]
+__all__ = ["MODELS", "NATIVE_ATTN", "Backbone", "build_backbone", "get", "names", "native_attn", "register", "spec"]

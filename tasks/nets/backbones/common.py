@@ -1,7 +1,7 @@
 """What every backbone shares: the ``Backbone`` interface, mixer building from the ``attn`` config, the block.
 
-A backbone is built from a *spec* (the paper's architecture, a dict of defaults
-in the model's module) merged with the ``model`` config's overrides, and from
+A backbone is built from a *spec* (the paper's architecture, ``configs/model/<name>.yaml``,
+see :mod:`.registry`) merged with the ``model`` config's overrides, and from
 the ``attn`` config, which gives the mixer of the stages that use local
 attention. ``make_mixer`` turns (attn config, width, heads, paper presets) into
 one mixer and turns a failure into a ``UserError`` naming the model, the stage
@@ -149,6 +149,7 @@ class Backbone(nn.Module):
     """
 
     model_name: str = "?"
+    native_attn: str = "?"  # the paper's mixer of the local stages (an attention variant), set by each backbone
     size_divisor: int = 1
     min_size: int = 1
     pad: bool = False

@@ -37,16 +37,9 @@ from torch import nn
 import attention
 from attention.errors import UserError
 
-from .common import Backbone, Block, attn_defaults, drop_path_rates, make_mixer, merge_spec, per_stage
+from .common import Backbone, Block, attn_defaults, drop_path_rates, make_mixer, per_stage
+from .registry import register
 
-_COMMON = dict(heads=[3, 6, 12, 24], mlp_ratio=4.0, local_stages=[1, 2], global_attn="self", stem_channels=16,
-               pad=False)
-SPECS = {
-    "dilateformer_t": dict(embed_dim=72, depths=[2, 2, 6, 2], drop_path_rate=0.1, **_COMMON),
-    "dilateformer_s": dict(embed_dim=72, depths=[3, 5, 8, 3], drop_path_rate=0.2, **_COMMON),
-    "dilateformer_b": dict(embed_dim=96, depths=[4, 8, 10, 3], drop_path_rate=0.3, **_COMMON),
-}
-NATIVE = "dilated"
 PRESETS = {"kernel_size": 3, "dilations": [1, 2, 3]}  # the paper's MSDA
 
 
@@ -76,11 +69,15 @@ class CPEBlock(nn.Module):
         return rearrange(tokens, "b (h w) c -> b c h w", h=h)
 
 
+@register("dilateformer_t", "dilateformer_s", "dilateformer_b")
 class DilateFormer(Backbone):
-    def __init__(self, name: str, attn: Mapping, num_classes: int, img_size: int, in_chans: int = 3,
-                 embed_dim: int = 72, depths=(2, 2, 6, 2), heads=(3, 6, 12, 24), mlp_ratio: float = 4.0,
-                 drop_path_rate: float = 0.1, local_stages=(1, 2), global_attn: str = "self",
-                 stem_channels: int = 16, pad: bool = False):
+    """The architecture's options: configs/model/dilateformer_{t,s,b}.yaml."""
+
+    native_attn = "dilated"
+
+    def __init__(self, name: str, attn: Mapping, num_classes: int, img_size: int, in_chans: int = 3, *,
+                 embed_dim: int, depths, heads, mlp_ratio: float, drop_path_rate: float, local_stages,
+                 global_attn: str, stem_channels: int, pad: bool):
         super().__init__()
         self.model_name, self.pad = name, bool(pad)
         n = len(depths)
@@ -98,7 +95,7 @@ class DilateFormer(Backbone):
         for i, (dim, depth) in enumerate(zip(widths, depths)):
             local = i + 1 in local_stages
             cfg = attn if local else global_cfg
-            presets = PRESETS if cfg["name"] == NATIVE else None
+            presets = PRESETS if cfg["name"] == self.native_attn else None
             kind = "local" if local else "global"
             self.stages.append(nn.Sequential(*(
                 CPEBlock(dim, make_mixer(cfg, dim, heads[i], model=name, stage=f"stage {i + 1} ({kind})",
@@ -123,6 +120,3 @@ class DilateFormer(Backbone):
     def _forward(self, x):
         return self._stages_forward(x)
 
-
-def build(name: str, model: Mapping, attn: Mapping, num_classes: int, img_size: int, in_chans: int = 3):
-    return DilateFormer(name, attn, num_classes, img_size, in_chans, **merge_spec(name, SPECS[name], model))

@@ -41,13 +41,9 @@ from torch import nn
 import attention
 from attention.errors import UserError
 
-from .common import Backbone, Block, attn_options, drop_path_rates, make_mixer, merge_spec
+from .common import Backbone, Block, attn_options, drop_path_rates, make_mixer
+from .registry import register
 
-SPECS = {
-    "eamlp": dict(embed_dim=384, depth=14, heads=6, mlp_ratio=3.0, drop_path_rate=0.1, ea_expand=4,
-                  token_dim=64, token_memory=128, class_token="auto", global_attn="self", pad=False),
-}
-NATIVE = "external"
 PRESETS = {"memory": 64}  # the official k = 256 // coef
 
 
@@ -97,11 +93,15 @@ def sinusoid_table(n: int, dim: int) -> torch.Tensor:
     return table.float()[None]
 
 
+@register("eamlp")
 class EAMLP(Backbone):
-    def __init__(self, name: str, attn: Mapping, num_classes: int, img_size: int, in_chans: int = 3,
-                 embed_dim: int = 384, depth: int = 14, heads: int = 6, mlp_ratio: float = 3.0,
-                 drop_path_rate: float = 0.1, ea_expand: int = 4, token_dim: int = 64, token_memory: int = 128,
-                 class_token="auto", global_attn: str = "self", pad: bool = False):
+    """The architecture's options: configs/model/eamlp.yaml."""
+
+    native_attn = "external"
+
+    def __init__(self, name: str, attn: Mapping, num_classes: int, img_size: int, in_chans: int = 3, *,
+                 embed_dim: int, depth: int, heads: int, mlp_ratio: float, drop_path_rate: float, ea_expand: int,
+                 token_dim: int, token_memory: int, class_token, global_attn: str, pad: bool):
         super().__init__()
         self.model_name, self.pad = name, bool(pad)
         self.size_divisor = self.min_size = 16
@@ -118,14 +118,14 @@ class EAMLP(Backbone):
         layout = "none" if class_token else "grid"
         blocks = []
         for i in range(depth):
-            if attn["name"] == NATIVE:
+            if attn["name"] == self.native_attn:
                 opts = attn_options(attn, PRESETS)
                 unknown = sorted(set(opts) - {"memory", "heads", "expand"})
                 if unknown:
                     raise UserError(f"model={name}: the external attention of its blocks has no option "
                                     f"{', '.join(f'attn.{k}' for k in unknown)}; its options are attn.memory and "
                                     f"model.ea_expand.")
-                mixer = attention.build(NATIVE, dim=embed_dim, heads=heads, memory=opts.get("memory", 64),
+                mixer = attention.build(self.native_attn, dim=embed_dim, heads=heads, memory=opts.get("memory", 64),
                                         expand=ea_expand)
             else:
                 mixer = make_mixer(attn, embed_dim, heads, model=name, stage=f"block {i + 1}", layout=layout)
@@ -149,6 +149,3 @@ class EAMLP(Backbone):
         x = x + sinusoid_table(x.shape[1], x.shape[2]).to(x)
         return self._tokens_forward(x, h, w)
 
-
-def build(name: str, model: Mapping, attn: Mapping, num_classes: int, img_size: int, in_chans: int = 3):
-    return EAMLP(name, attn, num_classes, img_size, in_chans, **merge_spec(name, SPECS[name], model))

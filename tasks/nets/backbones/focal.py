@@ -38,15 +38,8 @@ from torch import nn
 
 import attention
 
-from .common import Backbone, Block, attn_options, drop_path_rates, make_mixer, merge_spec, per_stage
-
-_COMMON = dict(embed_dim=96, heads=[3, 6, 12, 24], mlp_ratio=4.0, window_size=7, expand_size=3, focal_level=2,
-               focal_window=[7, 5, 3, 1], use_conv_embed=False, global_attn="self", pad=False)
-SPECS = {
-    "focal_t": dict(depths=[2, 2, 6, 2], drop_path_rate=0.2, **_COMMON),
-    "focal_s": dict(depths=[2, 2, 18, 2], drop_path_rate=0.3, **_COMMON),
-}
-NATIVE = "focal"
+from .common import Backbone, Block, attn_options, drop_path_rates, make_mixer, per_stage
+from .registry import register
 
 
 class ConvEmbed(nn.Module):
@@ -76,12 +69,16 @@ class FocalStage(nn.Module):
         return rearrange(x, "b (h w) c -> b c h w", h=h)
 
 
+@register("focal_t", "focal_s")
 class FocalTransformer(Backbone):
-    def __init__(self, name: str, attn: Mapping, num_classes: int, img_size: int, in_chans: int = 3,
-                 embed_dim: int = 96, depths=(2, 2, 6, 2), heads=(3, 6, 12, 24), mlp_ratio: float = 4.0,
-                 drop_path_rate: float = 0.2, window_size: int = 7, expand_size: int = 3, focal_level: int = 2,
-                 focal_window=(7, 5, 3, 1), use_conv_embed: bool = False, global_attn: str = "self",
-                 pad: bool = False):
+    """The architecture's options: configs/model/focal_{t,s}.yaml."""
+
+    native_attn = "focal"
+
+    def __init__(self, name: str, attn: Mapping, num_classes: int, img_size: int, in_chans: int = 3, *,
+                 embed_dim: int, depths, heads, mlp_ratio: float, drop_path_rate: float, window_size: int,
+                 expand_size: int, focal_level: int, focal_window, use_conv_embed: bool, global_attn: str,
+                 pad: bool):
         super().__init__()
         self.model_name, self.pad = name, bool(pad)
         n = len(depths)
@@ -94,7 +91,7 @@ class FocalTransformer(Backbone):
         self.stages, self.downsamples = nn.ModuleList(), nn.ModuleList()
         for i, (dim, depth) in enumerate(zip(widths, depths)):
             presets = force = None
-            if attn["name"] == NATIVE:
+            if attn["name"] == self.native_attn:
                 presets = dict(window_size=window_size, expand_size=expand_size, focal_level=focal_level,
                                focal_window=focal_window[i])
                 side = img_size // (4 * 2 ** i)  # the stage's map side at img_size
@@ -127,6 +124,3 @@ class FocalTransformer(Backbone):
     def _forward(self, x):
         return self._stages_forward(x)
 
-
-def build(name: str, model: Mapping, attn: Mapping, num_classes: int, img_size: int, in_chans: int = 3):
-    return FocalTransformer(name, attn, num_classes, img_size, in_chans, **merge_spec(name, SPECS[name], model))

@@ -31,19 +31,19 @@ from torch import nn
 import attention
 from attention.errors import UserError
 
-from .common import Backbone, Block, drop_path_rates, make_mixer, merge_spec
-
-SPECS = {
-    "vit_s": dict(patch_size=16, embed_dim=384, depth=12, heads=6, mlp_ratio=4.0, drop_path_rate=0.1,
-                  class_token="auto", pad=False, global_attn="self"),
-}
+from .common import Backbone, Block, drop_path_rates, make_mixer
+from .registry import register
 
 
+@register("vit_s")
 class VisionTransformer(Backbone):
-    def __init__(self, name: str, attn: Mapping, num_classes: int, img_size: int, in_chans: int = 3,
-                 patch_size: int = 16, embed_dim: int = 384, depth: int = 12, heads: int = 6,
-                 mlp_ratio: float = 4.0, drop_path_rate: float = 0.1, class_token="auto", pad: bool = False,
-                 global_attn: str = "self"):
+    """The architecture's options: configs/model/vit_s.yaml."""
+
+    native_attn = "self"
+
+    def __init__(self, name: str, attn: Mapping, num_classes: int, img_size: int, in_chans: int = 3, *,
+                 patch_size: int, embed_dim: int, depth: int, heads: int, mlp_ratio: float, drop_path_rate: float,
+                 class_token, pad: bool, global_attn: str):
         super().__init__()
         self.model_name, self.pad = name, bool(pad)
         self.size_divisor = self.min_size = patch_size
@@ -98,6 +98,3 @@ class VisionTransformer(Backbone):
         x = self._pos_embed(rearrange(x, "b c h w -> b (h w) c"), h, w)  # (B, prefix + N, C)
         return self._tokens_forward(x, h, w)
 
-
-def build(name: str, model: Mapping, attn: Mapping, num_classes: int, img_size: int, in_chans: int = 3):
-    return VisionTransformer(name, attn, num_classes, img_size, in_chans, **merge_spec(name, SPECS[name], model))
