@@ -1,4 +1,4 @@
-"""Classification data modules (ImageNet / any folder, CIFAR-10/100, tiny digits) on files written here."""
+"""Classification data modules (datamodules.classification: ImageNet / any folder, CIFAR-10/100, tiny digits)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ import torch
 from PIL import Image
 
 from attention.errors import UserError
-from datamodules import CIFAR100, CIFAR10Classification, FolderClassification, ImageNet, TinyDigits
+from datamodules import CIFAR10, CIFAR100, CIFAR10Classification, Digits, FolderClassification, ImageNet, TinyDigits
+from datamodules.classification import CIFARClassification
+from datamodules.formats import cifar
 from datamodules.classification import IMAGENET_MEAN, IMAGENET_STD, ClassificationDataset, FileSource, collate
 from datamodules.formats.cifar import CIFAR10_CLASSES
 
@@ -243,6 +245,49 @@ def test_cifar100_bad_files_are_named(tmp_path):
         CIFAR100(str(tmp_path), num_workers=0).setup()
 
 
+def test_cifar10_files_are_read_alike_for_the_gan_and_for_classification(tmp_path):
+    """One reader: the GAN's data=cifar10 and data=cifar10_cls see the same pixels and labels."""
+    write_cifar10(tmp_path)
+    gan = CIFAR10(str(tmp_path), batch_size=2)
+    gan.setup()
+    cls = CIFAR10Classification(str(tmp_path), num_workers=0)
+    cls.setup()
+    hwc = gan.train_images.permute(0, 2, 3, 1).numpy()  # (N, 3, 32, 32) -> (N, 32, 32, 3)
+    np.testing.assert_array_equal(cls.train_set.source.images, hwc)
+    np.testing.assert_array_equal(cls.train_set.source.labels, gan.train_labels.numpy())
+    assert cls.class_names == gan.class_names == CIFAR10_CLASSES
+
+
+def test_a_new_cifar_style_release_is_one_subclass(tmp_path):
+    """A data set in the CIFAR format needs its Release and a name, no constructor."""
+    three = cifar.Release(
+        name="CIFAR-3", folder="cifar-3-py", archive="cifar-3.tar.gz", url="https://example.org/cifar-3.tar.gz",
+        md5="0" * 32, train_files=("train",), test_file="test", meta_file="meta", listing="train, test and meta",
+        unit="split", labels_key=b"y", names_key=b"names", num_classes=3,
+    )  # fmt: skip
+
+    class CIFAR3(CIFARClassification):
+        name = "CIFAR-3"
+        release = three
+
+    folder = tmp_path / "cifar-3-py"
+    folder.mkdir()
+    for name, n, seed in (("train", 5, 1), ("test", 2, 2)):
+        split = {b"data": cifar_rows(n, seed), b"y": [k % 3 for k in range(n)]}
+        (folder / name).write_bytes(pickle.dumps(split, protocol=2))
+    dm = CIFAR3(str(tmp_path), batch_size=2, num_workers=0)
+    assert dm.num_classes == 3 and dm.class_names is None and dm.url == three.url and dm.md5 == three.md5
+    with pytest.raises(UserError, match=r"CIFAR-3 not found: .*lacks meta.*train, test and meta.*cifar-3.tar.gz"):
+        dm.setup()
+    (folder / "meta").write_bytes(pickle.dumps({b"names": [b"a", b"b", b"c"]}, protocol=2))
+    dm.setup()
+    assert dm.class_names == ["a", "b", "c"] and len(dm.train_set) == 5 and len(dm.val_set) == 2
+    assert list(dm.train_set.source.labels) == [0, 1, 2, 0, 1]
+    (folder / "test").write_bytes(pickle.dumps({b"data": cifar_rows(1, 0), b"y": [3]}, protocol=2))
+    with pytest.raises(UserError, match=r"cifar-3-py/test: image 0 has label 3, expected 0..2.*cifar-3.tar.gz"):
+        CIFAR3(str(tmp_path), num_workers=0).setup()
+
+
 # ---------------------------------------------------------------------------
 # tiny
 
@@ -263,3 +308,16 @@ def test_tiny_digits_split_and_batches():
     L.seed_everything(0, verbose=False)
     batch = next(iter(dm.train_dataloader()))
     assert batch["image"].shape == (32, 3, 32, 32) and batch["label"].dtype == torch.int64
+
+
+def test_tiny_digits_are_the_gans_digits():
+    """One reader: data=tiny's three splits together are data=digits' 1,797 images at 32 px, with their labels."""
+    tiny = TinyDigits(num_workers=0)
+    tiny.setup()
+    gan = Digits(resolution=32)
+    gan.setup()
+    hwc = gan.train_images.permute(0, 2, 3, 1).numpy()  # (N, 3, 32, 32) -> (N, 32, 32, 3)
+    expected = sorted(zip((r.tobytes() for r in hwc), gan.train_labels.tolist()))
+    got = sorted((r.tobytes(), int(y)) for s in (tiny.train_set, tiny.val_set, tiny.test_set)
+                 for r, y in zip(s.source.images, s.source.labels))  # fmt: skip
+    assert got == expected

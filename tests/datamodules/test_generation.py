@@ -1,4 +1,4 @@
-"""Image data modules (Digits, CIFAR10, ImageFolder) on real digits and tiny files written here."""
+"""GAN data modules (datamodules.generation: Digits, CIFAR10, ImageFolder) on real digits and files written here."""
 
 import hashlib
 import io
@@ -156,6 +156,17 @@ def test_fingerprint(digits):
 def test_options_are_validated(kwargs, option):
     with pytest.raises(UserError, match=option):
         Digits(**kwargs)
+
+
+def test_eval_loaders_serve_latent_indices_in_order():
+    """What a GAN evaluates on: {"index"} over range(val_samples) / range(test_samples), every one once."""
+    dm = Digits(val_samples=7, eval_batch_size=3)
+    batches = list(dm.val_dataloader())
+    assert [set(b) for b in batches] == [{"index"}] * 3 and [len(b["index"]) for b in batches] == [3, 3, 1]
+    assert torch.cat([b["index"] for b in batches]).tolist() == list(range(7))
+    assert batches[0]["index"].dtype == torch.int64
+    assert dm.eval_samples("test") == 1797  # test_samples=None: as many as training images
+    assert torch.cat([b["index"] for b in dm.test_dataloader()]).tolist() == list(range(1797))
 
 
 # ---------------------------------------------------------------------------
