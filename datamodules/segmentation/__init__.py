@@ -53,16 +53,17 @@ transforms, normalisation, :class:`PadCollate`), :mod:`~.sources` (file pairs or
 one module per dataset: :mod:`~.voc`, :mod:`~.ade20k`, :mod:`~.cityscapes`, :mod:`~.gid`, :mod:`~.blobs`.
 """
 
+from datamodules.base import DECODE_ERRORS, IMAGENET_MEAN, IMAGENET_STD
 from datamodules.segmentation.ade20k import ADE20K, ADE20K_CLASSES, ADE20K_LABELS
 from datamodules.segmentation.base import SegDataModule
 from datamodules.segmentation.blobs import BLOBS_CLASSES, BLOBS_PALETTE, Blobs, blob_sample
 from datamodules.segmentation.cityscapes import (CITYSCAPES_CLASSES, CITYSCAPES_LABEL_IDS, CITYSCAPES_LABEL_TRAIN_IDS,
                                                  CITYSCAPES_PALETTE, CITYSCAPES_TRAIN_IDS, Cityscapes)
-from datamodules.segmentation.files import DECODE_ERRORS, MASK_MODES, header_problem, read_image, read_index_mask
+from datamodules.segmentation.files import MASK_MODES, header_problem, read_image, read_index_mask
 from datamodules.segmentation.gid import GID, GID_CLASSES, GID_PALETTE, gid_colours_to_index
 from datamodules.segmentation.labels import IGNORE_INDEX, LabelMap, bit_colormap
 from datamodules.segmentation.sources import ArraySource, FileSource, SegmentationDataset
-from datamodules.segmentation.transforms import IMAGENET_MEAN, IMAGENET_STD, PadCollate, TrainTransform, normalize
+from datamodules.segmentation.transforms import PadCollate, TrainTransform, normalize
 from datamodules.segmentation.voc import VOC, VOC_CLASSES, VOC_LABELS
 
 __all__ = [

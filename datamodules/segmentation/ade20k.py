@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
 from attention.errors import UserError
@@ -56,26 +55,8 @@ class ADE20K(SegDataModule):
     """
 
     name = "ade20k"
-
-    def __init__(
-        self,
-        root: str,
-        crop: int | Sequence[int] = 512,
-        scale_range: Sequence[float] = (0.5, 2.0),
-        flip: bool = True,
-        batch_size: int = 16,
-        eval_batch_size: int = 1,
-        num_workers: int = 4,
-        on_bad_file: str = "error",
-        lr: float = 0.01,
-        seed: int = 0,
-    ):
-        super().__init__(root, crop, scale_range, flip, batch_size, eval_batch_size, num_workers, on_bad_file,
-                         lr, seed)  # fmt: skip
-        self.save_hyperparameters()
-        self.num_classes = len(ADE20K_CLASSES)
-        self.class_names = list(ADE20K_CLASSES)
-        self.palette = bit_colormap(self.num_classes + 1)[1:]  # skip black
+    class_names = ADE20K_CLASSES
+    palette = bit_colormap(len(ADE20K_CLASSES) + 1)[1:]  # skip black
 
     def _check(self) -> Path:
         root = Path(self.root).expanduser()
@@ -95,7 +76,7 @@ class ADE20K(SegDataModule):
                     for s in sorted(images.keys() - masks.keys())]  # fmt: skip
         problems += [(masks[s], f"mask without image: images/{split}/{s}.jpg does not exist")
                      for s in sorted(masks.keys() - images.keys())]  # fmt: skip
-        self._problems(problems, "Restore them from ADEChallengeData2016.zip, or delete the unpaired files.")
+        self._drop(problems, "Restore them from ADEChallengeData2016.zip, or delete the unpaired files.")
         pairs = [(images[s], masks[s], ADE20K_LABELS) for s in sorted(images.keys() & masks.keys())]
         return FileSource(pairs, "Replace it from the official ADEChallengeData2016.zip, or delete the pair.")
 

@@ -7,15 +7,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from datamodules.options import int_option
-from datamodules.segmentation.base import SegDataModule, _bool_option
+from datamodules.base import SPLITS, bool_option, int_option
+from datamodules.segmentation.base import SegDataModule
 from datamodules.segmentation.sources import ArraySource
 
 BLOBS_CLASSES = ["background", "disc", "square", "triangle", "ring"]
 BLOBS_HUES = (None, 0.0, 0.25, 0.5, 0.75)  # per class: fill hue centre (red, chartreuse, cyan, violet)
 BLOBS_HUE_JITTER = 0.14  # +-50 degrees: neighbouring classes overlap a little, so shape has to help
 BLOBS_PALETTE = np.array([(0, 0, 0), (230, 25, 25), (128, 230, 25), (25, 230, 230), (128, 25, 230)], np.uint8)
-BLOBS_SPLITS = {"train": 0, "val": 1, "test": 2}
 
 
 def _smooth_noise(rng: np.random.Generator, size: int, cell: int) -> np.ndarray:
@@ -89,45 +88,31 @@ class Blobs(SegDataModule):
         pretrained: stored only, for the task config (``model.pretrained`` reads
             ``data.pretrained``): ImageNet weights do not help on generated data, and
             the default false keeps a Blobs run offline.
-        scale_range, flip, batch_size, eval_batch_size, num_workers, on_bad_file (nothing
-            to skip here), lr, seed: see :class:`SegDataModule`.
+        scale_range, batch_size, eval_batch_size, num_workers: as in :class:`SegDataModule`, with
+            small defaults for a laptop.
+        options: the others (on_bad_file has nothing to skip here), see :class:`SegDataModule`.
     """
 
     name = "blobs"
+    class_names = BLOBS_CLASSES
+    palette = BLOBS_PALETTE
 
-    def __init__(
-        self,
-        num_train: int = 2000,
-        num_val: int = 200,
-        num_test: int = 200,
-        size: int = 64,
-        crop: int | Sequence[int] | None = None,
-        scale_range: Sequence[float] = (0.75, 1.5),
-        flip: bool = True,
-        batch_size: int = 8,
-        eval_batch_size: int = 8,
-        num_workers: int = 0,
-        on_bad_file: str = "error",
-        lr: float = 0.01,
-        seed: int = 0,
-        pretrained: bool = False,
-    ):
-        size = int_option("size", size, 16, 64)
-        super().__init__(None, size if crop is None else crop, scale_range, flip, batch_size, eval_batch_size,
-                         num_workers, on_bad_file, lr, seed)  # fmt: skip
-        self.save_hyperparameters()
+    def __init__(self, num_train: int = 2000, num_val: int = 200, num_test: int = 200, size: int = 64,
+                 crop: int | Sequence[int] | None = None, *, scale_range: Sequence[float] = (0.75, 1.5),
+                 batch_size: int = 8, eval_batch_size: int = 8, num_workers: int = 0, pretrained: bool = False,
+                 **options):  # fmt: skip
+        size = int_option("size", size, 16, 64)  # before super(): the hyper-parameters record the int
+        super().__init__(None, crop=size if crop is None else crop, scale_range=scale_range, batch_size=batch_size,
+                         eval_batch_size=eval_batch_size, num_workers=num_workers, **options)  # fmt: skip
         self.size = size
-        self.pretrained = _bool_option("pretrained", pretrained)
+        self.pretrained = bool_option("pretrained", pretrained)
         self.num_train = int_option("num_train", num_train, 1, 2000)
         self.num_val = int_option("num_val", num_val, 1, 200)
         self.num_test = int_option("num_test", num_test, 1, 200)
-        self.num_classes = len(BLOBS_CLASSES)
-        self.class_names = list(BLOBS_CLASSES)
-        self.palette = BLOBS_PALETTE.copy()
 
     def generate(self, split: str, count: int) -> tuple[np.ndarray, np.ndarray]:
         """``count`` samples of ``split``: images uint8 (count, S, S, 3), masks uint8 (count, S, S)."""
-        samples = [blob_sample(np.random.default_rng([self.seed, BLOBS_SPLITS[split], i]), self.size)
+        samples = [blob_sample(np.random.default_rng([self.seed, SPLITS[split], i]), self.size)
                    for i in range(count)]  # fmt: skip
         return np.stack([im for im, _ in samples]), np.stack([m for _, m in samples])
 

@@ -53,30 +53,18 @@ class Cityscapes(SegDataModule):
     Splits: train, val (sorted by city, then stem); test = val.
     ``crop`` is [512, 1024] by default; 769 x 769 is the other common choice.
 
-    Args: ``root`` (above); the others: see :class:`SegDataModule`.
+    Args:
+        root: see above.
+        crop: the training crop ([512, 1024] here).
+        options: the others, see :class:`SegDataModule`.
     """
 
     name = "cityscapes"
+    class_names = CITYSCAPES_CLASSES
+    palette = CITYSCAPES_PALETTE
 
-    def __init__(
-        self,
-        root: str,
-        crop: int | Sequence[int] = (512, 1024),
-        scale_range: Sequence[float] = (0.5, 2.0),
-        flip: bool = True,
-        batch_size: int = 16,
-        eval_batch_size: int = 1,
-        num_workers: int = 4,
-        on_bad_file: str = "error",
-        lr: float = 0.01,
-        seed: int = 0,
-    ):
-        super().__init__(root, crop, scale_range, flip, batch_size, eval_batch_size, num_workers, on_bad_file,
-                         lr, seed)  # fmt: skip
-        self.save_hyperparameters()
-        self.num_classes = len(CITYSCAPES_CLASSES)
-        self.class_names = list(CITYSCAPES_CLASSES)
-        self.palette = CITYSCAPES_PALETTE.copy()
+    def __init__(self, root: str, *, crop: int | Sequence[int] = (512, 1024), **options):
+        super().__init__(root, crop=crop, **options)
 
     def _check(self) -> Path:
         root = Path(self.root).expanduser()
@@ -110,7 +98,7 @@ class Cityscapes(SegDataModule):
                     train_ids = masks[stem].name.endswith(CITYSCAPES_MASKS[0])
                     labels = CITYSCAPES_LABEL_TRAIN_IDS if train_ids else CITYSCAPES_LABEL_IDS
                     pairs.append((images[stem], masks[stem], labels))
-        self._problems(problems, "Restore the missing files from the official zips, or delete the unpaired ones.")
+        self._drop(problems, "Restore the missing files from the official zips, or delete the unpaired ones.")
         return FileSource(pairs, "Replace it from the official zips (or regenerate labelTrainIds), or delete the pair.")
 
     def _sources(self) -> dict[str, FileSource]:

@@ -3,7 +3,6 @@ file), their headers, and the folder look-ups every layout uses."""
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,10 +11,8 @@ import numpy as np
 from PIL import Image
 
 from attention.errors import UserError
+from datamodules.base import DECODE_ERRORS
 
-# what PIL raises for unreadable, non-image, truncated or malformed files (plugins differ)
-DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, struct.error, IndexError, KeyError, TypeError,
-                 Image.DecompressionBombError)  # fmt: skip
 MASK_MODES = ("P", "L")  # single-channel 8-bit index images (palette PNGs decode to their indices)
 
 

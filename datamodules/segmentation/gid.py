@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 
 from attention.errors import UserError
+from datamodules.base import DataError, int_option
 from datamodules.cache import read_cache, write_cache
-from datamodules.options import int_option
-from datamodules.segmentation.base import SegDataModule, _describe
+from datamodules.segmentation.base import SegDataModule
 from datamodules.segmentation.files import find_folder, header_size, large_images, read_image, root_state, visible_files
 from datamodules.segmentation.labels import IGNORE_INDEX
 from datamodules.segmentation.sources import ArraySource
@@ -112,36 +112,20 @@ class GID(SegDataModule):
         root: see above.
         patch: patch side P.
         split_seed: seed of the 60/20/20 split.
-        crop, scale_range, flip, batch_size, eval_batch_size, num_workers, on_bad_file, lr,
-            seed: see :class:`SegDataModule`.
+        crop: the training crop (256 here, the patch side).
+        options: the others, see :class:`SegDataModule`.
     """
 
     name = "gid"
+    class_names = GID_CLASSES
+    palette = GID_PALETTE
 
-    def __init__(
-        self,
-        root: str,
-        patch: int = 256,
-        split_seed: int = 0,
-        crop: int | Sequence[int] = 256,
-        scale_range: Sequence[float] = (0.5, 2.0),
-        flip: bool = True,
-        batch_size: int = 16,
-        eval_batch_size: int = 1,
-        num_workers: int = 4,
-        on_bad_file: str = "error",
-        lr: float = 0.01,
-        seed: int = 0,
-    ):
-        super().__init__(root, crop, scale_range, flip, batch_size, eval_batch_size, num_workers, on_bad_file,
-                         lr, seed)  # fmt: skip
-        self.save_hyperparameters()
+    def __init__(self, root: str, patch: int = 256, split_seed: int = 0, *, crop: int | Sequence[int] = 256,
+                 **options):  # fmt: skip
+        super().__init__(root, crop=crop, **options)
         self.patch = int_option("patch", patch, 8, 256)
         self.split_seed = int_option("split_seed", split_seed, 0, 0)
         self._cache: tuple[Path, str, list[tuple[Path, Path]]] | None = None
-        self.num_classes = len(GID_CLASSES)
-        self.class_names = list(GID_CLASSES)
-        self.palette = GID_PALETTE.copy()
 
     def _check(self) -> Path:
         root = Path(self.root).expanduser()
@@ -161,7 +145,7 @@ class GID(SegDataModule):
                     for s in sorted(images.keys() - labels.keys())]  # fmt: skip
         problems += [(labels[s], f"label without image: image_RGB/{s}.tif (or .png) does not exist")
                      for s in sorted(labels.keys() - images.keys())]  # fmt: skip
-        self._problems(problems, "Restore the missing files from the GID release, or delete the unpaired ones.")
+        self._drop(problems, "Restore the missing files from the GID release, or delete the unpaired ones.")
         pairs = [(images[s], labels[s]) for s in sorted(images.keys() & labels.keys())]
         if not pairs:
             raise UserError(
@@ -192,7 +176,7 @@ class GID(SegDataModule):
         """Check the layout and build the patch cache if it is missing (on rank 0, before the workers start)."""
         path, fingerprint, pairs = self._cache_path()
         if not path.is_file():
-            self._store(path, self._build(pairs, fingerprint))
+            self._store(path, self._cut(pairs, fingerprint))
 
     def _store(self, path: Path, arrays: dict[str, np.ndarray]) -> None:
         write_cache(path, str(arrays["fingerprint"]), arrays)
@@ -206,18 +190,18 @@ class GID(SegDataModule):
         path, fingerprint, pairs = self._cache_path()
         arrays = read_cache(path, fingerprint)
         if arrays is None:
-            arrays = self._build(pairs, fingerprint)
+            arrays = self._cut(pairs, fingerprint)
             self._store(path, arrays)
-        skipped, reasons = [str(f) for f in arrays["skipped_files"]], [str(r) for r in arrays["skipped_reasons"]]
-        if skipped and self.on_bad_file == "error":  # a cache built with on_bad_file=skip
-            raise UserError(f"{reasons[0]} Or set data.on_bad_file=skip to drop such tiles.")
-        if skipped:
-            self.skipped.extend(skipped)
-            log.warning("Skipped %d bad GID tile(s) (data.on_bad_file=skip): %s", len(skipped), _describe(skipped))
+        # Tiles the cache was cut without: raise for the first (error; a cache cut with on_bad_file=skip) or
+        # record them all (skip).
+        for entry, reason in zip(arrays["skipped_files"], arrays["skipped_reasons"]):
+            self.bad.file(DataError(str(reason), str(entry)))
+        self.bad.warn(self.title, "bad tile(s)")
         return arrays
 
-    def _build(self, pairs: list[tuple[Path, Path]], fingerprint: str) -> dict[str, np.ndarray]:
-        """Decode every tile and cut it into patches; bad tiles raise or (skip) are recorded.
+    def _cut(self, pairs: list[tuple[Path, Path]], fingerprint: str) -> dict[str, np.ndarray]:
+        """Decode every tile and cut it into patches; bad tiles raise (error) or are recorded in the
+        cache (skip), which :meth:`_patches` reports.
 
         The patch arrays are allocated once from the tile sizes in the file headers, so
         the peak memory is the cache plus one decoded tile."""
@@ -243,10 +227,11 @@ class GID(SegDataModule):
                         )
                     mask = gid_colours_to_index(label, label_path)
                 except UserError as err:
-                    if self.on_bad_file == "error":
-                        raise UserError(f"{err} Or set data.on_bad_file=skip to drop such tiles.") from None
                     entry = str(err).replace(f" {fix}", "")  # "<file> <what is wrong>", without the fix
-                    skipped.append((entry if entry.startswith(str(image_path)) else f"{image_path}: {entry}", str(err)))
+                    entry = entry if entry.startswith(str(image_path)) else f"{image_path}: {entry}"
+                    if not self.bad.skip:  # stop at the first bad tile rather than decode the others first
+                        self.bad.file(DataError(str(err), entry))  # raises, with the data.on_bad_file hint
+                    skipped.append((entry, str(err)))
                     continue
                 del label
                 nh, nw = image.shape[0] // p, image.shape[1] // p

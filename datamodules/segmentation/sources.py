@@ -11,9 +11,10 @@ import torch
 from torch.utils.data import Dataset
 
 from attention.errors import UserError
+from datamodules.base import IMAGENET_MEAN, IMAGENET_STD
 from datamodules.segmentation.files import read_image, read_index_mask
 from datamodules.segmentation.labels import LabelMap
-from datamodules.segmentation.transforms import IMAGENET_MEAN, IMAGENET_STD, TrainTransform, normalize
+from datamodules.segmentation.transforms import TrainTransform, normalize
 
 
 class FileSource:

@@ -8,10 +8,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from datamodules.base import IMAGENET_MEAN, IMAGENET_STD
 from datamodules.segmentation.labels import IGNORE_INDEX
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 class TrainTransform:

@@ -6,7 +6,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from attention.errors import UserError
-from datamodules.segmentation.base import SegDataModule, _bool_option
+from datamodules.base import bool_option
+from datamodules.segmentation.base import SegDataModule
 from datamodules.segmentation.files import find_folder, root_state
 from datamodules.segmentation.labels import LabelMap, bit_colormap
 from datamodules.segmentation.sources import FileSource
@@ -46,33 +47,17 @@ class VOC(SegDataModule):
     Args:
         root: see above.
         aug: train on the SBD-augmented trainaug split.
-        crop, scale_range, flip, batch_size, eval_batch_size, num_workers, on_bad_file, lr,
-            seed: see :class:`SegDataModule`.
+        lr: the recipe's learning rate (0.009 here).
+        options: the others, see :class:`SegDataModule`.
     """
 
     name = "voc"
+    class_names = VOC_CLASSES
+    palette = bit_colormap(len(VOC_CLASSES))
 
-    def __init__(
-        self,
-        root: str,
-        aug: bool = False,
-        crop: int | Sequence[int] = 512,
-        scale_range: Sequence[float] = (0.5, 2.0),
-        flip: bool = True,
-        batch_size: int = 16,
-        eval_batch_size: int = 1,
-        num_workers: int = 4,
-        on_bad_file: str = "error",
-        lr: float = 0.009,
-        seed: int = 0,
-    ):
-        super().__init__(root, crop, scale_range, flip, batch_size, eval_batch_size, num_workers, on_bad_file,
-                         lr, seed)  # fmt: skip
-        self.save_hyperparameters()
-        self.aug = _bool_option("aug", aug)
-        self.num_classes = len(VOC_CLASSES)
-        self.class_names = list(VOC_CLASSES)
-        self.palette = bit_colormap(self.num_classes)
+    def __init__(self, root: str, aug: bool = False, *, lr: float = 0.009, **options):
+        super().__init__(root, lr=lr, **options)
+        self.aug = bool_option("aug", aug)
 
     def _check(self) -> Path:
         root = Path(self.root).expanduser()
@@ -116,7 +101,7 @@ class VOC(SegDataModule):
             else:
                 pairs.append((image, mask, VOC_LABELS))
         fix = f"Restore the missing files or remove their ids from {path}."
-        drop = self._problems(problems, fix)
+        drop = self._drop(problems, fix)
         pairs = [p for p in pairs if p[0] not in drop and p[1] not in drop]
         return FileSource(pairs, f"Replace it from the official release or remove its id from {path}.")
 

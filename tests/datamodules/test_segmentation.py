@@ -469,7 +469,7 @@ def test_gid_bad_tiles(gid_root, caplog):
     with caplog.at_level(logging.WARNING):
         dm.setup()
     assert len(dm.patch_origin) == 4 and (len(dm.train_set), len(dm.val_set), len(dm.test_set)) == (2, 1, 1)
-    assert "Skipped 1 bad GID tile" in caplog.text and len(dm.skipped) == 1
+    assert "Skipped 1 bad tile(s) of gid" in caplog.text and len(dm.skipped) == 1
     assert dm.skipped[0].startswith(f"{folder / 'image_RGB' / stem}.tif: ") and "has colour (1, 2, 3)" in dm.skipped[0]
     with pytest.raises(UserError, match=r"has colour \(1, 2, 3\).*on_bad_file=skip"):
         GID(str(root)).setup()  # the cache remembers the skipped tile
