@@ -92,10 +92,12 @@ def float_option(name: str, value, example, low: float = 0.0, high: float = math
     except (TypeError, ValueError):
         ok = False
     if not ok:
-        if high == math.inf:
-            what = f"a number >= {low:g}" if low_closed else ("a positive number" if low == 0 else f"a number > {low:g}")
-        else:
+        if high < math.inf:
             what = f"a number in {'[' if low_closed else '('}{low:g}, {high:g})"
+        elif low_closed:
+            what = f"a number >= {low:g}"
+        else:
+            what = "a positive number" if low == 0 else f"a number > {low:g}"
         raise UserError(f"data.{name} must be {what}{why}, got {value!r}; e.g. data.{name}={example}.")
     return number
 
@@ -254,10 +256,13 @@ class DataModule(L.LightningDataModule):
 
     @classmethod
     def _example(cls, option: str, fallback):
-        """The default of ``option`` in the subclass's signature (an example value for messages)."""
-        parameter = inspect.signature(cls.__init__).parameters.get(option)
-        default = None if parameter is None else parameter.default
-        return fallback if default in (None, inspect.Parameter.empty) else default
+        """The default of ``option`` in the most derived signature that names it (an example value for messages)."""
+        for klass in cls.__mro__:
+            parameter = inspect.signature(klass.__init__).parameters.get(option)
+            if parameter is not None:
+                default = parameter.default
+                return fallback if default is None or default is inspect.Parameter.empty else default
+        return fallback
 
     @property
     def title(self) -> str:

@@ -155,7 +155,9 @@ class PartSegDataModule(DataModule):
     """Base data module for part segmentation (see the module docstring).
 
     Subclasses call :meth:`_set_categories` in ``__init__`` and implement :meth:`_load`, returning
-    ``(train, val or None, test)`` :class:`PackedSource` objects (None: validate on test).
+    ``(train, val or None, test)`` :class:`PackedSource` objects (None: validate on test). A
+    subclass's constructor takes its own options and passes ``**options`` on to this one, which
+    holds the defaults of the rest.
 
     Args:
         root: dataset folder (meaning depends on the subclass).
@@ -189,6 +191,7 @@ class PartSegDataModule(DataModule):
         on_bad_file: str = "error",
     ):
         super().__init__(batch_size, eval_batch_size, num_workers, seed, on_bad_file)
+        self.save_hyperparameters()  # this constructor's arguments and those of the data set's own constructor
         self.root = root
         self.npoints = int_option("npoints", npoints, 1, self._example("npoints", 2048))
         self.normals = bool_option("normals", normals)

@@ -328,33 +328,17 @@ class Parts(PartSegDataModule):
         num_categories: use the first ``num_categories`` of :data:`CATEGORY_NAMES` (1..6).
         train_per_category, val_per_category, test_per_category: shapes per category and
             split; ``val_per_category=0`` validates on the test split.
-        npoints: points generated per shape (each sample is a permutation of them).
         noise: standard deviation of the Gaussian jitter (before normalisation).
         rotation: ``"z"`` (about the vertical axis), ``"so3"`` or ``"none"``.
-        normals: add the analytic surface normals.
-        batch_size, eval_batch_size, num_workers, augment, seed: see
-            :class:`~datamodules.partseg.base.PartSegDataModule`; ``seed`` also seeds the generation.
+        options: those of :class:`~datamodules.partseg.base.PartSegDataModule` (``npoints``: points
+            generated per shape, each sample is a permutation of them; ``normals``: the analytic surface
+            normals; ``seed`` also seeds the generation; there are no files, so nothing to skip).
     """
 
-    def __init__(
-        self,
-        root: str | None = None,
-        num_categories: int = 4,
-        train_per_category: int = 100,
-        val_per_category: int = 10,
-        test_per_category: int = 20,
-        npoints: int = 2048,
-        noise: float = 0.005,
-        rotation: str = "z",
-        normals: bool = False,
-        batch_size: int = 16,
-        eval_batch_size: int | None = None,
-        num_workers: int = 0,
-        augment: bool = True,
-        seed: int = 0,
-    ):
-        super().__init__(root, npoints, normals, batch_size, eval_batch_size, num_workers, augment, seed)
-        self.save_hyperparameters()
+    def __init__(self, root: str | None = None, num_categories: int = 4, train_per_category: int = 100,
+                 val_per_category: int = 10, test_per_category: int = 20, noise: float = 0.005, rotation: str = "z",
+                 **options):  # fmt: skip
+        super().__init__(root, **options)
         if num_categories not in range(1, len(CATEGORY_NAMES) + 1):
             raise UserError(
                 f"data.num_categories must be in 1..{len(CATEGORY_NAMES)} for Parts "

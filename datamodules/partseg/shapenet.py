@@ -4,16 +4,17 @@
 (sorted by name), part ids are global and each category owns a contiguous range (:data:`CATEGORY_PARTS`:
 Airplane 0-3, Bag 4-5, Cap 6-7, Car 8-11, Chair 12-15, Earphone 16-18, Guitar 19-21, Knife 22-23,
 Lamp 24-27, Laptop 28-29, Motorbike 30-35, Mug 36-37, Pistol 38-40, Rocket 41-43, Skateboard 44-46,
-Table 47-49). The releases: the txt release with normals (:mod:`datamodules.partseg.shapenet_part`),
-the HDF5 release (:mod:`~datamodules.partseg.shapenet_part_h5`) and the txt release read by
-torch-geometric (:mod:`~datamodules.partseg.shapenet_part_pyg`).
+Table 47-49). The releases, each a :class:`ShapeNetPartModule`: the txt release with normals
+(:mod:`datamodules.partseg.shapenet_part`), the HDF5 release (:mod:`~datamodules.partseg.shapenet_part_h5`)
+and the txt release read by torch-geometric (:mod:`~datamodules.partseg.shapenet_part_pyg`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from datamodules.partseg.base import contiguous_parts
+from datamodules.base import bool_option
+from datamodules.partseg.base import PartSegDataModule, contiguous_parts
 
 # (name, synset, number of parts), in the official synsetoffset2category.txt order.
 SHAPENET_CATEGORIES = [
@@ -44,3 +45,18 @@ def part_bounds(categories: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Lowest and highest allowed global part id of each category index, (n,) each."""
     table = np.array([part_range(c) for c in range(len(CATEGORY_PARTS))])
     return table[categories, 0], table[categories, 1]
+
+
+class ShapeNetPartModule(PartSegDataModule):
+    """A ShapeNetPart release: all 16 categories, and the choice of training split.
+
+    Args:
+        root: where the release is (see the subclass).
+        trainval: train on train + val (as the PCT / PointNet++ references do) and validate on test.
+        options: those of :class:`~datamodules.partseg.base.PartSegDataModule`.
+    """
+
+    def __init__(self, root: str, trainval: bool = False, **options):
+        super().__init__(root, **options)
+        self.trainval = bool_option("trainval", trainval)
+        self._set_categories(CATEGORY_NAMES, CATEGORY_PARTS)

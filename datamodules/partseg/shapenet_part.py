@@ -30,12 +30,12 @@ from pathlib import Path
 import numpy as np
 
 from attention.errors import UserError
-from datamodules.base import SPLITS, BadFiles, DataError
+from datamodules.base import SPLITS, BadFiles, DataError, bool_option
 from datamodules.cache import read_cache, write_cache
 from datamodules.download import ensure_release
 from datamodules.formats.shapenet_txt import read_shape_txt
-from datamodules.partseg.base import PackedSource, PartSegDataModule
-from datamodules.partseg.shapenet import CATEGORY_NAMES, CATEGORY_PARTS, SYNSETS, TXT_FOLDER, TXT_URL, part_range
+from datamodules.partseg.base import PackedSource
+from datamodules.partseg.shapenet import CATEGORY_NAMES, SYNSETS, TXT_FOLDER, TXT_URL, ShapeNetPartModule, part_range
 from datamodules.points.ops import unit_sphere
 
 log = logging.getLogger(__name__)
@@ -56,48 +56,27 @@ def _txt_layout(where: str, url: str) -> str:
     )
 
 
-class ShapeNetPart(PartSegDataModule):
+class ShapeNetPart(ShapeNetPartModule):
     """ShapeNetPart, official txt release with normals (layout, caching: module docstring).
 
     Args:
         root: folder containing the release folder, or the release folder itself;
             the parse cache goes to ``<root>/processed``.
-        npoints: points per sample (shapes have ~2.6k points, 500 to 3k).
-        normals: add the release's per-point normals.
-        trainval: train on train + val and validate on test (the reference protocol).
         download: in :meth:`prepare_data`, fetch ``url`` into ``root`` when the release is missing.
         url: where to download the release zip from.
         md5: expected md5 of the zip (None: only check that it is a valid zip).
-        on_bad_file: ``"error"``, or ``"skip"``: a split-list entry that is malformed, names an
-            unknown synset or a missing file, and a shape file that is unreadable, has a bad line,
-            NaN / infinite values or a part label outside its category's range, are dropped.
-        batch_size, eval_batch_size, num_workers, augment, seed: see :class:`PartSegDataModule`.
+        options: those of :class:`~datamodules.partseg.shapenet.ShapeNetPartModule` (shapes have ~2.6k
+            points, 500 to 3k; ``normals``: the release's); with ``on_bad_file="skip"`` a split-list
+            entry that is malformed, names an unknown synset or a missing file, and a shape file that
+            is unreadable, has a bad line, NaN / infinite values or a part label outside its
+            category's range, are dropped.
     """
 
-    def __init__(
-        self,
-        root: str,
-        npoints: int = 2048,
-        normals: bool = False,
-        batch_size: int = 16,
-        eval_batch_size: int | None = None,
-        num_workers: int = 0,
-        augment: bool = True,
-        seed: int = 0,
-        trainval: bool = False,
-        download: bool = False,
-        url: str = TXT_URL,
-        md5: str | None = None,
-        on_bad_file: str = "error",
-    ):
-        super().__init__(root, npoints, normals, batch_size, eval_batch_size, num_workers, augment, seed,
-                         on_bad_file)  # fmt: skip
-        self.save_hyperparameters()
-        self.trainval = bool(trainval)
-        self.download = bool(download)
+    def __init__(self, root: str, download: bool = False, url: str = TXT_URL, md5: str | None = None, **options):
+        super().__init__(root, **options)
+        self.download = bool_option("download", download)
         self.url = url
         self.md5 = md5
-        self._set_categories(CATEGORY_NAMES, CATEGORY_PARTS)
 
     def _folder(self) -> Path:
         root = Path(self.root).expanduser()
@@ -219,7 +198,8 @@ class ShapeNetPart(PartSegDataModule):
         shapes, kept, skipped = [], [], []
         for entry, category, txt in entries:
             try:
-                values = read_shape_txt(txt, CATEGORY_NAMES[category], part_range(category), self._fix())  # (P, 7) float64
+                # (P, 7) float64 rows x y z nx ny nz part
+                values = read_shape_txt(txt, CATEGORY_NAMES[category], part_range(category), self._fix())
                 points = unit_sphere(values[:, :3], [0, len(values)])  # (P, 3) float32, finite
             except DataError as err:
                 bad.file(err)  # raises with on_bad_file=error

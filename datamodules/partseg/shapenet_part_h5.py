@@ -20,11 +20,11 @@ from pathlib import Path
 import numpy as np
 
 from attention.errors import UserError
-from datamodules.base import SPLITS, BadFiles, DataError
+from datamodules.base import SPLITS, BadFiles, DataError, bool_option
 from datamodules.download import ensure_release
 from datamodules.formats.h5 import read_h5
-from datamodules.partseg.base import PackedSource, PartSegDataModule
-from datamodules.partseg.shapenet import (CATEGORY_NAMES, CATEGORY_PARTS, H5_FOLDER, H5_URL, H5_ZIP_FOLDER,
+from datamodules.partseg.base import PackedSource
+from datamodules.partseg.shapenet import (CATEGORY_NAMES, H5_FOLDER, H5_URL, H5_ZIP_FOLDER, ShapeNetPartModule,
                                           part_bounds)
 
 
@@ -33,49 +33,28 @@ def _natural(path: Path):
     return (int(digits[-1]) if digits else -1, path.name)
 
 
-class ShapeNetPartH5(PartSegDataModule):
+class ShapeNetPartH5(ShapeNetPartModule):
     """ShapeNetPart, HDF5 release (layout: module docstring), loaded into memory in :meth:`setup`.
 
     Args:
         root: folder containing ``shapenet_part_seg_hdf5_data/``, or that folder itself.
-        npoints: points per sample out of the 2048 stored.
-        normals: must be False (the release has none).
-        trainval: train on train + val and validate on test.
-        download, url, md5: as in :class:`ShapeNetPart`.
-        on_bad_file: ``"error"``, or ``"skip"``: an unreadable or malformed file is dropped whole,
-            a sample with a bad category, a bad part label or NaN / infinite coordinates alone.
-        batch_size, eval_batch_size, num_workers, augment, seed: see :class:`PartSegDataModule`.
+        download, url, md5: as in :class:`~datamodules.partseg.shapenet_part.ShapeNetPart`.
+        options: those of :class:`~datamodules.partseg.shapenet.ShapeNetPartModule` (``npoints`` out of the
+            2048 stored; ``normals`` must be false: the release has none); with ``on_bad_file="skip"``
+            an unreadable or malformed file is dropped whole, a sample with a bad category, a bad part
+            label or NaN / infinite coordinates alone.
     """
 
-    def __init__(
-        self,
-        root: str,
-        npoints: int = 2048,
-        normals: bool = False,
-        batch_size: int = 16,
-        eval_batch_size: int | None = None,
-        num_workers: int = 0,
-        augment: bool = True,
-        seed: int = 0,
-        trainval: bool = False,
-        download: bool = False,
-        url: str = H5_URL,
-        md5: str | None = None,
-        on_bad_file: str = "error",
-    ):
-        if normals:
+    def __init__(self, root: str, download: bool = False, url: str = H5_URL, md5: str | None = None, **options):
+        if options.get("normals"):
             raise UserError(
                 f"data.normals=true, but the ShapeNetPart HDF5 release ({H5_FOLDER}) stores no normals; "
                 f"set data.normals=false, or use data=shapenet_part (the txt release, with normals)."
             )
-        super().__init__(root, npoints, normals, batch_size, eval_batch_size, num_workers, augment, seed,
-                         on_bad_file)  # fmt: skip
-        self.save_hyperparameters()
-        self.trainval = bool(trainval)
-        self.download = bool(download)
+        super().__init__(root, **options)
+        self.download = bool_option("download", download)
         self.url = url
         self.md5 = md5
-        self._set_categories(CATEGORY_NAMES, CATEGORY_PARTS)
 
     def _folder(self) -> Path:
         """``root`` when it holds ``ply_data_*.h5``, else ``root/shapenet_part_seg_hdf5_data``, else

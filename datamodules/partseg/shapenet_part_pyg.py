@@ -20,13 +20,13 @@ import torch
 from attention.errors import UserError
 from datamodules.base import SPLITS, DataError
 from datamodules.formats.pyg import pyg_offsets
-from datamodules.partseg.base import PackedSource, PartSegDataModule
-from datamodules.partseg.shapenet import (CATEGORY_NAMES, CATEGORY_PARTS, SYNSETS, TXT_FOLDER, TXT_URL, part_bounds,
-                                          part_range)
+from datamodules.partseg.base import PackedSource
+from datamodules.partseg.shapenet import (CATEGORY_NAMES, SYNSETS, TXT_FOLDER, TXT_URL, ShapeNetPartModule,
+                                          part_bounds, part_range)
 from datamodules.points.ops import unit_sphere
 
 
-class ShapeNetPartPyG(PartSegDataModule):
+class ShapeNetPartPyG(ShapeNetPartModule):
     """ShapeNetPart through ``torch_geometric.datasets.ShapeNet`` (all 16 categories).
 
     PyG processes ``<root>/raw`` once into ``<root>/processed/<cats>_{train,val,test,trainval}.pt``;
@@ -36,32 +36,12 @@ class ShapeNetPartPyG(PartSegDataModule):
 
     Args:
         root: folder holding ``raw/`` (and, after processing, ``processed/``).
-        npoints, normals, batch_size, eval_batch_size, num_workers, augment, seed:
-            see :class:`PartSegDataModule`.
         trainval: train on PyG's ``trainval`` split and validate on test.
-        on_bad_file: ``"error"``, or ``"skip"``: shapes with a part label outside their category's
-            range or NaN / infinite values are dropped. A file torch-geometric cannot parse at all
-            stops processing either way.
+        options: those of :class:`~datamodules.partseg.shapenet.ShapeNetPartModule`; with
+            ``on_bad_file="skip"`` shapes with a part label outside their category's range or NaN /
+            infinite values are dropped. A file torch-geometric cannot parse at all stops processing
+            either way.
     """
-
-    def __init__(
-        self,
-        root: str,
-        npoints: int = 2048,
-        normals: bool = False,
-        batch_size: int = 16,
-        eval_batch_size: int | None = None,
-        num_workers: int = 0,
-        augment: bool = True,
-        seed: int = 0,
-        trainval: bool = False,
-        on_bad_file: str = "error",
-    ):
-        super().__init__(root, npoints, normals, batch_size, eval_batch_size, num_workers, augment, seed,
-                         on_bad_file)  # fmt: skip
-        self.save_hyperparameters()
-        self.trainval = bool(trainval)
-        self._set_categories(CATEGORY_NAMES, CATEGORY_PARTS)
 
     def _check_raw(self) -> Path:
         """Check ``<root>/raw`` holds what PyG needs to process offline (else it would try to download)."""

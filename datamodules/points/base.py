@@ -133,7 +133,8 @@ class PointCloudDataModule(DataModule):
 
     Subclasses set ``num_classes`` and ``class_names`` and implement :meth:`_load`, which
     returns ``(train, val_or_None, test)`` sources. :meth:`setup` loads once; the datasets
-    are then ``train_set``, ``val_set`` and ``test_set``.
+    are then ``train_set``, ``val_set`` and ``test_set``. A subclass's constructor takes its own
+    options and passes ``**options`` on to this one, which holds the defaults of the rest.
 
     Args:
         root: dataset folder (meaning depends on the subclass).
@@ -166,6 +167,7 @@ class PointCloudDataModule(DataModule):
         on_bad_file: str = "error",
     ):
         super().__init__(batch_size, eval_batch_size, num_workers, seed, on_bad_file)
+        self.save_hyperparameters()  # this constructor's arguments and those of the data set's own constructor
         self.root = root
         self.npoints = int_option("npoints", npoints, 1, self._example("npoints", 1024))
         self.augment = bool_option("augment", augment)

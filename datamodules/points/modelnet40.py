@@ -45,35 +45,17 @@ class ModelNet40(PointCloudDataModule):
 
     Args:
         root: folder containing ``modelnet40_ply_hdf5_2048/``, or that folder itself.
-        npoints: the first ``npoints`` of the 2048 stored points are used.
         download: in :meth:`prepare_data`, fetch ``url`` into ``root`` when the
             release folder is missing.
         url: where to download the release zip from.
         md5: expected md5 of the zip (None: only check that it is a valid zip).
-        on_bad_file: ``"error"``, or ``"skip"``: an unreadable or malformed file is dropped
-            whole, a sample with a label outside 0..39 or NaN / infinite coordinates alone.
-        batch_size, eval_batch_size, num_workers, augment, val_fraction, seed:
-            see :class:`~datamodules.points.base.PointCloudDataModule`.
+        options: those of :class:`~datamodules.points.base.PointCloudDataModule`; with
+            ``on_bad_file="skip"`` an unreadable or malformed file is dropped whole, a sample with a
+            label outside 0..39 or NaN / infinite coordinates alone.
     """
 
-    def __init__(
-        self,
-        root: str,
-        npoints: int = 1024,
-        batch_size: int = 32,
-        eval_batch_size: int | None = None,
-        num_workers: int = 0,
-        augment: bool = True,
-        val_fraction: float = 0.0,
-        seed: int = 0,
-        download: bool = False,
-        url: str = HDF5_URL,
-        md5: str | None = None,
-        on_bad_file: str = "error",
-    ):
-        super().__init__(root, npoints, batch_size, eval_batch_size, num_workers, augment, val_fraction, seed,
-                         on_bad_file)  # fmt: skip
-        self.save_hyperparameters()
+    def __init__(self, root: str, download: bool = False, url: str = HDF5_URL, md5: str | None = None, **options):
+        super().__init__(root, **options)
         self.download = bool(download)
         self.url = url
         self.md5 = md5

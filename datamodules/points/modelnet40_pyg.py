@@ -50,29 +50,14 @@ class ModelNet40PyG(PointCloudDataModule):
 
     Args:
         root: folder holding ``raw/`` (and, after processing, ``processed/``).
-        npoints: points sampled on each mesh per access.
-        on_bad_file: ``"error"``, or ``"skip"``: meshes that cannot be sampled (NaN vertices, no
-            faces, faces naming missing vertices, zero area) are dropped. A file torch-geometric
-            cannot parse at all stops processing either way.
-        batch_size, eval_batch_size, num_workers, augment, val_fraction, seed:
-            see :class:`~datamodules.points.base.PointCloudDataModule`.
+        options: those of :class:`~datamodules.points.base.PointCloudDataModule` (``npoints``: points
+            sampled on each mesh per access); with ``on_bad_file="skip"`` meshes that cannot be sampled
+            (NaN vertices, no faces, faces naming missing vertices, zero area) are dropped. A file
+            torch-geometric cannot parse at all stops processing either way.
     """
 
-    def __init__(
-        self,
-        root: str,
-        npoints: int = 1024,
-        batch_size: int = 32,
-        eval_batch_size: int | None = None,
-        num_workers: int = 0,
-        augment: bool = True,
-        val_fraction: float = 0.0,
-        seed: int = 0,
-        on_bad_file: str = "error",
-    ):
-        super().__init__(root, npoints, batch_size, eval_batch_size, num_workers, augment, val_fraction, seed,
-                         on_bad_file)  # fmt: skip
-        self.save_hyperparameters()
+    def __init__(self, root: str, **options):
+        super().__init__(root, **options)
         self.num_classes = len(MODELNET40_CLASSES)
         self.class_names = list(MODELNET40_CLASSES)
 

@@ -235,31 +235,14 @@ class Shapes(PointCloudDataModule):
         num_classes: use the first ``num_classes`` entries of :data:`SHAPE_NAMES`.
         train_per_class, val_per_class, test_per_class: samples per class and split;
             ``val_per_class=0`` makes validation follow ``val_fraction``.
-        npoints: points per shape.
         noise: standard deviation of the Gaussian jitter (before normalisation).
-        batch_size, eval_batch_size, num_workers, augment, val_fraction, seed:
-            see :class:`~datamodules.points.base.PointCloudDataModule`; ``seed`` also
-            seeds the generation.
+        options: those of :class:`~datamodules.points.base.PointCloudDataModule` (``npoints``: points
+            per shape; ``seed`` also seeds the generation; there are no files, so nothing to skip).
     """
 
-    def __init__(
-        self,
-        root: str | None = None,
-        num_classes: int = 10,
-        train_per_class: int = 100,
-        val_per_class: int = 20,
-        test_per_class: int = 30,
-        npoints: int = 1024,
-        noise: float = 0.01,
-        batch_size: int = 32,
-        eval_batch_size: int | None = None,
-        num_workers: int = 0,
-        augment: bool = True,
-        val_fraction: float = 0.0,
-        seed: int = 0,
-    ):
-        super().__init__(root, npoints, batch_size, eval_batch_size, num_workers, augment, val_fraction, seed)
-        self.save_hyperparameters()
+    def __init__(self, root: str | None = None, num_classes: int = 10, train_per_class: int = 100,
+                 val_per_class: int = 20, test_per_class: int = 30, noise: float = 0.01, **options):  # fmt: skip
+        super().__init__(root, **options)
         if num_classes not in range(1, len(SHAPE_NAMES) + 1):
             raise UserError(
                 f"data.num_classes must be in 1..{len(SHAPE_NAMES)} for Shapes ({', '.join(SHAPE_NAMES)}), "
@@ -269,7 +252,7 @@ class Shapes(PointCloudDataModule):
         if per_class["val"] > 0 and self.val_fraction > 0:
             raise UserError(
                 f"Shapes generates its own validation split (data.val_per_class={val_per_class}), so "
-                f"data.val_fraction={val_fraction} is ambiguous; set one of them to 0."
+                f"data.val_fraction={self.val_fraction} is ambiguous; set one of them to 0."
             )
         self.num_classes = int(num_classes)
         self.class_names = SHAPE_NAMES[: self.num_classes]
