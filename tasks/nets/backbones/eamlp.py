@@ -125,8 +125,8 @@ class EAMLP(Backbone):
                     raise UserError(f"model={name}: the external attention of its blocks has no option "
                                     f"{', '.join(f'attn.{k}' for k in unknown)}; its options are attn.memory and "
                                     f"model.ea_expand.")
-                mixer = attention.build(self.native_attn, dim=embed_dim, heads=heads, memory=opts.get("memory", 64),
-                                        expand=ea_expand)
+                mixer = attention.build(self.native_attn, dim=embed_dim, heads=heads, memory=opts["memory"],
+                                        expand=ea_expand)  # PRESETS put memory in opts unless attn.memory was set
             else:
                 mixer = make_mixer(attn, embed_dim, heads, model=name, stage=f"block {i + 1}", layout=layout)
             blocks.append(Block(embed_dim, mixer, mlp_ratio, rates[i]))
