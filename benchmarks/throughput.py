@@ -1,8 +1,8 @@
 """Training throughput per task and the share of step time spent in attention (``bench.tasks=true``).
 
 Each task runs one short epoch of its demo recipe on generated data (``bench.task_overrides``), built from the
-real configs exactly as ``run.py`` builds it, with data loading in the loop. The clock starts after
-``bench.task_warmup`` batches: samples/s counts the samples of the later batches over the time from the end
+real configs exactly as a run builds it (``suite/compose.py``), with data loading in the loop. The clock starts
+after ``bench.task_warmup`` batches: samples/s counts the samples of the later batches over the time from the end
 of the last warm-up batch to the end of the last batch (loading included). Every attention mixer of the
 network carries module hooks timing its forward and its backward (from the gradient reaching its output to
 the gradient reaching its input); their sum over the measured steps' time is attention's share.
@@ -10,7 +10,6 @@ the gradient reaching its input); their sum over the measured steps' time is att
 
 from __future__ import annotations
 
-import inspect
 import logging
 import statistics
 import time
@@ -73,32 +72,18 @@ def _timer_callback(clock: AttentionClock, device):
     return StepTimer()
 
 
-def build_task(cfg):
-    """The data module and task module of a composed config, as ``run.py`` builds them."""
-    from hydra.utils import get_class, instantiate
-
-    container = OmegaConf.to_container(cfg, resolve=True)
-    datamodule = instantiate(cfg.data, _convert_="all")
-    datamodule.setup("fit")
-    task_kwargs = {k: v for k, v in container["task"].items() if k != "name"}
-    wanted = inspect.signature(get_class(task_kwargs["_target_"])).parameters
-    from_data = {k: getattr(datamodule, k) for k in wanted if k not in task_kwargs and hasattr(datamodule, k)}
-    module = instantiate(task_kwargs, **from_data, model=container["model"], attn=container["attn"],
-                         optim=container["optim"], _convert_="all", _recursive_=False)
-    return datamodule, module
-
-
 def measure_task(task: str, attn: str, overrides: list[str], s: dict, device) -> dict:
     import lightning as L
     from hydra import compose
 
-    from run import apply_attn_preset
+    from suite.compose import apply_attn_preset, build_datamodule, build_task
 
     overrides = [f"task={task}", *overrides, f"attn={attn}", "logger=none"]
     cfg = compose(config_name="config", overrides=overrides)
     apply_attn_preset(cfg, overrides)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    datamodule, module = build_task(cfg)
+    datamodule = build_datamodule(cfg, "fit")
+    module = build_task(OmegaConf.to_container(cfg, resolve=True), datamodule)
     clock = AttentionClock(module, device)
     timer = _timer_callback(clock, device)
     trainer = L.Trainer(accelerator="gpu" if device.type == "cuda" else "cpu", devices=1, max_epochs=1,

@@ -1,4 +1,4 @@
-"""Multi-device settings applied by ``run.py`` around Lightning's Trainer (``trainer=ddp``).
+"""Multi-device settings applied by the runtime (``suite/train.py``) around Lightning's Trainer (``trainer=ddp``).
 
 Batch size semantics: ``data.batch_size`` is per process, as in Lightning;
 the global batch is ``data.batch_size x devices x num_nodes x
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import MutableMapping
 
 import torch
@@ -24,7 +25,7 @@ SCALE_RULES = (None, "linear", "sqrt")
 
 def adjust_trainer_kwargs(trainer: MutableMapping, module) -> None:
     """In place: DDP finds unused parameters for modules that ask for it; no sync BN where torch has none."""
-    if trainer.get("strategy") == "ddp" and getattr(module, "ddp_find_unused_parameters", False):
+    if trainer.get("strategy") == "ddp" and module.ddp_find_unused_parameters:
         # Parameters without a gradient in some backward pass (a GAN's D update leaves G out): DDP must be told.
         trainer["strategy"] = "ddp_find_unused_parameters_true"
     on_cpu = trainer.get("accelerator") == "cpu" or not torch.cuda.is_available()
@@ -84,3 +85,8 @@ def apply_lr_scaling(optim: MutableMapping, trainer, batch_size: int) -> None:
         changed = scale_learning_rates(optim, factor)
         log.info("optim.scale_lr=%s: global batch %d, learning rates x %.4g (%s)", rule, global_batch, factor,
                  ", ".join(changed))
+
+
+def is_rank_zero() -> bool:
+    """Before the Trainer exists: the first process of the first node (Lightning's and SLURM's variables)."""
+    return all(int(os.environ.get(v, 0)) == 0 for v in ("LOCAL_RANK", "NODE_RANK", "RANK", "SLURM_PROCID"))

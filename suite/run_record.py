@@ -129,7 +129,7 @@ def count_cost(module) -> dict:
 
     from suite.summary import summarize
 
-    parts = module.summaries() if hasattr(module, "summaries") else [("", module.net, module.example_input_array)]
+    parts = module.summaries()
     params = flops = 0
     state = random.getstate(), np.random.get_state()
     with torch.random.fork_rng(devices=[]):  # a count must not move any random stream

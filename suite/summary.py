@@ -47,3 +47,20 @@ def summarize(model: nn.Module, example: torch.Tensor | tuple, depth: int = 3) -
     lines = [f"{'module':<{w}}  {'type':<{t}}  {'params':>12}  {'FLOPs':>16}", "-" * (w + t + 34)]
     lines += [f"{a:<{w}}  {b:<{t}}  {p:>12,}  {f:>16,}" for a, b, p, f in rows]
     return "\n".join(lines), total_params, total_flops
+
+
+def print_summaries(module) -> dict:
+    """``mode=summary``: each network of the task (``module.summaries()``) as a table, then the totals; a task
+    with several networks (the GAN's G and D) prints ``params_<name>=<int> flops_<name>=<int>`` after each, and
+    the last line is always ``params=<int> flops=<int>``."""
+    result = {"params": 0, "flops": 0}
+    for name, net, example in module.summaries():
+        table, params, flops = summarize(net, example)
+        print(table)
+        if name:
+            print(f"params_{name}={params} flops_{name}={flops}\n")
+            result.update({f"params_{name}": params, f"flops_{name}": flops})
+        result["params"] += params
+        result["flops"] += flops
+    print(f"params={result['params']} flops={result['flops']}")
+    return result

@@ -32,15 +32,15 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping, Sequence
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
-from torchmetrics import MaxMetric, MeanMetric
+from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from attention.errors import UserError
 
+from .base import Task
 from .nets.backbones import build_backbone
 
 MIXUP_DEFAULTS = {"enabled": True, "mixup_alpha": 0.8, "cutmix_alpha": 1.0, "cutmix_minmax": None, "prob": 1.0,
@@ -53,7 +53,7 @@ def topk_accuracy(num_classes: int, k: int) -> MulticlassAccuracy:
     return MulticlassAccuracy(num_classes, top_k=min(k, num_classes), average="micro")
 
 
-class ImageClassification(L.LightningModule):
+class ImageClassification(Task):
     """Classifies images with a backbone of :mod:`tasks.nets.backbones` (recipe in the module docstring).
 
     Args:
@@ -65,12 +65,13 @@ class ImageClassification(L.LightningModule):
         label_smoothing: applied to the mixed targets (or to the cross-entropy without mixup).
         mixup: ``enabled`` and ``timm.data.Mixup``'s options.
         ema: ``enabled``, ``decay``, ``warmup`` (timm.utils.ModelEmaV3's decay warm-up).
+        monitor: the run's ``monitor`` (:class:`tasks.base.Task`).
     """
 
-    layout = "grid"  # where attention tokens sit: run.py checks attn options against it
+    layout = "grid"
 
-    @staticmethod
-    def check_config(cfg) -> None:
+    @classmethod
+    def check_config(cls, cfg) -> None:
         """Before any data is read (run.py): Mixup/CutMix pair each image with another of its batch."""
         mixup, batch = (cfg.task.get("mixup") or {}), cfg.data.get("batch_size")
         if mixup.get("enabled", True) and isinstance(batch, int) and batch % 2:
@@ -92,8 +93,9 @@ class ImageClassification(L.LightningModule):
 
     def __init__(self, model: Mapping, attn: Mapping, optim: Mapping, num_classes: int | None = None,
                  img_size: int | None = None, class_names: Sequence[str] | None = None, in_chans: int = 3,
-                 label_smoothing: float = 0.1, mixup: Mapping | None = None, ema: Mapping | None = None):
-        super().__init__()
+                 label_smoothing: float = 0.1, mixup: Mapping | None = None, ema: Mapping | None = None,
+                 monitor: Mapping | None = None):
+        super().__init__(monitor)
         if num_classes is None or img_size is None:
             raise UserError("task=classification needs a classification data set (one with img_size and "
                             "num_classes): use data=tiny, imagenet, folder_cls, cifar10_cls or cifar100.")
@@ -122,8 +124,6 @@ class ImageClassification(L.LightningModule):
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
         self.val_top1, self.val_top5 = topk_accuracy(num_classes, 1), topk_accuracy(num_classes, 5)
         self.test_top1, self.test_top5 = topk_accuracy(num_classes, 1), topk_accuracy(num_classes, 5)
-        self.val_top1_best = MaxMetric()
-        self.val_top1_best.persistent(True)  # in the checkpoint: a resumed run keeps its best so far
         self.example_input_array = torch.zeros(1, in_chans, img_size, img_size)  # one sample, for summaries
 
     # -- parts ------------------------------------------------------------------------------------------------
@@ -209,10 +209,7 @@ class ImageClassification(L.LightningModule):
         self._evaluate(batch, "val")
 
     def on_validation_epoch_end(self):
-        if self.trainer.sanity_checking:
-            return
-        self.val_top1_best(self.val_top1.compute())
-        self.log("val/top1_best", self.val_top1_best.compute(), sync_dist=True)
+        self.log_best({"val/top1": self.val_top1.compute(), "val/top5": self.val_top5.compute()})
 
     def test_step(self, batch, batch_idx):
         self._evaluate(batch, "test")

@@ -27,16 +27,15 @@ from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
 from torch import nn
-from torchmetrics import MinMetric
 from torchvision.utils import make_grid, save_image
 
 from attention.errors import UserError
 
+from .base import Task
 from .metrics import fid
 from .nets.sagan import Discriminator, Generator
 
@@ -100,17 +99,18 @@ def not_counted(optimizer):
         optimizer._on_before_step, optimizer._on_after_step = before, after
 
 
-class GAN(L.LightningModule):
+class GAN(Task):
     """SAGAN-style conditional/unconditional GAN; batches ``{"image": (B, 3, H, W) in [-1, 1], "label": (B,)}``."""
-    layout = "grid"  # where attention tokens sit: run.py checks attn options against it
+    layout = "grid"
 
     # Under DDP each backward pass leaves one network without gradients (D's update does not reach G).
     ddp_find_unused_parameters = True
 
     def __init__(self, num_classes: int, class_names: Sequence[str], resolution: int, model: Mapping,
                  attn: Mapping, optim: Mapping, loss: str = "hinge", d_steps: int = 5, ema: Mapping | None = None,
-                 metrics: Mapping | None = None, eval: Mapping | None = None, grid_per_class: int = 8):
-        super().__init__()
+                 metrics: Mapping | None = None, eval: Mapping | None = None, grid_per_class: int = 8,
+                 monitor: Mapping | None = None):
+        super().__init__(monitor)
         self.save_hyperparameters()
         if loss not in LOSSES:
             raise UserError(f"task.loss={loss!r} is not known: use one of {', '.join(LOSSES)}.")
@@ -133,8 +133,6 @@ class GAN(L.LightningModule):
         self.loss, self.d_steps = loss, int(d_steps)
         self.metrics_cfg = dict(metrics or {})
         self.eval_cfg = dict(eval or {})
-        self.val_fid_best = MinMetric()
-        self.val_fid_best.persistent(True)  # in the checkpoint: a resumed run keeps its best so far
         self._aux: dict = {}  # the Inception network: kept out of the module so it is never checkpointed
         self._features: list[tuple[torch.Tensor, ...]] = []
         # Fixed inputs of the logged sample grid: grid_per_class samples of each class (or a square of them).
@@ -293,9 +291,8 @@ class GAN(L.LightningModule):
             self._features = []
             return
         scores = self._score("val")
-        self.val_fid_best(scores["val/fid"])
         self.log_dict({k: v for k, v in scores.items() if not k.endswith("samples")}, prog_bar=True)
-        self.log("val/fid_best", self.val_fid_best.compute())
+        self.log_best(scores)
         self._log_grid("val")
 
     def on_test_epoch_start(self):

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import lightning as L
 import torch
 import torch.nn.functional as F
-from torchmetrics import MaxMetric, MeanMetric
+from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
 
+from .base import Task
 from .nets.pct import PCT
 from .optim import build_optimizers
 from .wandb_media import log_confusion_matrix, log_point_clouds, palette
@@ -31,13 +31,15 @@ def reference_smoothing(eps: float, num_classes: int) -> float:
     return eps * num_classes / (num_classes - 1)
 
 
-class PointCloudClassification(L.LightningModule):
+class PointCloudClassification(Task):
     """Classifies point clouds with PCT; batches are dicts with ``points`` (B, N, 3) and ``label`` (B,)."""
-    layout = "points"  # where attention tokens sit: run.py checks attn options against it
+    layout = "points"
+    also_best = {"val/oa": "max", "val/macc": "max"}  # PCT reports both
 
     def __init__(self, num_classes: int, class_names: Sequence[str], model: Mapping, attn: Mapping,
-                 optim: Mapping, label_smoothing: float = 0.2, log_samples: int = 8, input_points: int = 1024):
-        super().__init__()
+                 optim: Mapping, label_smoothing: float = 0.2, log_samples: int = 8, input_points: int = 1024,
+                 monitor: Mapping | None = None):
+        super().__init__(monitor)
         self.save_hyperparameters()
         self.net = PCT(num_classes, attn=dict(attn), **dict(model))
         self.class_names = list(class_names)
@@ -50,9 +52,6 @@ class PointCloudClassification(L.LightningModule):
         self.train_oa = MulticlassAccuracy(num_classes, average="micro")
         self.val_oa = MulticlassAccuracy(num_classes, average="micro")
         self.val_macc = MulticlassAccuracy(num_classes, average="macro")
-        self.val_oa_best, self.val_macc_best = MaxMetric(), MaxMetric()
-        for best in (self.val_oa_best, self.val_macc_best):  # in the checkpoint: a resumed run keeps its best so far
-            best.persistent(True)
         self.test_oa = MulticlassAccuracy(num_classes, average="micro")
         self.test_macc = MulticlassAccuracy(num_classes, average="macro")
         self.test_confusion = MulticlassConfusionMatrix(num_classes)
@@ -85,12 +84,7 @@ class PointCloudClassification(L.LightningModule):
         self.log("val/macc", self.val_macc)
 
     def on_validation_epoch_end(self):
-        if self.trainer.sanity_checking:
-            return
-        self.val_oa_best(self.val_oa.compute())
-        self.val_macc_best(self.val_macc.compute())
-        self.log("val/oa_best", self.val_oa_best.compute(), sync_dist=True)
-        self.log("val/macc_best", self.val_macc_best.compute(), sync_dist=True)
+        self.log_best({"val/oa": self.val_oa.compute(), "val/macc": self.val_macc.compute()})
 
     def on_test_epoch_start(self):
         self._samples = []

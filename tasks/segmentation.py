@@ -14,14 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import lightning as L
 import numpy as np
 import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
 from torch import nn
-from torchmetrics import MaxMetric
 
+from .base import Task
 from .nets.segnet import SegNet
 from .metrics.segmentation import SegConfusion, predict, scores
 from .wandb_media import log_table
@@ -49,15 +48,15 @@ def param_groups(net: nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0, "name": "norms_biases"}]
 
 
-class Segmentation(L.LightningModule):
-    layout = "grid"  # where attention tokens sit: run.py checks attn options against it
+class Segmentation(Task):
+    layout = "grid"
 
     def __init__(self, num_classes: int, class_names: Sequence[str], model: Mapping, attn: Mapping,
                  optim: Mapping, mean: Sequence[float] = (0.485, 0.456, 0.406),
                  std: Sequence[float] = (0.229, 0.224, 0.225), palette=None, ignore_index: int = 255,
                  crop: Sequence[int] = (512, 512), aux_weight: float = 0.4, eval: Mapping | None = None,
-                 log_images: int = 4):
-        super().__init__()
+                 log_images: int = 4, monitor: Mapping | None = None):
+        super().__init__(monitor)
         self.save_hyperparameters(ignore=["palette", "crop"])  # crop: the data module logs its own
         self.crop = tuple(crop) if not isinstance(crop, int) else (crop, crop)
         # Transformer backbones are built for the training crop (Focal's window sizes depend on the map size).
@@ -72,8 +71,6 @@ class Segmentation(L.LightningModule):
         self.register_buffer("std", torch.tensor(std).view(1, 3, 1, 1), persistent=False)
         self.val_confusion = SegConfusion(num_classes, ignore_index)
         self.test_confusion = SegConfusion(num_classes, ignore_index)
-        self.val_miou_best = MaxMetric()
-        self.val_miou_best.persistent(True)  # in the checkpoint: a resumed run keeps its best so far
         self._images: list = []
         self.example_input_array = torch.zeros(1, 3, *self.crop)
 
@@ -152,8 +149,7 @@ class Segmentation(L.LightningModule):
             self._images = []
             return
         result = self._log_scores("val")
-        self.val_miou_best(float(result["miou"]))
-        self.log("val/miou_best", self.val_miou_best.compute())
+        self.log_best({f"val/{k}": float(result[k]) for k in SCALARS})
 
     def on_test_epoch_start(self):
         self._images = []

@@ -12,25 +12,26 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import lightning as L
 import torch
 import torch.nn.functional as F
-from torchmetrics import MaxMetric, MeanMetric
+from torchmetrics import MeanMetric
 
+from .base import Task
 from .metrics.part_iou import PartIoU, category_part_mask, restrict_to_category
 from .nets.pct import PCTPartSeg
 from .optim import build_optimizers
 from .wandb_media import log_point_clouds, log_table, palette
 
 
-class PartSegmentation(L.LightningModule):
-    layout = "points"  # where attention tokens sit: run.py checks attn options against it
+class PartSegmentation(Task):
+    layout = "points"
+    also_best = {"val/imiou": "max", "val/cmiou": "max"}  # both reported, as in PCT
 
     def __init__(self, num_parts: int, num_categories: int, category_names: Sequence[str],
                  category_parts: Sequence[Sequence[int]], model: Mapping, attn: Mapping, optim: Mapping,
                  normals: bool = False, restrict_to_category: bool = True, label_smoothing: float = 0.0,
-                 input_points: int = 2048, log_samples: int = 4):
-        super().__init__()
+                 input_points: int = 2048, log_samples: int = 4, monitor: Mapping | None = None):
+        super().__init__(monitor)
         self.save_hyperparameters()
         self.net = PCTPartSeg(num_parts, num_categories, attn=dict(attn), in_channels=6 if normals else 3,
                               **dict(model))
@@ -44,9 +45,6 @@ class PartSegmentation(L.LightningModule):
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
         self.val_iou = PartIoU(category_parts, num_parts)
         self.test_iou = PartIoU(category_parts, num_parts)
-        self.val_imiou_best, self.val_cmiou_best = MaxMetric(), MaxMetric()
-        for best in (self.val_imiou_best, self.val_cmiou_best):  # in checkpoints: a resumed run keeps its best
-            best.persistent(True)
         self.example_input_array = (torch.zeros(1, input_points, 6 if normals else 3),
                                     torch.zeros(1, dtype=torch.long))
         self._samples: list[tuple] = []
@@ -81,11 +79,9 @@ class PartSegmentation(L.LightningModule):
         self.val_iou.reset()
         if self.trainer.sanity_checking:
             return
-        self.val_imiou_best(out["instance_miou"])
-        self.val_cmiou_best(out["class_miou"])
-        self.log_dict({"val/imiou": out["instance_miou"], "val/cmiou": out["class_miou"],
-                       "val/imiou_best": self.val_imiou_best.compute(),
-                       "val/cmiou_best": self.val_cmiou_best.compute()}, prog_bar=True)
+        scores = {"val/imiou": out["instance_miou"], "val/cmiou": out["class_miou"]}
+        self.log_dict(scores, prog_bar=True)
+        self.log_best(scores)
 
     def on_test_epoch_start(self):
         self._samples = []

@@ -258,12 +258,12 @@ def test_classification_size_a_model_cannot_take_is_refused_before_data(env, tmp
 def test_checkpoint_identity_takes_options_added_later_at_their_default(tmp_path):
     """A checkpoint written before a variant gained an option (external's `expand`) still loads when the run uses
     the option's default, and is refused, naming the option, when it does not."""
-    import run as run_py
+    from suite.checkpoints import check_checkpoint
 
     path = tmp_path / "old.ckpt"
     torch.save({"state_dict": {}, "suite": {"task": "modelnet",
                                             "attn": {"name": "external", "heads": 1, "memory": 64}}}, path)
     now = {"name": "external", "heads": 1, "memory": 64, "expand": 1}
-    run_py.check_checkpoint(str(path), {"task": "modelnet", "attn": now})
+    check_checkpoint(str(path), {"task": "modelnet", "attn": now})
     with pytest.raises(UserError, match=r"attn.expand=1 \(here 4\)"):
-        run_py.check_checkpoint(str(path), {"task": "modelnet", "attn": {**now, "expand": 4}})
+        check_checkpoint(str(path), {"task": "modelnet", "attn": {**now, "expand": 4}})

@@ -38,6 +38,7 @@ def optim(lr=1e-3, warmup=0, epochs=3, scale_lr=None):
 
 def task(model=None, **kwargs):
     kwargs.setdefault("optim", optim())
+    kwargs.setdefault("monitor", {"metric": "val/top1", "mode": "max"})
     return ImageClassification(model=model or SMALL, attn=SELF, num_classes=10, img_size=32, **kwargs)
 
 
@@ -252,13 +253,13 @@ def test_run_fast_dev_run_and_bad_size(env, tmp_path):  # noqa: F811
 def test_dilated_is_one_override_away_on_every_model(model):
     """`task=classification model=X attn=dilated`: the task's preset gives DilateFormer's rates [1, 2, 3], which
     divide every stage's heads (configs/attn/dilated.yaml's four rates would not), unless attn.dilations is given."""
-    import run as run_py
+    from suite.compose import apply_attn_preset
     from tasks.nets.backbones import build_backbone
 
     overrides = ["task=classification", f"model={model}", "attn=dilated"]
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
-    run_py.apply_attn_preset(cfg, overrides)
+    apply_attn_preset(cfg, overrides)
     assert list(cfg.attn.dilations) == [1, 2, 3]
     spec = {"name": model, **({"depths": [1, 1, 1, 1]} if model.startswith("focal") else {"depth": 1})}
     net = build_backbone(spec, OmegaConf.to_container(cfg.attn), num_classes=10, img_size=32)
@@ -266,5 +267,5 @@ def test_dilated_is_one_override_away_on_every_model(model):
     given = [*overrides, "attn.dilations=[1,2,3,4]"]
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         cfg = compose("config", overrides=given)
-    run_py.apply_attn_preset(cfg, given)
+    apply_attn_preset(cfg, given)
     assert list(cfg.attn.dilations) == [1, 2, 3, 4]  # what the user gives wins

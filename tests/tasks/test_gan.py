@@ -24,7 +24,7 @@ def make(tmp_path, d_steps=2, ema=False, save_samples=None):
                  ema={"enabled": ema, "decay": 0.5, "start": 1},
                  metrics={"inception_weights": "random", "reference_samples": 12, "cache_dir": str(tmp_path / "c"),
                           "batch_size": 4, "isc_splits": 1},
-                 eval={"save_samples": save_samples}, grid_per_class=2)
+                 eval={"save_samples": save_samples}, grid_per_class=2, monitor={"metric": "val/fid", "mode": "min"})
     trainer = L.Trainer(max_steps=3, val_check_interval=3, check_val_every_n_epoch=None, logger=False,
                         enable_checkpointing=False, num_sanity_val_steps=0, enable_progress_bar=False,
                         default_root_dir=str(tmp_path), accelerator="cpu", devices=1)

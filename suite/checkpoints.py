@@ -1,0 +1,110 @@
+"""A run's checkpoints: which weights they hold (identity), and that a run always leaves them.
+
+- Every checkpoint stores the task name and attention config it was trained with (``checkpoint["suite"]``,
+  :class:`RunIdentity`); :func:`check_checkpoint` refuses to resume or test one from another task or variant,
+  naming what it was trained with.
+- ``checkpoints/best-epoch<e>-step<s>.ckpt``: the best so far by ``monitor`` (Lightning's ModelCheckpoint).
+- ``checkpoints/last.ckpt`` (:class:`LastCheckpoint`): rewritten after every validation, improved or not, and at
+  the end of fit however it ends: normally, at ``max_steps`` or ``max_time``, or interrupted (Ctrl-C, SIGTERM),
+  so a run that never validates still leaves its weights. The run logs where it is.
+
+Checkpoints are written through the trainer's checkpoint IO (``suite/checkpoint_io.py``: temporary file, fsync,
+rename), so a kill during a write keeps the previous file whole.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+import attention
+from attention.errors import UserError
+
+log = logging.getLogger(__name__)
+LAST = "last"
+# What ends fit early but leaves consistent weights worth keeping: Ctrl-C and SIGTERM as Lightning handles them.
+# Errors do not count (a non-finite loss with trainer.on_nan=stop names the last checkpoint written before it).
+INTERRUPTS = (KeyboardInterrupt, SIGTERMException)
+
+
+def checkpoint_callbacks(out_dir: Path, monitor: dict, identity: dict) -> tuple[ModelCheckpoint, LastCheckpoint,
+                                                                                   RunIdentity]:
+    """The best checkpoint by ``monitor`` (``{"metric", "mode"}``), ``last.ckpt`` and the identity they carry."""
+    best = ModelCheckpoint(dirpath=out_dir / "checkpoints", filename="best-epoch{epoch:03d}-step{step:06d}",
+                           monitor=monitor["metric"], mode=monitor["mode"], auto_insert_metric_name=False)
+    return best, LastCheckpoint(out_dir / "checkpoints"), RunIdentity(identity)
+
+
+class LastCheckpoint(ModelCheckpoint):
+    """``last.ckpt`` after every validation and at the end of fit (module docstring).
+
+    Lightning's ``save_last=True`` rewrites it only when a best checkpoint is saved, so a pre-empted run would lose
+    every epoch since its last improvement; and a run without validation (``limit_val_batches=0``) or one that
+    stops between validations would end with no checkpoint at all.
+    """
+
+    def __init__(self, dirpath: Path):
+        super().__init__(dirpath=dirpath, filename=LAST, monitor=None, save_top_k=1, enable_version_counter=False)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        self._save_final(trainer)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, INTERRUPTS) and trainer.state.fn == "fit":
+            self._save_final(trainer)
+
+    def _save_final(self, trainer: L.Trainer) -> None:
+        """Save unless nothing was trained since the last save (or this is a ``fast_dev_run``), then say where."""
+        if trainer.fast_dev_run or trainer.sanity_checking:
+            return
+        path = Path(self.format_checkpoint_name({}, LAST))
+        if self._last_global_step_saved != trainer.global_step or not path.is_file():
+            # Lightning's own save: through the checkpoint IO, and loggers (W&B) told of it.
+            self._save_checkpoint(trainer, str(path))
+            self.last_model_path = str(path)
+        if trainer.is_global_zero:
+            log.info("last checkpoint: %s (step %d)", path, trainer.global_step)
+
+
+class RunIdentity(L.pytorch.callbacks.Callback):
+    """Stores the task name and attention config in every checkpoint (``checkpoint["suite"]``)."""
+
+    def __init__(self, identity: dict):
+        self.identity = identity
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        checkpoint["suite"] = self.identity
+
+
+def check_checkpoint(path: str, identity: dict) -> None:
+    """Refuse a checkpoint written by another task or attention variant, naming what it was trained with."""
+    from suite.checkpoint_io import safe_torch_load
+
+    state = safe_torch_load(path, f"ckpt_path={path}", mmap=True)
+    if not isinstance(state, dict) or "state_dict" not in state:
+        raise UserError(f"ckpt_path={path} is not a Lightning checkpoint (no 'state_dict' entry): pass a checkpoint "
+                        "written by run.py (outputs/<task>/<attn>/<run>/checkpoints/*.ckpt).")
+    stored = state.get("suite")
+    if not stored:
+        return  # written before checkpoints carried their identity: Lightning reports any mismatch
+    if stored["task"] != identity["task"]:
+        raise UserError(f"ckpt_path={path} was trained with task={stored['task']}, but this run has "
+                        f"task={identity['task']}: pass task={stored['task']} (and its attn) or another checkpoint.")
+    want, have = stored["attn"], identity["attn"]
+    # An option added to a variant after the checkpoint was written counts as its default there.
+    default = attention.options(want.get("name")) if want.get("name") in attention.names() else {}
+
+    def value(cfg, key):
+        v = cfg.get(key, default.get(key))
+        return list(v) if isinstance(v, tuple) else v
+
+    keys = sorted(k for k in set(want) | set(have) if value(want, k) != value(have, k))
+    if keys:
+        diff = ", ".join(f"attn.{k}={value(want, k)!r} (here {value(have, k)!r})" for k in keys)
+        raise UserError(f"ckpt_path={path} was trained with attn={want.get('name')} and options differing from this "
+                        f"run's: {diff}. Pass attn={want.get('name')} with the same options to load it.")

@@ -1,0 +1,107 @@
+"""Composing a run: from the config Hydra composed to the data module and the task that will be trained.
+
+:func:`compose` does, in this order:
+
+1. the task's ``attn_presets`` for the chosen variant (the options its paper uses), under any ``attn.<option>=``
+   given on the command line (:func:`apply_attn_preset`);
+2. the seed (python, numpy, torch and the data-loader workers);
+3. the redacted, resolved config (no API keys or tokens from the environment): everything that is logged, saved or
+   printed comes from it; rank zero saves it as ``resolved_config.yaml`` and redacts Hydra's own copies;
+4. the start-up checks (``suite/validate.py`` and the task's ``check_config``), before any data is read;
+5. the data module, set up for the run's stage, so that a missing data set is reported before any weights are
+   fetched;
+6. the task, given what it asks for by name from the data module (``num_classes``, ``category_parts``, ...).
+
+``benchmarks/throughput.py`` builds its data and task through :func:`build_datamodule` and :func:`build_task` too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+
+@dataclass
+class ComposedRun:
+    config: dict  # the resolved, redacted config: what is logged and saved
+    datamodule: Any
+    module: Any  # a tasks.base.Task
+
+
+def compose(cfg: DictConfig, overrides: list[str], out_dir: Path) -> ComposedRun:
+    """The data module and task of ``cfg`` (module docstring); ``overrides`` as given on the command line."""
+    import lightning as L
+
+    from suite.distributed import check_scale_rule
+    from suite.validate import validate_config
+
+    apply_attn_preset(cfg, overrides)
+    L.seed_everything(cfg.seed, workers=True)
+    config = record_config(cfg, out_dir)
+    check_scale_rule((cfg.get("optim") or {}).get("scale_lr"))  # before any data is read
+    validate_config(cfg, overrides)
+    # setup() loads once; Lightning's own call later finds it done. A summary reads no data.
+    stage = {"train": "fit", "summary": None}.get(cfg.mode, "test")
+    datamodule = build_datamodule(cfg, stage)
+    return ComposedRun(config, datamodule, build_task(config, datamodule))
+
+
+def apply_attn_preset(cfg: DictConfig, overrides: Iterable[str]) -> None:
+    """Merge ``cfg.attn_presets[<attn name>]`` into ``cfg.attn``, except options given as ``attn.<key>=`` overrides."""
+    preset = (cfg.get("attn_presets") or {}).get(cfg.attn.name)
+    if not preset:
+        return
+    given = set()
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key.startswith("attn."):
+            given.add(key.removeprefix("attn."))
+    with open_dict(cfg):
+        for key, value in preset.items():
+            if key not in given:
+                cfg.attn[key] = value
+
+
+def record_config(cfg: DictConfig, out_dir: Path) -> dict:
+    """The resolved config with secrets redacted; on rank zero also ``resolved_config.yaml`` (what actually ran:
+    interpolations resolved and presets applied; ``.hydra/config.yaml`` holds the input) and Hydra's files
+    redacted. Only the data module sees the config as given."""
+    from suite.distributed import is_rank_zero
+    from suite.secrets import redact, redact_file
+
+    config = redact(OmegaConf.to_container(cfg, resolve=True))
+    if is_rank_zero():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(config, out_dir / "resolved_config.yaml")
+        for name in ("config.yaml", "overrides.yaml", "hydra.yaml"):
+            redact_file(out_dir / ".hydra" / name)
+    return config
+
+
+def build_datamodule(cfg: DictConfig, stage: str | None):
+    """The data module of ``cfg.data``, set up for ``stage`` (``fit``/``test``; None: not set up)."""
+    from hydra.utils import instantiate
+
+    datamodule = instantiate(cfg.data, _convert_="all")
+    if stage is not None:
+        datamodule.setup(stage)
+    return datamodule
+
+
+def build_task(config: dict, datamodule):
+    """The task of ``config["task"]`` with the run's model, attn, optim and monitor configs, and whatever else its
+    constructor names that the data module has (``num_classes``, ``class_names``, ``category_parts``, ...)."""
+    import inspect
+
+    from hydra.utils import get_class, instantiate
+
+    task = {k: v for k, v in config["task"].items() if k != "name"}
+    wanted = inspect.signature(get_class(task["_target_"])).parameters
+    from_data = {k: getattr(datamodule, k) for k in wanted if k not in task and hasattr(datamodule, k)}
+    # _recursive_=False: the optimisers are built by the module, from its optim config.
+    return instantiate(task, **from_data, model=config["model"], attn=config["attn"], optim=config["optim"],
+                       monitor=config["monitor"], _convert_="all", _recursive_=False)

@@ -1,0 +1,106 @@
+"""The contract between a task and the runtime that trains it (``suite/``): :class:`Task`.
+
+The runtime builds every task the same way and asks it only what this class declares, so a new task is a
+subclass that fills these in (nothing is looked up with ``getattr``):
+
+- ``layout`` (required): where the attention tokens sit, ``"grid"`` (an image's pixels) or ``"points"`` (a
+  point set); the start-up checks refuse attention options that act on the other layout;
+- ``check_config(cfg)``: the task's own start-up checks of the composed config, before any data is read;
+- ``summaries()``: the networks that ``mode=summary`` and the run record count, with one example input each;
+- ``ddp_find_unused_parameters``: whether DDP must look for parameters without gradients (a GAN's D update
+  leaves G out).
+
+Best-so-far validation metrics are tracked here, once: the metric the run monitors (``monitor``: the
+``metric`` and ``mode`` that select the best checkpoint) and any the task adds in ``also_best``, each logged
+as ``<metric>_best`` by :meth:`Task.log_best`, and kept in checkpoints, so a resumed run keeps its best.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import ClassVar
+
+import lightning as L
+import torch
+from torchmetrics import MaxMetric, MinMetric
+
+LAYOUTS = ("grid", "points")
+MODES = {"max": MaxMetric, "min": MinMetric}
+
+
+def best_attribute(metric: str) -> str:
+    """The module attribute holding a metric's best so far: ``val/oa`` -> ``val_oa_best`` (checkpoint keys)."""
+    return metric.replace("/", "_") + "_best"
+
+
+class Task(L.LightningModule):
+    """A trainable task: a LightningModule with the declarations the runtime relies on (module docstring).
+
+    Args:
+        monitor: ``{"metric": "val/oa", "mode": "max"}``, the run's ``monitor`` config; ``None`` tracks only
+            ``also_best`` (a task built outside a run, as in unit tests).
+    """
+
+    layout: ClassVar[str]
+    ddp_find_unused_parameters: ClassVar[bool] = False
+    # Validation metrics whose best so far is logged beside the monitored one, with their direction.
+    also_best: ClassVar[Mapping[str, str]] = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if getattr(cls, "layout", None) not in LAYOUTS:
+            raise TypeError(f"{cls.__module__}.{cls.__qualname__} must declare `layout` as one of {LAYOUTS} "
+                            "(where its attention tokens sit: an image grid or a point set); the runtime checks "
+                            "attention options against it.")
+
+    def __init__(self, monitor: Mapping | None = None):
+        super().__init__()
+        tracked = dict(self.also_best)
+        if monitor:
+            tracked[str(monitor["metric"])] = str(monitor.get("mode", "min"))
+        self.best_modes: dict[str, str] = {}
+        for metric, mode in tracked.items():
+            if mode not in MODES:
+                raise ValueError(f"monitor.mode={mode!r} for {metric} is not known: use max or min.")
+            best = MODES[mode]()
+            best.persistent(True)  # in the checkpoint: a resumed run keeps its best so far
+            setattr(self, best_attribute(metric), best)
+            self.best_modes[metric] = mode
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Start-up checks of the composed config (``cfg``: the whole run config), before any data is read.
+        Raise :class:`attention.errors.UserError` naming the option; the default checks nothing."""
+
+    def summaries(self) -> list[tuple[str, torch.nn.Module, torch.Tensor | tuple]]:
+        """(name, network, example input for one sample) of each network counted by ``mode=summary``; a task
+        with one network returns it unnamed."""
+        return [("", self.net, self.example_input_array)]
+
+    def log_best(self, values: Mapping[str, float | torch.Tensor]) -> None:
+        """Update the best so far of every tracked metric in ``values`` (this validation's epoch values) and log
+        it as ``<metric>_best``. Nothing happens during Lightning's sanity check, which is not an epoch."""
+        if self.trainer.sanity_checking:
+            return
+        for metric, value in values.items():
+            if metric in self.best_modes:
+                best = getattr(self, best_attribute(metric))
+                best(value)
+                self.log(f"{metric}_best", best.compute(), sync_dist=True)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Best-so-far states are kept for the metrics this run tracks: a checkpoint written while another
+        metric was monitored loads, its other best values dropped and this run's starting afresh."""
+        state = checkpoint.get("state_dict")
+        if state is None:
+            return
+        mine = {k: v for k, v in self.state_dict().items() if self._is_best_key(k)}
+        for key in [k for k in state if self._is_best_key(k) and k not in mine]:
+            del state[key]
+        for key, value in mine.items():
+            state.setdefault(key, value)
+
+    @staticmethod
+    def _is_best_key(key: str) -> bool:
+        head, _, tail = key.partition(".")
+        return head.endswith("_best") and tail in ("max_value", "min_value")

@@ -1,0 +1,72 @@
+"""The end of fit always leaves ``checkpoints/last.ckpt`` (suite/checkpoints.py's LastCheckpoint), and says where:
+at max_steps without any validation, and when a run is interrupted (Ctrl-C, SIGTERM) between validations."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_reliability import launch
+from test_run import GAN_TINY, TINY, env, run  # noqa: F401 - env is a fixture
+
+# A config callback that interrupts the run after the training batch that reaches global step `step`: as Ctrl-C
+# does (KeyboardInterrupt, which Lightning handles gracefully and ends with exit code 1) or with a SIGTERM to the
+# process (Lightning stops at the end of that batch).
+INTERRUPT = r"""
+import os, signal, sys, types
+import lightning as L
+
+class InterruptAt(L.Callback):
+    def __init__(self, step, how):
+        self.step, self.how = step, how
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            if self.how == "sigterm":
+                os.kill(os.getpid(), signal.SIGTERM)
+            else:
+                raise KeyboardInterrupt
+
+sys.modules["interrupt_at"] = types.ModuleType("interrupt_at")
+sys.modules["interrupt_at"].InterruptAt = InterruptAt
+"""
+
+
+def saved_step(path: Path) -> int:
+    """The global step of a complete checkpoint that loads as the suite loads checkpoints (weights only)."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    assert state["state_dict"] and state["suite"]["task"]  # weights and the run's identity
+    return state["global_step"]
+
+
+def test_run_that_never_validates_leaves_its_weights(env, tmp_path):
+    """The issue's command: a GAN stopped by max_steps with validation off wrote no checkpoint before."""
+    proc = run([*GAN_TINY, "attn=external", "++trainer.max_steps=2", "++trainer.limit_val_batches=0",
+                "eval.num_samples=4", f"metrics.cache_dir={tmp_path / 'fid'}", "logger=none",
+                f"hydra.run.dir={tmp_path}"], env)
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert saved_step(last) == 2
+    assert f"last checkpoint: {last}" in proc.stdout + proc.stderr
+    assert not list(last.parent.glob(".last.ckpt.tmp-*"))  # written through the atomic checkpoint IO
+
+
+@pytest.mark.parametrize("how", ["ctrl_c", "sigterm"])
+def test_interrupted_run_leaves_last_checkpoint_and_resumes_from_it(env, tmp_path, how):
+    """Interrupted at step 3 of a 10-step epoch (no validation yet, so no checkpoint before): last.ckpt holds step
+    3, and `ckpt_path=last` continues from there to the end of the epoch."""
+    args = [*TINY, "logger=none", f"hydra.run.dir={tmp_path}"]
+    proc = launch(INTERRUPT, [*args, "+callbacks.interrupt._target_=interrupt_at.InterruptAt",
+                              "+callbacks.interrupt.step=3", f"+callbacks.interrupt.how={how}"], env, check=False)
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert last.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert saved_step(last) == 3
+    assert f"last checkpoint: {last}" in proc.stdout + proc.stderr
+    assert not (tmp_path / "metrics.json").exists()  # the run did not go on to test
+    if how == "ctrl_c":
+        assert proc.returncode == 1  # Lightning's graceful shutdown after Ctrl-C
+    resumed = run([*args, "ckpt_path=last"], env)
+    assert f"resuming from {last}" in resumed.stdout + resumed.stderr
+    assert saved_step(last) == 10  # 40 generated shapes in batches of 4: the epoch finished
+    assert (tmp_path / "metrics.json").is_file()
