@@ -12,7 +12,6 @@ the rest on (``**options``), so the shared options, their checks and their defau
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -102,18 +101,6 @@ class SegDataModule(DataModule):
         self.class_names = list(self.class_names)
         self.palette = np.array(self.palette, dtype=np.uint8)
         self.num_classes = len(self.class_names)
-
-    @classmethod
-    def _example(cls, option: str, fallback):
-        """The default of ``option`` in the nearest ``__init__`` of the class hierarchy that names it, as an
-        example in messages: a dataset's ``__init__`` names only its own options and passes the rest on."""
-        for klass in cls.__mro__:
-            init = vars(klass).get("__init__")
-            parameter = None if init is None else inspect.signature(init).parameters.get(option)
-            if parameter is not None:
-                default = parameter.default
-                return fallback if default is None or default is inspect.Parameter.empty else default
-        return fallback
 
     def _sources(self) -> dict[str, FileSource | ArraySource]:
         """``{"train": ..., "val": ..., "test": ...}``; called once by :meth:`setup`."""

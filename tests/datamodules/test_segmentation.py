@@ -1,7 +1,9 @@
 """Segmentation data modules on tiny fake releases written here in the official layouts, and Blobs."""
 
+import inspect
 import logging
 import os
+import re
 from pathlib import Path
 
 import lightning as L
@@ -9,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
+from omegaconf import OmegaConf
 from PIL import Image
 
 import datamodules.segmentation as seg
@@ -199,6 +202,69 @@ def test_attributes_right_after_construction(tmp_path):
 def test_options_are_validated(tmp_path, kwargs, option):
     with pytest.raises(UserError, match=option):
         VOC(str(tmp_path), **kwargs)
+
+
+def test_messages_suggest_the_data_sets_own_defaults():
+    """A data set names only its own options; the examples in messages are still the defaults it runs with."""
+    cases = [(lambda: VOC("/x", batch_size=0), "data.batch_size=16"), (lambda: VOC("/x", lr=0), "data.lr=0.009"),
+             (lambda: Blobs(batch_size=0), "data.batch_size=8"), (lambda: Blobs(num_workers=-1), "data.num_workers=0"),
+             (lambda: GID("/x", num_workers=-1), "data.num_workers=4")]  # fmt: skip
+    for make, example in cases:
+        with pytest.raises(UserError, match=re.escape(example)):
+            make()
+
+
+def test_hyperparameters_are_the_constructor_arguments():
+    """What checkpoints and loggers record: the arguments of the data set's constructor and of the base's (defaults
+    filled in) as given, each once, though a data set names only its own options and passes the rest on."""
+    common = {"scale_range": (0.5, 2.0), "flip": True, "batch_size": 16, "eval_batch_size": 1, "num_workers": 4,
+              "on_bad_file": "error", "lr": 0.01, "seed": 0}
+    assert dict(VOC("/x", aug=True, crop=[3, 4]).hparams) == {**common, "root": "/x", "aug": True, "crop": [3, 4],
+                                                              "lr": 0.009}  # fmt: skip
+    assert dict(ADE20K("/x", seed=2).hparams) == {**common, "root": "/x", "crop": 512, "seed": 2}
+    assert dict(Cityscapes("/x", lr=0.02).hparams) == {**common, "root": "/x", "crop": (512, 1024), "lr": 0.02}
+    assert dict(GID("/x", 128).hparams) == {**common, "root": "/x", "patch": 128, "split_seed": 0, "crop": 256}
+    blobs = Blobs(size=32.0, flip=False).hparams  # no root: generated data
+    assert dict(blobs) == {**common, "num_train": 2000, "num_val": 200, "num_test": 200, "size": 32, "crop": None,
+                           "scale_range": (0.75, 1.5), "flip": False, "batch_size": 8, "eval_batch_size": 8,
+                           "num_workers": 0, "pretrained": False}  # fmt: skip
+    assert type(blobs["size"]) is int
+
+
+STRIPE_MASKS = np.repeat(np.repeat([[0, 1]], 4, axis=1), 8, axis=0)[None].repeat(6, axis=0).astype(np.uint8)
+
+
+class Stripes(SegDataModule):
+    """A data set written as :mod:`datamodules.segmentation.base` says: its name, classes, colours and sources."""
+
+    name = "stripes"
+    class_names = ["dark", "light"]
+    palette = np.array([(0, 0, 0), (255, 255, 255)], np.uint8)
+
+    def _sources(self):
+        images = np.repeat(STRIPE_MASKS[..., None] * 255, 3, axis=-1)  # (6, 8, 8, 3)
+        source = ArraySource(images, STRIPE_MASKS, np.arange(6), [f"stripes {i}" for i in range(6)])
+        return {"train": source, "val": source, "test": source}
+
+
+def test_a_new_data_set_is_its_declarations():
+    dm = Stripes(None, crop=8, batch_size=4, eval_batch_size=3, num_workers=0)
+    assert dm.num_classes == 2 and dm.class_names == ["dark", "light"] and dm.palette.tolist() == [[0] * 3, [255] * 3]
+    dm.palette[0] = 9
+    dm.class_names.append("grey")
+    assert Stripes.palette[0].tolist() == [0, 0, 0] and len(Stripes.class_names) == 2  # instances hold copies
+    assert dict(dm.hparams) == {"crop": 8, "scale_range": (0.5, 2.0), "flip": True, "batch_size": 4,
+                                "eval_batch_size": 3, "num_workers": 0, "on_bad_file": "error", "lr": 0.01, "seed": 0}
+    loader = dm.train_dataloader()
+    assert len(loader) == 1 and first_batch(loader)["image"].shape == (4, 3, 8, 8)  # 6 samples: last batch dropped
+    val = first_batch(dm.val_dataloader())
+    np.testing.assert_array_equal(val["mask"].numpy(), STRIPE_MASKS[:3])
+    np.testing.assert_allclose(pixels(val["image"])[:, 0].numpy(), STRIPE_MASKS[:3] * 255.0, atol=1e-3)
+    with pytest.raises(UserError, match=r"data\.crop must be"):
+        Stripes(None, crop=0)
+    with pytest.raises(UserError, match=r"The stripes training split has 6 samples, fewer than one batch of "
+                                        r"data\.batch_size=8"):
+        Stripes(None, batch_size=8, num_workers=0).train_dataloader()
 
 
 # ---------------------------------------------------------------------------
@@ -591,6 +657,31 @@ def test_blobs_deterministic_balanced_batches():
 
 # ---------------------------------------------------------------------------
 # Hydra configs
+
+
+DATA_CONFIGS = {"voc": VOC, "ade20k": ADE20K, "cityscapes": Cityscapes, "gid": GID, "blobs": Blobs}
+
+
+def option_default(cls: type, option: str):
+    """The default of ``option`` in the most derived constructor that names it (a data set passes the rest on)."""
+    for klass in cls.__mro__:
+        parameter = inspect.signature(klass.__init__).parameters.get(option)
+        if parameter is not None:
+            return parameter.default
+    raise AssertionError(f"{cls.__name__} takes no option {option!r}")
+
+
+@pytest.mark.parametrize("name", DATA_CONFIGS)
+def test_yaml_values_are_the_class_defaults(name):
+    """``configs/data/<name>.yaml`` lists the options (a key must be there for ``data.<key>=`` to override it) and the
+    constructors default them (for library users): every value the yaml states is the class's default."""
+    cfg = OmegaConf.to_container(OmegaConf.load(Path("configs") / "data" / f"{name}.yaml"))  # unresolved
+    assert get_class(cfg.pop("_target_")) is DATA_CONFIGS[name]
+    for key, value in cfg.items():
+        default = option_default(DATA_CONFIGS[name], key)
+        if isinstance(value, str) and value.startswith("${"):  # root, seed: from the run's config
+            continue
+        assert value == (list(default) if isinstance(default, tuple) else default), f"{name}.yaml: {key}"
 
 
 def compose_data(overrides):
