@@ -41,7 +41,7 @@ mask its image, split files name existing files, and every image and mask opens
 the same size). With ``on_bad_file="error"`` (the default) the first problem
 raises a :class:`~attention.errors.UserError`; with ``"skip"`` the bad samples are
 dropped, listed in ``skipped`` (one line each, ``"<file>: <what is wrong>"``) and
-reported in one warning. ``__getitem__`` checks each sample it decodes (pixel data
+reported in one warning per check (:class:`datamodules.base.BadFiles`). ``__getitem__`` checks each sample it decodes (pixel data
 truncated or corrupt, a label value outside the dataset's range) and raises a
 UserError naming the file; those are only found when the sample is loaded, so they
 raise even with ``on_bad_file="skip"``. GID decodes every tile in ``setup`` (to cut
@@ -51,6 +51,9 @@ Layout: :mod:`~datamodules.segmentation.base` (:class:`SegDataModule`), :mod:`~.
 transforms, normalisation, :class:`PadCollate`), :mod:`~.sources` (file pairs or arrays, and
 :class:`SegmentationDataset`), :mod:`~.files` (decoding and folder look-ups), :mod:`~.labels` (mask values);
 one module per dataset: :mod:`~.voc`, :mod:`~.ade20k`, :mod:`~.cityscapes`, :mod:`~.gid`, :mod:`~.blobs`.
+A new dataset is one such module (what it declares: :mod:`~.base`) and one ``configs/data/<name>.yaml`` whose
+``_target_`` names its class (``datamodules.segmentation.<module>.<Class>``; the shipped ones are also exported
+here and by :mod:`datamodules`, whose short ``datamodules.<Class>`` their yamls use).
 """
 
 from datamodules.base import DECODE_ERRORS, IMAGENET_MEAN, IMAGENET_STD
