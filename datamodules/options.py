@@ -1,5 +1,8 @@
-"""Option checks of data modules: they live in :mod:`datamodules.base`; this module keeps the old import
-path working for modules not yet moved onto the base."""
+"""The old import path of the data-module option checks, which live in :mod:`datamodules.base`.
+
+Kept while ``suite/schema.py`` and ``tests/test_config_checks.py`` still import ``ON_BAD_FILE`` from here;
+once they import it from :mod:`datamodules.base`, this module can go.
+"""
 
 from datamodules.base import ON_BAD_FILE, int_option, on_bad_file_option
 
