@@ -7,7 +7,9 @@ generation, image classification) is a :class:`DataModule`. What a family or dat
 - ``__init__``: call ``super().__init__(batch_size=..., eval_batch_size=..., num_workers=..., seed=...,
   on_bad_file=...)``, which checks those options (examples in messages are the subclass's own
   defaults), then check its own options with :func:`int_option`, :func:`float_option`,
-  :func:`bool_option`, :func:`choice_option`.
+  :func:`bool_option`, :func:`choice_option` (:func:`split_sizes_option` for generated splits). A data set
+  of a family takes only its own options and passes the rest on (``**options``) to the family base,
+  where each shared default lives once.
 - :meth:`DataModule._build` (required): load the splits and set ``train_set``, ``val_set`` and
   ``test_set``. :meth:`DataModule.setup` calls it once, with an empty ``skipped``, and then warns
   once about whatever was skipped and not yet reported.
