@@ -15,7 +15,10 @@
   the caller asks for: a checkpoint that needs arbitrary code to unpickle (a
   pickled callable, a whole ``nn.Module``) is refused with a UserError naming
   the file instead of being executed. Our own checkpoints hold tensors and
-  plain Python values only (see ``suite.resume.RandomState``).
+  plain Python values only (see ``suite.resume.RandomState``). A file that is
+  no torch file at all (``ckpt_path=/etc/passwd``) is told apart by its first
+  bytes before torch reads it, so the message says so instead of passing on
+  torch's advice about ``_use_new_zipfile_serialization``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from attention.errors import UserError
 
 TMP_MARK = ".tmp-"
+ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6: a zip archive
+PICKLE_MAGIC = b"\x80"      # the legacy format (torch < 1.6): a pickle, protocol 2 or later
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
@@ -72,6 +77,8 @@ def safe_torch_load(path: str | os.PathLike, what: str | None = None, map_locati
     raises a UserError naming the file (``what``, e.g. "ckpt_path=<path>"; default "checkpoint <path>")."""
     what = what or f"checkpoint {path}"
     try:
+        if check_torch_file(path, what) == "legacy":
+            kwargs.pop("mmap", None)  # torch maps zip archives only; a legacy file is read whole
         return torch.load(path, map_location=map_location, weights_only=True, **kwargs)
     except pickle.UnpicklingError as err:
         first = next((line for line in str(err).splitlines() if "GLOBAL" in line), None)
@@ -83,8 +90,28 @@ def safe_torch_load(path: str | os.PathLike, what: str | None = None, map_locati
             "holding pickled functions or objects cannot run code on this machine. Use a checkpoint written by "
             "run.py, or re-save the weights you trust as a plain state dict (torch.save(model.state_dict(), ...))."
         ) from None
-    except (RuntimeError, OSError, EOFError, ValueError) as err:
+    except (RuntimeError, OSError, EOFError, ValueError, IndexError) as err:
         raise _unreadable(what, err) from None
+
+
+def check_torch_file(path: str | os.PathLike, what: str) -> str:
+    """"zip" or "legacy", the format of the torch file at ``path`` from its first bytes; a UserError naming
+    ``what`` when it is neither (a text file, an image, an empty file). Reads the first bytes only: cheap enough to
+    run on ``ckpt_path`` at start-up, before any data is read."""
+    with open(path, "rb") as f:
+        head = f.read(16)
+    if head.startswith(ZIP_MAGIC):
+        return "zip"
+    if head.startswith(PICKLE_MAGIC):
+        return "legacy"
+    raise UserError(
+        f"{what} is not a PyTorch checkpoint: a checkpoint is the file torch.save writes, a zip archive whose first "
+        f"bytes are {ZIP_MAGIC!r} (run.py writes them to outputs/<task>/<attn>/<run>/checkpoints/, last.ckpt and "
+        f"best-*.ckpt), and this file {f'starts with {head!r}' if head else 'is empty'}, so it is truncated, "
+        "corrupt or not a torch file at all. Pass the path of a checkpoint, e.g. "
+        "ckpt_path=outputs/<task>/<attn>/<run>/checkpoints/last.ckpt (or ckpt_path=last with "
+        "hydra.run.dir=<run dir>)."
+    )
 
 
 def _unreadable(what: str, err: BaseException) -> UserError:

@@ -1,18 +1,176 @@
 """Which exceptions reach the user as one message and exit code 2.
 
-``run.py`` calls :func:`as_user_error` on whatever a run raised: a :class:`UserError` anywhere in the chain
-(Hydra's ``instantiate`` wraps what constructors raise) is the suite's own message; anything else stays a
-traceback, because it is a bug.
+``run.py`` calls :func:`as_user_error` on whatever a run raised. A user error is
+
+- a :class:`UserError` anywhere in the chain (Hydra's ``instantiate`` wraps what constructors raise): the suite's
+  own message;
+- an option that Lightning or torch refused, told apart by where it was raised, not by its type alone (a
+  ``ValueError`` elsewhere is a bug and keeps its traceback):
+  - Lightning's ``MisconfigurationException`` raised while the ``Trainer`` is built, or anywhere when its message
+    names a Trainer argument (``val_check_interval`` longer than the epoch, found at ``fit``);
+  - a ``ValueError``/``TypeError`` raised by ``Trainer.__init__`` naming one of its arguments, or Python's
+    "unexpected keyword argument" for a ``++trainer.<typo>``;
+  - a ``ValueError``/``TypeError`` raised inside a ``torch.optim`` optimiser's constructor naming one of its
+    arguments (torch's "Invalid learning rate: -1"), or an argument the optimiser does not take.
+
+Each is turned into a UserError naming the config option (``trainer.<arg>``, ``optim.optimizer.<arg>``), the
+value given, Lightning's or torch's own reason and an example fix. Most of these values are refused earlier, by the
+schemas of ``suite.schema`` (``suite.validate``); this is the net for what those do not know.
 """
 
 from __future__ import annotations
 
+import inspect
+import re
+import sys
+import traceback
+from collections.abc import Iterator
+from types import FrameType
+
 from attention.errors import UserError
+
+UNEXPECTED = re.compile(r"^(\w+)\.__init__\(\) got an unexpected keyword argument '(\w+)'")
+# Trainer arguments that run.py fills itself: never a config option, so never the one to blame.
+NOT_OPTIONS = {"self", "logger", "callbacks", "plugins", "default_root_dir"}
+# torch's wording for an optimiser argument, where it is not the argument's name.
+TORCH_WORDS = {"learning rate": "lr", "epsilon": "eps", "beta": "betas", "nesterov": "nesterov"}
+# Lightning's wording for a Trainer argument, where it is not the argument's name.
+LIGHTNING_WORDS = {"Timer(duration": "max_time", "gpu backend": "accelerator"}
 
 
 def as_user_error(err: BaseException) -> UserError | None:
     """The user-facing error behind ``err``, or None when ``err`` is a bug (it keeps its traceback)."""
+    for cause in chain(err):
+        if isinstance(cause, UserError):
+            return cause
+        mapped = trainer_option_error(cause) or optimizer_option_error(cause)
+        if mapped is not None:
+            return mapped
+    return None
+
+
+def chain(err: BaseException) -> Iterator[BaseException]:
+    """``err`` and what it was raised from or while handling, outermost first."""
+    seen: set[int] = set()
     cause: BaseException | None = err
-    while cause is not None and not isinstance(cause, UserError):
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        yield cause
         cause = cause.__cause__ or cause.__context__
-    return cause
+
+
+def frames(err: BaseException) -> list[FrameType]:
+    """The frames ``err`` passed through, outermost first."""
+    return [frame for frame, _ in traceback.walk_tb(err.__traceback__)]
+
+
+def trainer_option_error(err: BaseException) -> UserError | None:
+    trainer_module = sys.modules.get("lightning.pytorch.trainer.trainer")
+    if trainer_module is None:
+        return None  # Lightning was never imported: the exception is not its
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    init = trainer_module.Trainer.__init__  # Lightning's env-var wrapper around the real constructor
+    real_init = inspect.unwrap(init)
+    arguments = [p for p in inspect.signature(real_init).parameters if p not in NOT_OPTIONS]
+    message = sentence(err)
+    unexpected = UNEXPECTED.match(message)
+    if isinstance(err, TypeError) and unexpected and unexpected.group(1) == "Trainer":
+        name = unexpected.group(2)
+        return UserError(
+            f"trainer.{name} is not an argument of Lightning's Trainer ({message[:-1]}). Check its spelling against "
+            "https://lightning.ai/docs/pytorch/stable/common/trainer.html#trainer-class-api and fix or drop "
+            f"trainer.{name} on the command line or in configs/trainer/ (or the trainer block of the task or "
+            "experiment file that sets it); any Trainer argument is passed as e.g. "
+            "`python run.py ++trainer.max_time=00:12:00:00`."
+        )
+    in_init = [f for f in frames(err) if f.f_code is real_init.__code__]
+    option = named_option(message, arguments, LIGHTNING_WORDS)
+    if isinstance(err, MisconfigurationException):
+        if not in_init and option is None:
+            return None  # Lightning's complaint about a module or callback: the code's fault, not an option
+    elif not (isinstance(err, (ValueError, TypeError)) and in_init and option is not None):
+        return None
+    if option is None:
+        return UserError(
+            f"Lightning's Trainer refused the trainer options: {message} Fix the trainer options on the command "
+            "line or in configs/trainer/ (or the trainer block of the task or experiment file that sets them); "
+            "`python run.py --cfg job` prints them as composed."
+        )
+    given = f"={in_init[0].f_locals[option]!r}" if in_init and option in in_init[0].f_locals else ""
+    return UserError(
+        f"Lightning's Trainer refused trainer.{option}{given}: {message} Fix trainer.{option} on the command line "
+        f"or in configs/trainer/ (or the trainer block of the task or experiment file that sets it), e.g. "
+        f"`python run.py trainer.{option}={example('TrainerOptions', option)}`."
+    )
+
+
+def optimizer_option_error(err: BaseException) -> UserError | None:
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(err, (ValueError, TypeError)):
+        return None
+    message = sentence(err)
+    unexpected = UNEXPECTED.match(message)
+    if isinstance(err, TypeError) and unexpected:  # raised where the optimiser is called, before its __init__ runs
+        cls = getattr(torch.optim, unexpected.group(1), None)
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            return None
+        name = unexpected.group(2)
+        return UserError(
+            f"torch.optim.{cls.__name__} takes no argument {name} ({message[:-1]}), so optim.<optimizer>.{name} "
+            f"(optim.optimizer.{name}; task=gan: optim.generator.{name} / optim.discriminator.{name}) cannot be "
+            f"passed to it. Drop it, or pick an optimiser that takes it, on the command line or in the optim "
+            f"block of configs/task/<task>.yaml, e.g. `python run.py ~optim.optimizer.{name}`."
+        )
+    # The outermost torch.optim constructor on the way: the optimiser being built (AdamW, whose __init__ calls Adam's).
+    optim_dir = torch.optim.__file__.rsplit("/", 1)[0] + "/"
+    inits = [f for f in frames(err) if f.f_code.co_name == "__init__" and f.f_code.co_filename.startswith(optim_dir)
+             and isinstance(f.f_locals.get("self"), torch.optim.Optimizer)]
+    if not inits or not frames(err)[-1].f_code.co_filename.startswith(optim_dir):
+        return None
+    frame = inits[0]
+    arguments = [p for p in inspect.signature(type(frame.f_locals["self"]).__init__).parameters
+                 if p not in ("self", "params")]
+    option = named_option(message, arguments, TORCH_WORDS)
+    if option is None:
+        return None  # not about an option (an empty parameter list): the task's bug
+    cls = type(frame.f_locals["self"])
+    given = f"={frame.f_locals[option]!r}" if option in frame.f_locals else ""
+    return UserError(
+        f"torch.optim.{cls.__name__} refused {option}{given}: {message} It comes from optim.<optimizer>.{option} "
+        f"(optim.optimizer.{option}; task=gan: optim.generator.{option} / optim.discriminator.{option}): fix it on "
+        f"the command line or in the optim block of configs/task/<task>.yaml (or of the experiment file that sets "
+        f"it), e.g. `python run.py optim.optimizer.{option}={example('OptimizerOptions', option)}`."
+    )
+
+
+def sentence(err: BaseException) -> str:
+    """The exception's message as one sentence, ending with its full stop."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if text[-1] in ".!?" else text + "."
+
+
+def named_option(message: str, arguments: list[str], words: dict[str, str] | None = None) -> str | None:
+    """The first of ``arguments`` that ``message`` names (as a word, in any case, or by one of ``words``)."""
+    found = []
+    for name in arguments:
+        match = re.search(rf"(?<![\w.]){re.escape(name)}(?!\w)", message, re.IGNORECASE)
+        if match:
+            found.append((match.start(), name))
+    for word, name in (words or {}).items():
+        match = re.search(rf"\b{re.escape(word)}", message, re.IGNORECASE)
+        if match and name in arguments:
+            found.append((match.start(), name))
+    return min(found)[1] if found else None
+
+
+def example(schema_name: str, option: str) -> str:
+    """The example value ``suite.schema`` gives for ``option`` ("<value>" where it has none)."""
+    import dataclasses
+
+    from suite import schema
+
+    for field in dataclasses.fields(getattr(schema, schema_name)):
+        if field.name == option:
+            return str(field.metadata["example"])
+    return "<value>"

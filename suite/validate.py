@@ -10,15 +10,20 @@ its own checks as a ``check_config(cfg)`` static/class method (called here too).
   ``layout``;
 - more processes than evaluation samples (``data.num_test=1 trainer=ddp``): a
   rank would get no sample;
-- ``trainer.on_nan`` not one of stop | skip | off.
+- ``trainer.on_nan`` not one of stop | skip | off;
+- a trainer, optim or data option of the wrong type or out of range (``trainer.max_epochs=abc``,
+  ``optim.optimizer.lr=-1``, ``data.num_workers=-1``), against the schemas of ``suite.schema``;
+- ``ckpt_path`` a file that is no torch checkpoint at all (``ckpt_path=/etc/passwd``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from pathlib import Path
+
 from hydra.utils import get_class
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 import attention
 from attention.errors import UserError
@@ -33,11 +38,40 @@ def validate_config(cfg: DictConfig, overrides: Iterable[str]) -> None:
     if on_nan not in MODES:
         raise UserError(f"trainer.on_nan={on_nan!r} is not known: use stop (end the run at the first NaN/inf "
                         "loss), skip (drop such batches and count them) or off (no check).")
+    check_option_types(cfg)
+    check_checkpoint_format(cfg.get("ckpt_path"))
     task_cls = get_class(cfg.task._target_)
     check_layout_options(cfg, overrides, getattr(task_cls, "layout", None))
     check_eval_sizes(cfg)
     if hasattr(task_cls, "check_config"):
         task_cls.check_config(cfg)
+
+
+def check_option_types(cfg: DictConfig) -> None:
+    """The trainer, optim and data groups against their schemas (known options only; others pass through)."""
+    from suite import schema
+
+    def group(node: DictConfig, options: type, prefix: str) -> None:
+        schema.check(OmegaConf.to_container(node, resolve=True), options, prefix,
+                     given=OmegaConf.to_container(node, resolve=False))
+
+    group(cfg.trainer, schema.TrainerOptions, "trainer")
+    optim = cfg.get("optim") or {}
+    for name, factory in optim.items():  # optim.optimizer, optim.scheduler; the GAN's generator, discriminator
+        if isinstance(factory, DictConfig) and "_target_" in factory:
+            group(factory, schema.SchedulerOptions if name == "scheduler" else schema.OptimizerOptions, f"optim.{name}")
+    if optim:
+        group(optim, schema.OptimOptions, "optim")
+    group(cfg.data, schema.DataOptions, "data")
+
+
+def check_checkpoint_format(ckpt_path) -> None:
+    """A ``ckpt_path`` that exists but is no torch file is refused now, not after the data is loaded (a missing one
+    is reported by the run, which also resolves ``ckpt_path=last``)."""
+    from suite.checkpoint_io import check_torch_file
+
+    if ckpt_path and ckpt_path != "last" and Path(ckpt_path).is_file():
+        check_torch_file(ckpt_path, f"ckpt_path={ckpt_path}")
 
 
 def given_options(overrides: Iterable[str], prefix: str) -> list[str]:
