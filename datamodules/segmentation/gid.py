@@ -240,6 +240,7 @@ class GID(SegDataModule):
                     log.warning("GID tile %s is smaller than one %dx%d patch; it gives no patches.", image_path, p, p)
                     continue
                 cut = np.s_[: nh * p, : nw * p]
+                # (nh p, nw p[, 3]) -> (nh, p, nw, p[, 3]) -> (nh, nw, p, p[, 3]) -> (nh nw, p, p[, 3]), row-major
                 images[n : n + k] = image[cut].reshape(nh, p, nw, p, 3).swapaxes(1, 2).reshape(-1, p, p, 3)[:k]
                 masks[n : n + k] = mask[cut].reshape(nh, p, nw, p).swapaxes(1, 2).reshape(-1, p, p)[:k]
                 origin[n : n + k] = np.stack(np.meshgrid([t], np.arange(nh), np.arange(nw), indexing="ij"),
