@@ -1,4 +1,5 @@
-"""Training loaders: shuffles that are a function of (seed, epoch), and a position that survives a resume."""
+"""Training loaders: shuffles that are a function of (seed, epoch), and a position that survives a resume; the
+loaders, option checks and bad-file policy of the one data-module base (``datamodules.base``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
+from attention.errors import UserError
+from datamodules.base import BadFiles, DataError, DataModule, float_option
 from datamodules.loaders import EpochRandomSampler, ResumableLoader, train_sampling
 
 
@@ -83,3 +86,61 @@ def test_worker_random_streams_depend_on_seed_and_epoch_only():
     assert draws(1) == first  # a resumed run re-creating its workers at epoch 1 draws the same
     torch.manual_seed(5)
     assert draws(2) != first
+
+
+class Numbers(DataModule):
+    """The base filled in with the least there is: the numbers 0..size-1, one bad "file" when asked."""
+
+    def __init__(self, size=10, bad=False, batch_size=4, eval_batch_size=None, num_workers=0, seed=0,
+                 on_bad_file="error"):  # fmt: skip
+        super().__init__(batch_size, eval_batch_size, num_workers, seed, on_bad_file)
+        self.size, self.has_bad = size, bad
+
+    def _build(self):
+        if self.has_bad:
+            self.bad.file(DataError("numbers.txt: line 3 is not a number. Fix line 3.", "numbers.txt: line 3"))
+        self.train_set = self.val_set = self.test_set = TensorDataset(torch.arange(self.size))
+
+
+def test_base_loaders_drop_partial_training_batches_and_evaluate_every_sample():
+    dm = Numbers(size=10, batch_size=4, eval_batch_size=3)
+    assert [len(b) for (b,) in dm.train_dataloader()] == [4, 4]
+    assert sorted(x for (b,) in dm.val_dataloader() for x in b.tolist()) == list(range(10))
+    assert [len(b) for (b,) in dm.test_dataloader()] == [3, 3, 3, 1]
+
+
+def test_base_training_split_smaller_than_a_batch():
+    with pytest.raises(UserError, match=r"Numbers training split has 3 samples.*data.batch_size=4"):
+        Numbers(size=3).train_dataloader()
+
+    class Partial(Numbers):
+        full_train_batches = False  # the point-cloud families: one partial batch instead
+
+    assert [len(b) for (b,) in Partial(size=3).train_dataloader()] == [3]
+
+
+def test_base_option_messages_name_the_option_and_an_example_from_the_signature():
+    with pytest.raises(UserError, match=r"data.batch_size must be a positive integer, got 0.*data.batch_size=4"):
+        Numbers(batch_size=0)
+    with pytest.raises(UserError, match=r"data.num_workers must be an integer >= 0, got -1"):
+        Numbers(num_workers=-1)
+    with pytest.raises(UserError, match=r"data.on_bad_file must be 'error'"):
+        Numbers(on_bad_file="ignore")
+    with pytest.raises(UserError, match=r"data.val_fraction must be a number in \[0, 1\), got 1.0"):
+        float_option("val_fraction", 1.0, 0.1, 0.0, 1.0, low_closed=True)
+    assert float_option("noise", 0, 0.01, low_closed=True) == 0.0
+
+
+def test_bad_files_error_names_the_file_and_skip_counts_and_warns_once(caplog):
+    with pytest.raises(UserError, match=r"numbers.txt: line 3 is not a number. Fix line 3. .*data.on_bad_file=skip"):
+        Numbers(bad=True).setup()
+    dm = Numbers(bad=True, on_bad_file="skip")
+    dm.setup()
+    assert dm.skipped == ["numbers.txt: line 3"]
+    assert caplog.text.count("Skipped 1 bad file(s) or sample(s) of Numbers (data.on_bad_file=skip)") == 1
+    bad = BadFiles("skip")
+    bad.problems([("a.png", "no mask"), ("b.png", "no mask")], "Restore them.")
+    bad.warn("Pairs", "bad sample(s)")
+    bad.warn("Pairs", "bad sample(s)")  # nothing new: no second warning
+    assert caplog.text.count("Skipped 2 bad sample(s) of Pairs") == 1
+    assert bad.skipped == ["a.png: no mask", "b.png: no mask"]
