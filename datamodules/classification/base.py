@@ -158,8 +158,8 @@ class ClassificationDataModule(DataModule):
 
     Subclasses set ``name``, ``num_classes`` and ``class_names`` and implement :meth:`_sources`,
     returning the ``train``, ``val`` and ``test`` sources (``test`` may be the ``val`` object
-    itself); :meth:`setup` calls it once. Their ``__init__`` takes the options below as ``**kwargs``
-    (setting its own defaults with ``kwargs.setdefault``): the defaults live here.
+    itself); :meth:`setup` calls it once. Their ``__init__`` names only its own options and those whose
+    default differs (e.g. ``img_size``) and passes the rest on as ``**options``: the defaults live here.
 
     Args:
         img_size: side S of the square images the network sees.
@@ -202,7 +202,7 @@ class ClassificationDataModule(DataModule):
     ):
         super().__init__(batch_size, eval_batch_size, num_workers, seed, on_bad_file)
         self.save_hyperparameters()
-        self.img_size = int_option("img_size", img_size, 1, 224)
+        self.img_size = int_option("img_size", img_size, 1, self._example("img_size", 224))
         unknown = sorted(set(augment or {}) - set(AUGMENT_KEYS))
         if unknown:
             raise UserError(f"data.augment.{unknown[0]} is not an augmentation option; the options are "
@@ -221,7 +221,9 @@ class ClassificationDataModule(DataModule):
         if verify_images not in VERIFY_CHOICES:
             raise UserError(f"data.verify_images must be auto, true or false, got {verify_images!r}.")
         self.verify_images = verify_images
-        self.verify_limit = int_option("verify_limit", verify_limit, 0, 20000)
+        self.verify_limit = int_option("verify_limit", verify_limit, 0, self._example("verify_limit", 20000))
+        if isinstance(getattr(self, "class_names", None), list):
+            self.class_names = list(self.class_names)  # an instance's own copy of a class-level list
 
     # -- to implement -----------------------------------------------------------------------------------------
     def _sources(self) -> dict[str, FileSource | ArraySource]:

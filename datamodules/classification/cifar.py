@@ -48,9 +48,8 @@ class CIFARClassification(ClassificationDataModule):
     release: cifar.Release
 
     def __init__(self, root: str, download: bool = False, url: str | None = None, md5: str | None = OFFICIAL,
-                 val_size: int = 0, **kwargs):  # fmt: skip
-        kwargs.setdefault("img_size", 32)
-        super().__init__(**kwargs)
+                 val_size: int = 0, img_size: int = 32, **options):  # fmt: skip
+        super().__init__(img_size=img_size, **options)
         self.root = str(root)
         self.download = bool(download)
         self.url = self.release.url if url is None else url

@@ -33,8 +33,8 @@ class FolderClassification(ClassificationDataModule):
     flat_hint = ""  # what to do with a split folder of loose files, after "sort them into one sub-folder per class"
 
     def __init__(self, root: str, num_classes: int | None = None, train_dir: str = "train", val_dir: str = "val",
-                 **kwargs):  # fmt: skip
-        super().__init__(**kwargs)
+                 **options):  # fmt: skip
+        super().__init__(**options)
         self.root = str(root)
         self.train_dir, self.val_dir = str(train_dir), str(val_dir)
         if num_classes is None:

@@ -21,5 +21,5 @@ class ImageNet(FolderClassification):
     flat_hint = (" (ImageNet's validation archive unpacks flat: sort it into val/<wnid>/ with the devkit's "
                  "labels, e.g. valprep.sh)")
 
-    def __init__(self, root: str, num_classes: int | None = 1000, **kwargs):
-        super().__init__(root, num_classes=num_classes, **kwargs)
+    def __init__(self, root: str, num_classes: int | None = 1000, **options):
+        super().__init__(root, num_classes=num_classes, **options)

@@ -28,12 +28,9 @@ class TinyDigits(ClassificationDataModule):
     num_classes = NUM_CLASSES
     class_names = CLASS_NAMES
 
-    def __init__(self, val_size: int = 250, test_size: int = 250, **kwargs):
-        kwargs.setdefault("img_size", 32)
-        kwargs.setdefault("augment", TINY_AUGMENT)
-        kwargs.setdefault("num_workers", 0)
-        kwargs.setdefault("crop_pct", 1.0)
-        super().__init__(**kwargs)
+    def __init__(self, val_size: int = 250, test_size: int = 250, img_size: int = 32, augment=TINY_AUGMENT,
+                 num_workers: int = 0, crop_pct: float = 1.0, **options):  # fmt: skip
+        super().__init__(img_size=img_size, augment=augment, num_workers=num_workers, crop_pct=crop_pct, **options)
         self.val_size = int_option("val_size", val_size, 1, 250)
         self.test_size = int_option("test_size", test_size, 1, 250)
         if self.val_size + self.test_size >= NUM_DIGITS:

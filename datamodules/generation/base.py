@@ -158,14 +158,19 @@ class ImageDataModule(DataModule):
     ):
         super().__init__(batch_size, eval_batch_size, num_workers, seed, on_bad_file)
         self.save_hyperparameters()
-        self.resolution = int_option("resolution", resolution, MIN_RESOLUTION, 32)
-        self.batches_per_step = int_option("batches_per_step", batches_per_step, 1, 1)
+        example = self._example  # the data set's own default, else the family's
+        self.resolution = int_option("resolution", resolution, MIN_RESOLUTION, example("resolution", 32))
+        self.batches_per_step = int_option("batches_per_step", batches_per_step, 1, example("batches_per_step", 1))
         self.flip = bool_option("flip", flip)
-        self.val_samples = None if val_samples is None else int_option("val_samples", val_samples, 1, 10000)
-        self.test_samples = None if test_samples is None else int_option("test_samples", test_samples, 1, 50000)
+        self.val_samples = None if val_samples is None else \
+            int_option("val_samples", val_samples, 1, example("val_samples", 10000))
+        self.test_samples = None if test_samples is None else \
+            int_option("test_samples", test_samples, 1, example("test_samples", 50000))
         self.train_images: torch.Tensor | None = None
         self.train_labels: torch.Tensor | None = None
         self.fingerprint: str | None = None
+        if isinstance(getattr(self, "class_names", None), list):
+            self.class_names = list(self.class_names)  # an instance's own copy of a class-level list
 
     # -- to implement -----------------------------------------------------------------------------------------
     def _load(self) -> tuple[torch.Tensor, torch.Tensor]:

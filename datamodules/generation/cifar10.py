@@ -43,8 +43,8 @@ class CIFAR10(ImageDataModule):
     num_classes = cifar.CIFAR10.num_classes
 
     def __init__(self, root: str, download: bool = False, url: str = cifar.CIFAR10.url,
-                 md5: str | None = cifar.CIFAR10.md5, **kwargs):  # fmt: skip
-        super().__init__(**kwargs)
+                 md5: str | None = cifar.CIFAR10.md5, **options):  # fmt: skip
+        super().__init__(**options)
         self.root = root
         self.download = bool(download)
         self.url = url

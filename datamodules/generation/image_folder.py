@@ -39,8 +39,8 @@ class ImageFolder(ImageDataModule):
 
     name = "image_folder"
 
-    def __init__(self, root: str, **kwargs):
-        super().__init__(**kwargs)
+    def __init__(self, root: str, **options):
+        super().__init__(**options)
         self.root = root
         self.files, self.class_names = self._scan()
         self.num_classes = len(self.class_names)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import re
 from pathlib import Path
 
 import lightning as L
@@ -164,6 +165,41 @@ def test_deit_training_transform(tmp_path):
     assert "RandomResizedCropAndInterpolation" in names and "RandAugment" in names and "RandomErasing" in names
     rrc = dm.train_transform().transforms[0]
     assert "bicubic" in str(rrc.interpolation).lower() and rrc.scale == (0.08, 1.0)
+
+
+COMMON = {"img_size": 224, "batch_size": 128, "eval_batch_size": None, "num_workers": 8, "augment": None,
+          "interpolation": "bicubic", "crop_pct": 0.875, "mean": IMAGENET_MEAN, "std": IMAGENET_STD,
+          "on_bad_file": "error", "verify_images": "auto", "verify_limit": 20000, "seed": 0}
+
+
+def test_hyperparameters_are_the_constructor_arguments(tmp_path):
+    """Every argument of the data set's and the family base's constructor, defaults filled in, once."""
+    assert dict(ImageNet("/x", batch_size=4).hparams) == {**COMMON, "batch_size": 4, "root": "/x", "num_classes": 1000,
+                                                          "train_dir": "train", "val_dir": "val"}  # fmt: skip
+    assert dict(CIFAR100("/x", val_size=5).hparams) == {**COMMON, "img_size": 32, "root": "/x", "download": False,
+                                                        "url": None, "md5": "official", "val_size": 5}  # fmt: skip
+    tiny = dict(TinyDigits(seed=3).hparams)
+    assert tiny == {**COMMON, "img_size": 32, "num_workers": 0, "crop_pct": 1.0, "augment": tiny["augment"],
+                    "seed": 3, "val_size": 250, "test_size": 250}  # fmt: skip
+    assert tiny["augment"]["scale"] == (0.6, 1.0) and tiny["augment"]["auto_augment"] is None
+
+
+def test_messages_suggest_each_data_sets_defaults(tmp_path):
+    root = str(imagenet_tree(tmp_path / "o"))
+    cases = [(lambda: FolderClassification(root, num_workers=-1), "data.num_workers=8"),
+             (lambda: TinyDigits(num_workers=-1), "data.num_workers=0"),
+             (lambda: CIFAR100("/x", img_size=0), "data.img_size=32"),
+             (lambda: ImageNet("/x", img_size=0), "data.img_size=224"),
+             (lambda: TinyDigits(batch_size=0), "data.batch_size=128")]  # fmt: skip
+    for make, example in cases:
+        with pytest.raises(UserError, match=re.escape(example)):
+            make()
+
+
+def test_instances_hold_their_own_class_names():
+    dm = TinyDigits()
+    dm.class_names.append("x")
+    assert TinyDigits().class_names == [str(d) for d in range(10)]
 
 
 # ---------------------------------------------------------------------------

@@ -5,6 +5,7 @@ import io
 import logging
 import os
 import pickle
+import re
 import tarfile
 from pathlib import Path
 
@@ -156,6 +157,60 @@ def test_fingerprint(digits):
 def test_options_are_validated(kwargs, option):
     with pytest.raises(UserError, match=option):
         Digits(**kwargs)
+
+
+COMMON = {"resolution": 32, "batch_size": 64, "batches_per_step": 1, "num_workers": 0, "flip": True, "seed": 0,
+          "val_samples": 10000, "test_samples": None, "eval_batch_size": 50, "on_bad_file": "error"}
+
+
+def test_hyperparameters_are_the_constructor_arguments(tmp_path):
+    """What checkpoints and loggers record: every argument of the data set's and the family base's constructor
+    (defaults filled in) once, though a data set names only its own options and passes the rest on."""
+    assert dict(Digits(resolution=16).hparams) == {**COMMON, "resolution": 16}
+    assert dict(CIFAR10("/x", batch_size=8).hparams) == {**COMMON, "batch_size": 8, "root": "/x", "download": False,
+                                                         "url": CIFAR10_RELEASE.url, "md5": CIFAR10_RELEASE.md5}
+    save(tmp_path / "a.png", np.zeros((8, 8, 3), np.uint8))
+    assert dict(ImageFolder(str(tmp_path), on_bad_file="skip").hparams) == {**COMMON, "root": str(tmp_path),
+                                                                            "on_bad_file": "skip"}  # fmt: skip
+
+
+def test_messages_suggest_the_family_defaults():
+    cases = [(lambda: CIFAR10("/x", batch_size=0), "data.batch_size=64"),
+             (lambda: CIFAR10("/x", eval_batch_size=0), "data.eval_batch_size=50"),
+             (lambda: Digits(test_samples=0), "data.test_samples=50000"),
+             (lambda: Digits(seed=-1), "data.seed=0")]  # fmt: skip
+    for make, example in cases:
+        with pytest.raises(UserError, match=re.escape(example)):
+            make()
+
+
+class Squares(ImageDataModule):
+    """A data set written as :mod:`datamodules.generation.base` says: its name, classes and ``_load``."""
+
+    name = "squares"
+    num_classes = 2
+    class_names = ["dark", "light"]
+
+    def _load(self):
+        images = torch.zeros(6, 3, self.resolution, self.resolution, dtype=torch.uint8)
+        images[3:] = 255
+        return images, torch.tensor([0, 0, 0, 1, 1, 1])
+
+
+def test_a_new_data_set_is_its_declarations():
+    dm = Squares(resolution=8, batch_size=2, flip=False, val_samples=3)
+    dm.class_names.append("grey")
+    assert Squares.class_names == ["dark", "light"]  # instances hold copies
+    assert dict(dm.hparams) == {**COMMON, "resolution": 8, "batch_size": 2, "flip": False, "val_samples": 3}
+    dm.setup()
+    assert dm.fingerprint.startswith("squares-8px-n6-")
+    batch = first_batch(dm)
+    assert batch["image"].shape == (2, 3, 8, 8) and batch["label"].dtype == torch.int64
+    assert torch.equal(batch["image"][:, 0, 0, 0], batch["label"].float() * 2 - 1)  # dark -1, light +1
+    assert torch.cat([b["index"] for b in dm.val_dataloader()]).tolist() == [0, 1, 2]
+    with pytest.raises(UserError, match=re.escape("The squares training set has 6 images, fewer than one batch of "
+                                                  "data.batch_size * data.batches_per_step = 4 * 2 = 8")):
+        Squares(resolution=8, batch_size=4, batches_per_step=2).train_dataloader()
 
 
 def test_eval_loaders_serve_latent_indices_in_order():
