@@ -13,7 +13,6 @@ import numpy as np
 from attention.errors import UserError
 from datamodules.base import DataError, int_option
 from datamodules.classification.base import ArraySource, ClassificationDataModule
-from datamodules.download import ensure_release
 from datamodules.formats import cifar
 
 OFFICIAL = "official"  # md5: the release's own
@@ -58,17 +57,18 @@ class CIFARClassification(ClassificationDataModule):
         self.num_classes = self.release.num_classes
         self.class_names = list(self.release.default_names) or None  # else read from the meta file in setup
 
-    def _files(self) -> Path:
-        """The release folder; UserError listing the expected layout if a file is missing."""
-        return self.release.locate(self.root, self.url, offline="tiny")
+    def _folder(self) -> Path:
+        """The release folder, downloaded first when incomplete and ``download`` is set; UserError listing the
+        expected layout if a file is still missing."""
+        return self.release.fetch(self.root, self.download, self.url, self.md5, offline="tiny")
 
     def prepare_data(self) -> None:
         """Check the layout; when it is incomplete and ``download`` is set, download and extract first."""
-        ensure_release(self._files, self.download, self.url, Path(self.root).expanduser(), self.md5)
+        self._folder()
 
     def _sources(self) -> dict[str, ArraySource]:
         release = self.release
-        folder = ensure_release(self._files, self.download, self.url, Path(self.root).expanduser(), self.md5)
+        folder = self._folder()
         self.class_names = cifar.read_names(folder / release.meta_file, release)
         train_x, train_y = cifar.read_split(folder, release, release.train_files, _fatal)
         test_x, test_y = cifar.read_split(folder, release, (release.test_file,), _fatal)

@@ -31,6 +31,7 @@ import numpy as np
 
 from attention.errors import UserError
 from datamodules.base import DataError
+from datamodules.download import ensure_release
 
 IMAGE_SHAPE = (3, 32, 32)  # a row of b"data" is these planes, row-major
 ROW = 3 * 32 * 32
@@ -75,6 +76,11 @@ class Release:
                             f"under data.root={root}. Set data.download=true to fetch it ({url}), unpack "
                             f"{self.archive} there by hand, or run offline with data={offline}.")
         return folder
+
+    def fetch(self, root: str, download: bool, url: str, md5: str | None, offline: str) -> Path:
+        """The release folder (:meth:`locate`); when it is incomplete and ``download`` is set, ``url`` is
+        downloaded (md5-checked unless ``md5`` is None) and safely extracted into ``root`` first."""
+        return ensure_release(lambda: self.locate(root, url, offline), download, url, Path(root).expanduser(), md5)
 
 
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]

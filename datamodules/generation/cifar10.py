@@ -8,7 +8,6 @@ import torch
 
 from attention.errors import UserError
 from datamodules.base import DataError
-from datamodules.download import ensure_release
 from datamodules.formats import cifar
 from datamodules.generation.base import ImageDataModule, resize_uint8
 
@@ -51,16 +50,17 @@ class CIFAR10(ImageDataModule):
         self.md5 = md5
         self.class_names = list(cifar.CIFAR10_CLASSES)
 
-    def _files(self) -> Path:
-        """The release folder; UserError listing the expected layout if a file is missing."""
-        return cifar.CIFAR10.locate(self.root, self.url, offline="digits")
+    def _folder(self) -> Path:
+        """The release folder, downloaded first when incomplete and ``download`` is set; UserError listing the
+        expected layout if a file is still missing."""
+        return cifar.CIFAR10.fetch(self.root, self.download, self.url, self.md5, offline="digits")
 
     def prepare_data(self) -> None:
         """Check the layout; when it is incomplete and ``download`` is set, download and extract first."""
-        ensure_release(self._files, self.download, self.url, Path(self.root).expanduser(), self.md5)
+        self._folder()
 
     def _load(self) -> tuple[torch.Tensor, torch.Tensor]:
-        folder = ensure_release(self._files, self.download, self.url, Path(self.root).expanduser(), self.md5)
+        folder = self._folder()
         try:
             self.class_names = cifar.read_names(folder / cifar.CIFAR10.meta_file, cifar.CIFAR10)
         except DataError as err:
