@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from attention.errors import UserError
-from datamodules.base import BadFiles, DataError
+from datamodules.base import BadFiles, DataError, bool_option
 from datamodules.download import ensure_release
 from datamodules.formats.h5 import read_h5
 from datamodules.points.base import ArraySource, PointCloudDataModule, PointSource
@@ -56,7 +56,7 @@ class ModelNet40(PointCloudDataModule):
 
     def __init__(self, root: str, download: bool = False, url: str = HDF5_URL, md5: str | None = None, **options):
         super().__init__(root, **options)
-        self.download = bool(download)
+        self.download = bool_option("download", download)
         self.url = url
         self.md5 = md5
         self.num_classes = len(MODELNET40_CLASSES)
