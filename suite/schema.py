@@ -132,7 +132,7 @@ class DataOptions:
     batch_size: int = option(32, ge=1, note="per process")
     eval_batch_size: Optional[int] = option(16, ge=1)
     num_workers: int = option(2, ge=0)
-    on_bad_file: Literal["error", "skip"] = option(  # datamodules.options.ON_BAD_FILE (a test holds them equal)
+    on_bad_file: Literal["error", "skip"] = option(  # datamodules.base.ON_BAD_FILE (a test holds them equal)
         "skip", note="error stops at the first bad file, skip drops bad files and samples (counted)")
     batches_per_step: int = option(1, ge=1)
     val_samples: Optional[int] = option(10000, ge=1)

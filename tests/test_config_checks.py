@@ -145,7 +145,7 @@ def test_schemas_name_real_arguments():
     torch optimiser (or timm's factory), and data.on_bad_file's choices are the data modules' own."""
     import lightning as L
 
-    from datamodules.options import ON_BAD_FILE
+    from datamodules.base import ON_BAD_FILE
 
     trainer_args = inspect.signature(inspect.unwrap(L.Trainer.__init__)).parameters
     assert [f.name for f in dataclasses.fields(schema.TrainerOptions) if f.name not in trainer_args] == []
