@@ -80,9 +80,8 @@ def trainer_option_error(err: BaseException) -> UserError | None:
         return UserError(
             f"trainer.{name} is not an argument of Lightning's Trainer ({message[:-1]}). Check its spelling against "
             "https://lightning.ai/docs/pytorch/stable/common/trainer.html#trainer-class-api and fix or drop "
-            f"trainer.{name} on the command line or in configs/trainer/ (or the trainer block of the task or "
-            "experiment file that sets it); any Trainer argument is passed as e.g. "
-            "`python run.py ++trainer.max_time=00:12:00:00`."
+            f"trainer.{name} on the command line or in {where('TrainerOptions')}; any Trainer argument is passed "
+            "as e.g. `python run.py ++trainer.max_time=00:12:00:00`."
         )
     in_init = [f for f in frames(err) if f.f_code is real_init.__code__]
     option = named_option(message, arguments, LIGHTNING_WORDS)
@@ -93,15 +92,13 @@ def trainer_option_error(err: BaseException) -> UserError | None:
         return None
     if option is None:
         return UserError(
-            f"Lightning's Trainer refused the trainer options: {message} Fix the trainer options on the command "
-            "line or in configs/trainer/ (or the trainer block of the task or experiment file that sets them); "
-            "`python run.py --cfg job` prints them as composed."
+            f"Lightning's Trainer refused the trainer options: {message} Fix them on the command line or in "
+            f"{where('TrainerOptions')}; `python run.py --cfg job` prints them as composed."
         )
     given = f"={in_init[0].f_locals[option]!r}" if in_init and option in in_init[0].f_locals else ""
     return UserError(
         f"Lightning's Trainer refused trainer.{option}{given}: {message} Fix trainer.{option} on the command line "
-        f"or in configs/trainer/ (or the trainer block of the task or experiment file that sets it), e.g. "
-        f"`python run.py trainer.{option}={example('TrainerOptions', option)}`."
+        f"or in {where('TrainerOptions')}, e.g. `python run.py trainer.{option}={example('TrainerOptions', option)}`."
     )
 
 
@@ -119,8 +116,8 @@ def optimizer_option_error(err: BaseException) -> UserError | None:
         return UserError(
             f"torch.optim.{cls.__name__} takes no argument {name} ({message[:-1]}), so optim.<optimizer>.{name} "
             f"(optim.optimizer.{name}; task=gan: optim.generator.{name} / optim.discriminator.{name}) cannot be "
-            f"passed to it. Drop it, or pick an optimiser that takes it, on the command line or in the optim "
-            f"block of configs/task/<task>.yaml, e.g. `python run.py ~optim.optimizer.{name}`."
+            f"passed to it. Drop it, or pick an optimiser that takes it, on the command line or in "
+            f"{where('OptimizerOptions')}, e.g. `python run.py ~optim.optimizer.{name}`."
         )
     # The outermost torch.optim constructor on the way: the optimiser being built (AdamW, whose __init__ calls Adam's).
     optim_dir = torch.optim.__file__.rsplit("/", 1)[0] + "/"
@@ -139,8 +136,8 @@ def optimizer_option_error(err: BaseException) -> UserError | None:
     return UserError(
         f"torch.optim.{cls.__name__} refused {option}{given}: {message} It comes from optim.<optimizer>.{option} "
         f"(optim.optimizer.{option}; task=gan: optim.generator.{option} / optim.discriminator.{option}): fix it on "
-        f"the command line or in the optim block of configs/task/<task>.yaml (or of the experiment file that sets "
-        f"it), e.g. `python run.py optim.optimizer.{option}={example('OptimizerOptions', option)}`."
+        f"the command line or in {where('OptimizerOptions')}, e.g. "
+        f"`python run.py optim.optimizer.{option}={example('OptimizerOptions', option)}`."
     )
 
 
@@ -164,13 +161,20 @@ def named_option(message: str, arguments: list[str], words: dict[str, str] | Non
     return min(found)[1] if found else None
 
 
-def example(schema_name: str, option: str) -> str:
-    """The example value ``suite.schema`` gives for ``option`` ("<value>" where it has none)."""
+def where(options: str) -> str:
+    """Where the options of ``suite.schema``'s class ``options`` are set (its ``WHERE``)."""
+    from suite import schema
+
+    return getattr(schema, options).WHERE
+
+
+def example(options: str, option: str) -> str:
+    """The example value ``suite.schema``'s class ``options`` gives for ``option`` ("<value>" where it has none)."""
     import dataclasses
 
     from suite import schema
 
-    for field in dataclasses.fields(getattr(schema, schema_name)):
+    for field in dataclasses.fields(getattr(schema, options)):
         if field.name == option:
             return str(field.metadata["example"])
     return "<value>"
