@@ -92,7 +92,7 @@ class OptimizerOptions:
     weight_decay: float = option(1.0e-4, ge=0)
     betas: tuple[float, float] = option("[0.9,0.999]", ge=0, lt=1)
     eps: float = option(1.0e-8, ge=0)
-    nesterov: bool = option("true")
+    nesterov: bool = option("false", note="true needs momentum > 0 and dampening 0")
     amsgrad: bool = option("true")
     opt: str = option("adamw", note="timm's optimiser name")
 
