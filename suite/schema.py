@@ -208,8 +208,8 @@ def describe(tp: Any, meta: Mapping) -> str:
     if origin in (Union, types.UnionType):
         literals = [a for arg in args if typing.get_origin(arg) is Literal for a in typing.get_args(arg)]
         numbers = float in args  # a float option takes ints too: say "a number" once
-        parts = [describe(arg, meta) for arg in args
-                 if typing.get_origin(arg) is not Literal and not (numbers and arg is int)]
+        parts = [part for arg in args if typing.get_origin(arg) is not Literal and not (numbers and arg is int)
+                 for part in (("true", "false") if arg is bool else (describe(arg, meta),))]
         if literals:
             parts.insert(0, "one of " + ", ".join(repr(a) for a in literals))
         return ", ".join(parts[:-1]) + " or " + parts[-1] if len(parts) > 1 else parts[0]
