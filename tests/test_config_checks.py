@@ -79,7 +79,7 @@ def test_checkpoint_that_is_no_torch_file_is_named(env, absent_data, tmp_path): 
     (["trainer.precision=99"], ["trainer.precision=99", "'bf16-mixed'"]),
     (["++trainer.accumulate_grad_batches=0"], ["trainer.accumulate_grad_batches=0", ">= 1"]),
     (["trainer.gradient_clip_val=-1.0"], ["trainer.gradient_clip_val=-1.0", "a number >= 0"]),
-    (["trainer.enable_progress_bar=maybe"], ["trainer.enable_progress_bar='maybe'", "true or false"]),
+    (["trainer.enable_progress_bar=maybe"], ["trainer.enable_progress_bar='maybe'", "true, false or null"]),
     (["++trainer.gradient_clip_algorithm=sum"], ["trainer.gradient_clip_algorithm='sum'", "'value', 'norm'"]),
     (["trainer=ddp", "trainer.num_nodes=0"], ["trainer.num_nodes=0"]),
     (["optim.optimizer.lr=-1"], ["optim.optimizer.lr=-1", "a number > 0", "configs/task/"]),
