@@ -1,6 +1,6 @@
 """Start-up checks of the composed config: impossible combinations caught before any data is read.
 
-Each check raises a UserError naming the options involved. run.py calls
+Each check raises a UserError naming the options involved. ``suite.compose`` calls
 :func:`validate_config` right after composing the config; a task class may add
 its own checks as a ``check_config(cfg)`` static/class method (called here too).
 
@@ -19,7 +19,6 @@ its own checks as a ``check_config(cfg)`` static/class method (called here too).
 from __future__ import annotations
 
 from collections.abc import Iterable
-
 from pathlib import Path
 
 from hydra.utils import get_class
