@@ -59,15 +59,17 @@ class LastCheckpoint(ModelCheckpoint):
             self._save_final(trainer)
 
     def _save_final(self, trainer: L.Trainer) -> None:
-        """Save unless nothing was trained since the last save (or this is a ``fast_dev_run``), then say where."""
+        """Save unless nothing was trained since the last save (or this is a ``fast_dev_run``), then say where.
+        Every rank takes part (the save ends with a barrier): Lightning calls these hooks on all of them, and on a
+        SIGTERM all ranks stop together."""
         if trainer.fast_dev_run or trainer.sanity_checking:
             return
         path = Path(self.format_checkpoint_name({}, LAST))
-        if self._last_global_step_saved != trainer.global_step or not path.is_file():
+        if self._last_global_step_saved != trainer.global_step:  # the same decision on every rank
             # Lightning's own save: through the checkpoint IO, and loggers (W&B) told of it.
             self._save_checkpoint(trainer, str(path))
             self.last_model_path = str(path)
-        if trainer.is_global_zero:
+        if trainer.is_global_zero and path.is_file():  # a run that took no step has nothing to keep
             log.info("last checkpoint: %s (step %d)", path, trainer.global_step)
 
 

@@ -2,7 +2,7 @@
 
 ``metrics.json`` keeps every final metric (``train/*``, ``val/*``, ``test/*``) and gains:
 
-- ``wall_time_s``: seconds from the start of ``run.py``'s run to the end of testing (data set-up included);
+- ``wall_time_s``: seconds from the start of the run (``suite/train.py``) to the end of testing (data set-up included);
 - ``peak_memory_bytes`` with ``peak_memory_source``: CUDA's ``torch.cuda.max_memory_allocated`` when the run
   used a GPU (reset when the run starts), else the process's peak resident set size (``getrusage``; in a local
   multirun, where the jobs share one process, the peak so far);

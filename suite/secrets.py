@@ -12,7 +12,7 @@ put tokens in configs by mistake. :func:`redact` returns a copy of a config
   containing KEY, TOKEN, SECRET, PASSWORD, PASSWD or CREDENTIAL, values of at
   least 8 characters) has it replaced by ``<redacted:$NAME>``.
 
-run.py applies it to the saved ``resolved_config.yaml``, the hyper-parameters
+A run (``suite/compose.py``) applies it to the saved ``resolved_config.yaml``, the hyper-parameters
 logged to W&B and stored in checkpoints, and Hydra's ``.hydra/*.yaml`` files;
 the W&B logger starts its run under :func:`scrubbed_argv`, since wandb records
 the command line.

@@ -72,7 +72,7 @@ class ImageClassification(Task):
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        """Before any data is read (run.py): Mixup/CutMix pair each image with another of its batch."""
+        """Before any data is read (suite/validate.py): Mixup/CutMix pair each image with another of its batch."""
         mixup, batch = (cfg.task.get("mixup") or {}), cfg.data.get("batch_size")
         if mixup.get("enabled", True) and isinstance(batch, int) and batch % 2:
             raise UserError(f"Mixup/CutMix (task.mixup) needs an even batch: data.batch_size={batch}. Use an even "
@@ -216,7 +216,7 @@ class ImageClassification(Task):
 
     # -- optimisation -----------------------------------------------------------------------------------------
     def configure_optimizers(self):
-        optim = self.hparams.optim  # run.py has applied optim.scale_lr to these by now
+        optim = self.hparams.optim  # the runtime has applied optim.scale_lr to these by now
         optimizer = instantiate(optim["optimizer"])(self.net)
         if not optim.get("scheduler"):
             return optimizer
