@@ -10,7 +10,7 @@ Part segmentation (samples ``{"points", "parts", "category"[, "normals"]}``, see
 :class:`ShapeNetPartPyG`, ``parts`` -> :class:`Parts`.
 
 Image generation (training split in memory, batches ``{"image", "label"}``, see
-:mod:`datamodules.images`): ``digits`` -> :class:`Digits`, ``cifar10`` ->
+:mod:`datamodules.generation`): ``digits`` -> :class:`Digits`, ``cifar10`` ->
 :class:`CIFAR10`, ``image_folder`` -> :class:`ImageFolder` (base :class:`ImageDataModule`).
 
 Image classification (batches ``{"image", "label"}``, see :mod:`datamodules.classification`):
