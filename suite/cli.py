@@ -14,7 +14,7 @@ from datetime import datetime
 from pathlib import Path
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-GROUPS = ("task", "attn", "data", "model", "trainer", "logger", "experiment")
+GROUPS = ("mode", "task", "attn", "data", "model", "trainer", "logger", "experiment")
 
 
 def exit_with_message(message: str) -> None:
