@@ -6,8 +6,37 @@ import inspect
 
 from .errors import UserError
 
-_REGISTRY: dict[str, type] = {}
 COMPLEXITIES = ("linear", "quadratic")  # a mixer's ``complexity``: how its cost grows with N (attention/base.py)
+
+
+class Registry:
+    """Name -> class, filled by a class decorator; one kind of thing per registry (mixers here, backbones in
+    ``tasks/nets/backbones/registry.py``). ``what`` names the kind in messages, ``option`` the config option
+    that picks one and ``example`` a command that does."""
+
+    def __init__(self, what: str, option: str, example: str):
+        self.what, self.option, self.example = what, option, example
+        self.classes: dict[str, type] = {}
+
+    def add(self, name: str, cls: type) -> None:
+        """Register ``cls`` as ``name``; two modules claiming one name are a bug, so it raises."""
+        if name in self.classes and self.classes[name] is not cls:
+            raise KeyError(f"{self.what} {name!r} is registered twice "
+                           f"({self.classes[name].__module__} and {cls.__module__}).")
+        self.classes[name] = cls
+
+    def names(self) -> list[str]:
+        """Registered names, sorted."""
+        return sorted(self.classes)
+
+    def get(self, name: str) -> type:
+        if name not in self.classes:
+            raise UserError(f"Unknown {self.what} {name!r} ({self.option}). "
+                            f"Available: {', '.join(self.names())}. Pick one with e.g. `{self.example}`.")
+        return self.classes[name]
+
+
+MIXERS = Registry("attention variant", "option `attn`", "attn=external")
 
 
 def register(name: str):
@@ -21,11 +50,8 @@ def register(name: str):
         if getattr(cls, "complexity", None) not in COMPLEXITIES:
             raise ValueError(f"attention variant {name!r} ({cls.__module__}) declares complexity="
                              f"{getattr(cls, 'complexity', None)!r}; expected one of {', '.join(COMPLEXITIES)}.")
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise KeyError(f"attention variant {name!r} is registered twice "
-                           f"({_REGISTRY[name].__module__} and {cls.__module__}).")
+        MIXERS.add(name, cls)
         cls.name = name
-        _REGISTRY[name] = cls
         return cls
 
     return deco
@@ -33,14 +59,11 @@ def register(name: str):
 
 def names() -> list[str]:
     """Registered variant names, sorted."""
-    return sorted(_REGISTRY)
+    return MIXERS.names()
 
 
 def get(name: str) -> type:
-    if name not in _REGISTRY:
-        raise UserError(f"Unknown attention variant {name!r} (option `attn`). "
-                        f"Available: {', '.join(names())}. Pick one with e.g. `attn=external`.")
-    return _REGISTRY[name]
+    return MIXERS.get(name)
 
 
 def options(name: str) -> dict[str, object]:

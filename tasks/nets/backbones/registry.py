@@ -16,11 +16,12 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from attention.errors import UserError
+from attention.registry import Registry
 
 from .common import merge_spec
 
 MODEL_CONFIGS = Path(__file__).resolve().parents[3] / "configs" / "model"
-_REGISTRY: dict[str, type] = {}
+BACKBONES = Registry("model", "option `model`, or model.backbone in task=segmentation", "model=focal_t")
 
 
 def register(*model_names: str):
@@ -29,10 +30,7 @@ def register(*model_names: str):
 
     def deco(cls):
         for name in model_names:
-            if name in _REGISTRY and _REGISTRY[name] is not cls:
-                raise KeyError(f"backbone {name!r} is registered twice ({_REGISTRY[name].__module__} and "
-                               f"{cls.__module__}).")
-            _REGISTRY[name] = cls
+            BACKBONES.add(name, cls)
         return cls
 
     return deco
@@ -40,14 +38,11 @@ def register(*model_names: str):
 
 def names() -> list[str]:
     """Registered model names, sorted."""
-    return sorted(_REGISTRY)
+    return BACKBONES.names()
 
 
 def get(name: str) -> type:
-    if name not in _REGISTRY:
-        raise UserError(f"Unknown model {name!r} (option `model`, or model.backbone in task=segmentation). "
-                        f"Available: {', '.join(names())}. Pick one with e.g. `model=focal_t`.")
-    return _REGISTRY[name]
+    return BACKBONES.get(name)
 
 
 @functools.lru_cache(maxsize=None)
