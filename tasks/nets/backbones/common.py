@@ -164,6 +164,25 @@ class Backbone(nn.Module):
         return {name for name, _ in self.named_parameters()
                 if name.split(".")[-1] in ("pos_embed", "cls_token") or "relative_position_bias_table" in name}
 
+    def _resolve_class_token(self, class_token, attn: Mapping, tokens: str) -> bool:
+        """``model.class_token`` as a bool: ``auto`` is a class token unless the variant needs the token grid
+        (a grid-only local mixer), where a class token has no place; ``true`` with such a variant is refused."""
+        grid_only = "none" not in attention.get(attn["name"]).layouts
+        if class_token == "auto":
+            return not grid_only
+        if class_token and grid_only:
+            raise UserError(f"model.class_token=true cannot be used with attn={attn['name']}: the variant needs the "
+                            f"{tokens} grid and a class token has no place on it. Set model.class_token=auto or false.")
+        return bool(class_token)
+
+    def _add_head(self, widths: Sequence[int], strides: Sequence[int], num_classes: int, eps: float = 1e-5) -> None:
+        """The final norm and the classifier (``nn.Identity`` when ``num_classes == 0``), and the feature maps'
+        channels and strides (one per stage); created in this order, as the papers' code does, so that seeded
+        initialisations stay the same."""
+        self.norm = nn.LayerNorm(widths[-1], eps=eps)
+        self.head = nn.Linear(widths[-1], num_classes) if num_classes > 0 else nn.Identity()
+        self.feature_channels, self.feature_strides, self.num_features = list(widths), list(strides), widths[-1]
+
     def check_input(self, h: int, w: int) -> None:
         """Raise ``UserError`` if an h x w image cannot be taken (naming ``data.img_size`` and valid sizes)."""
         d = self.size_divisor

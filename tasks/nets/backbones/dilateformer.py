@@ -103,11 +103,7 @@ class DilateFormer(Backbone):
                 for j in range(depth))))
             self.downsamples.append(nn.Sequential(nn.Conv2d(dim, 2 * dim, 3, 2, 1), nn.BatchNorm2d(2 * dim))
                                     if i < n - 1 else nn.Identity())
-        self.norm = nn.LayerNorm(widths[-1], eps=1e-6)
-        self.head = nn.Linear(widths[-1], num_classes) if num_classes > 0 else nn.Identity()
-        self.feature_channels = widths
-        self.feature_strides = [4 * 2 ** i for i in range(n)]
-        self.num_features = widths[-1]
+        self._add_head(widths, [4 * 2 ** i for i in range(n)], num_classes, eps=1e-6)
         self.apply(self._init_weights)
 
     @staticmethod

@@ -105,12 +105,7 @@ class EAMLP(Backbone):
         super().__init__()
         self.model_name, self.pad = name, bool(pad)
         self.size_divisor = self.min_size = 16
-        grid_only = "none" not in attention.get(attn["name"]).layouts
-        if class_token == "auto":
-            class_token = not grid_only
-        elif class_token and grid_only:
-            raise UserError(f"model.class_token=true cannot be used with attn={attn['name']}: the variant needs the "
-                            f"token grid and a class token has no place on it. Set model.class_token=auto or false.")
+        class_token = self._resolve_class_token(class_token, attn, "token")
         self.tokens_to_token = TokensToToken(in_chans, embed_dim, token_dim, token_memory)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if class_token else None
         self.num_prefix = int(bool(class_token))
@@ -131,9 +126,7 @@ class EAMLP(Backbone):
                 mixer = make_mixer(attn, embed_dim, heads, model=name, stage=f"block {i + 1}", layout=layout)
             blocks.append(Block(embed_dim, mixer, mlp_ratio, rates[i]))
         self.blocks = nn.ModuleList(blocks)
-        self.norm = nn.LayerNorm(embed_dim)
-        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
-        self.feature_channels, self.feature_strides, self.num_features = [embed_dim], [16], embed_dim
+        self._add_head([embed_dim], [16], num_classes)
         if self.cls_token is not None:
             trunc_normal_(self.cls_token, std=0.02)
         for m in self.modules():

@@ -107,11 +107,7 @@ class FocalTransformer(Backbone):
                 self.downsamples.append(ConvEmbed(dim, 2 * dim, 3, 2, 1))
             else:
                 self.downsamples.append(ConvEmbed(dim, 2 * dim, 2, 2))
-        self.norm = nn.LayerNorm(widths[-1])
-        self.head = nn.Linear(widths[-1], num_classes) if num_classes > 0 else nn.Identity()
-        self.feature_channels = widths
-        self.feature_strides = [4 * 2 ** i for i in range(n)]
-        self.num_features = widths[-1]
+        self._add_head(widths, [4 * 2 ** i for i in range(n)], num_classes)
         self.apply(self._init_weights)
 
     @staticmethod

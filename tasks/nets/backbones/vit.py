@@ -28,7 +28,6 @@ from einops import rearrange
 from timm.layers import resample_abs_pos_embed, trunc_normal_
 from torch import nn
 
-import attention
 from attention.errors import UserError
 
 from .common import Backbone, Block, drop_path_rates, make_mixer
@@ -51,12 +50,7 @@ class VisionTransformer(Backbone):
             raise UserError(f"data.img_size={img_size} is not a multiple of model={name}'s patch size {patch_size}; "
                             f"use {max(patch_size, img_size // patch_size * patch_size)} or "
                             f"{-(-img_size // patch_size) * patch_size}.")
-        grid_only = "none" not in attention.get(attn["name"]).layouts
-        if class_token == "auto":
-            class_token = not grid_only
-        elif class_token and grid_only:
-            raise UserError(f"model.class_token=true cannot be used with attn={attn['name']}: the variant needs the "
-                            f"patch grid and a class token has no place on it. Set model.class_token=auto or false.")
+        class_token = self._resolve_class_token(class_token, attn, "patch")
         self.patch_embed = nn.Conv2d(in_chans, embed_dim, patch_size, stride=patch_size)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if class_token else None
         self.num_prefix = int(bool(class_token))
@@ -69,9 +63,7 @@ class VisionTransformer(Backbone):
                                         layout="none" if class_token else "grid"),
                   mlp_ratio, rates[i], norm_layer=lambda d: nn.LayerNorm(d, eps=1e-6))
             for i in range(depth))
-        self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
-        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
-        self.feature_channels, self.feature_strides, self.num_features = [embed_dim], [patch_size], embed_dim
+        self._add_head([embed_dim], [patch_size], num_classes, eps=1e-6)
         self._init_weights()
 
     def _init_weights(self):
