@@ -1,2 +1,3 @@
-"""The runtime that runs any task: composing a run, training and testing it, checkpoints, resume, guards,
-loggers, redaction, validation, summaries, sweeps and reports. What is trained lives in ``tasks/``."""
+"""The runtime that runs any task: the command line before Hydra (cli), composing a run (compose), training and
+testing it (train), checkpoints (checkpoints, checkpoint_io), resume, guards, loggers, redaction, validation
+(validate, schema), summaries, sweeps and reports. What is trained lives in ``tasks/``."""

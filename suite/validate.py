@@ -2,7 +2,7 @@
 
 Each check raises a UserError naming the options involved. ``suite.compose`` calls
 :func:`validate_config` right after composing the config; a task class may add
-its own checks as a ``check_config(cfg)`` static/class method (called here too).
+its own checks as a ``check_config(cfg)`` classmethod (``tasks/base.py``s Task; called here too).
 
 - an attention option given on the command line that the task's layout ignores
   (``attn.expand_size=5`` on a point-cloud task: focal's expand band exists on
@@ -40,10 +40,9 @@ def validate_config(cfg: DictConfig, overrides: Iterable[str]) -> None:
     check_option_types(cfg)
     check_checkpoint_format(cfg.get("ckpt_path"))
     task_cls = get_class(cfg.task._target_)
-    check_layout_options(cfg, overrides, getattr(task_cls, "layout", None))
+    check_layout_options(cfg, overrides, task_cls.layout)
     check_eval_sizes(cfg)
-    if hasattr(task_cls, "check_config"):
-        task_cls.check_config(cfg)
+    task_cls.check_config(cfg)
 
 
 def check_option_types(cfg: DictConfig) -> None:

@@ -360,12 +360,9 @@ def test_protocol_per_task():
 
 
 def test_report_runs_with_commas_become_a_list():
-    import importlib.util
+    from suite.cli import quote_report_runs
 
-    spec = importlib.util.spec_from_file_location("run_py", ROOT / "run.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert module.quote_report_runs(["report.runs=/a/b,/c d/e:1", "attn=self,offset", "report.runs=[x]"]) == [
+    assert quote_report_runs(["report.runs=/a/b,/c d/e:1", "attn=self,offset", "report.runs=[x]"]) == [
         "report.runs=['/a/b','/c d/e:1']", "attn=self,offset", "report.runs=[x]"]
 
 
