@@ -2,7 +2,7 @@
 
 Each check raises a UserError naming the options involved. ``suite.compose`` calls
 :func:`validate_config` right after composing the config; a task class may add
-its own checks as a ``check_config(cfg)`` classmethod (``tasks/base.py``s Task; called here too).
+its own checks as a ``check_config(cfg)`` classmethod of ``tasks.base.Task`` (called here too).
 
 - an attention option given on the command line that the task's layout ignores
   (``attn.expand_size=5`` on a point-cloud task: focal's expand band exists on
