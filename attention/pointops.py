@@ -8,18 +8,26 @@ operations PCT and the local variants need are written here; both run under
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
 @torch.no_grad()
-def farthest_point_sample(xyz: torch.Tensor, m: int, start: int | torch.Tensor = 0) -> torch.Tensor:
+def farthest_point_sample(xyz: torch.Tensor, m: int, start: int | torch.Tensor = 0,
+                          like_kernel: bool = False) -> torch.Tensor:
     """Indices (B, m) of m points picked by farthest point sampling, from point ``start``.
 
     ``start`` is one index for every sample, or a (B,) LongTensor of one start
     per sample (e.g. a point chosen by geometry, so that the result does not
-    depend on the order of the points). A deterministic start (the reference
-    code draws it at random) keeps evaluation reproducible; the data pipeline
-    shuffles points during training.
+    depend on the order of the points). Ties go to the lowest index.
+
+    ``like_kernel=True`` gives what pointnet2_ops' CUDA kernel
+    (``furthest_point_sampling_kernel`` in ``sampling_gpu.cu``, which PCT_Pytorch
+    calls) returns, index for index: it starts at point 0, never picks nor
+    updates a point whose squared norm is <= 1e-3 (such points are skipped; if
+    only they remain, it picks point 0 again), and breaks ties as its block
+    reduction does (see :func:`kernel_order`). ``start`` must then be 0.
     """
     b, n, _ = xyz.shape
     if not 1 <= m <= n:
@@ -34,12 +42,41 @@ def farthest_point_sample(xyz: torch.Tensor, m: int, start: int | torch.Tensor =
         farthest = start.to(xyz.device)
     else:
         farthest = torch.full((b,), start, dtype=torch.long, device=xyz.device)
+    if like_kernel:
+        if not (isinstance(start, int) and start == 0):
+            raise ValueError("farthest_point_sample: like_kernel=True starts at point 0, as the CUDA kernel does.")
+        # The kernel's tie order becomes "first maximum" (argmax's rule) on points permuted by kernel_order;
+        # skipped points hold -1, below every real distance, so they win only when nothing else is left,
+        # and then the first of the order (point 0), as the kernel's besti = 0.
+        order = kernel_order(n, xyz.device)  # (N,), order[0] == 0
+        xyz = xyz[:, order]  # (B, N, 3)
+        dist = torch.where(xyz.square().sum(-1) > KERNEL_MIN_SQUARED_NORM, 1e10, -1.0).to(xyz.dtype)  # (B, N)
     for i in range(m):
         idx[:, i] = farthest
         centre = xyz[batch, farthest].unsqueeze(1)  # (B, 1, 3)
-        dist = torch.minimum(dist, (xyz - centre).square().sum(-1))  # (B, N)
+        dist = torch.minimum(dist, (xyz - centre).square().sum(-1))  # (B, N); skipped stay -1
         farthest = dist.argmax(-1)
-    return idx
+    return order[idx] if like_kernel else idx
+
+
+# pointnet2_ops' FPS kernel: points with squared norm <= this are never sampled (``if (mag <= 1e-3) continue``).
+KERNEL_MIN_SQUARED_NORM = 1e-3
+
+
+def kernel_order(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The order (N,) in which pointnet2_ops' FPS kernel prefers tied points: the first of it wins a tie.
+
+    The kernel runs T = 2^floor(log2 N) threads (at most 512, ``opt_n_threads``); thread t scans points
+    t, t + T, ... keeping the first maximum, then a tree reduction halves the threads, the lower half
+    winning ties (``__update``), so the last halving (stride 1) decides on bit 0 of t, the one before on
+    bit 1, and so on: among tied threads, the one whose bits read backwards are smallest wins.
+    """
+    threads = max(min(1 << int(math.log(n) / math.log(2.0)), 512), 1)  # the kernel's double arithmetic
+    bits = threads.bit_length() - 1
+    k = torch.arange(n)
+    t = k % threads
+    reversed_t = sum(((t >> i) & 1) << (bits - 1 - i) for i in range(bits)) if bits else torch.zeros_like(t)
+    return torch.argsort(reversed_t * n + k).to(device)  # key (bit-reversed thread, index)
 
 
 def square_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -71,3 +71,77 @@ def test_fps_per_sample_start():
         farthest_point_sample(xyz, 8, torch.tensor([1, 2]))
     with pytest.raises(ValueError, match="start"):
         farthest_point_sample(xyz, 8, torch.tensor([1.0, 2.0, 3.0]))
+
+
+def fps_kernel_reference(xyz: np.ndarray, m: int) -> list[int]:
+    """pointnet2_ops' ``furthest_point_sampling_kernel`` simulated thread by thread, in float64.
+
+    T threads (``opt_n_threads``: 2^floor(log2 n), at most 512); thread t scans points t, t+T, ...,
+    skipping points of squared norm <= 1e-3 and keeping its first maximum (best starts at -1, besti at 0);
+    then the shared-memory tree reduction with strides T/2, ..., 1, where slot i takes slot i+s's pair
+    only if its distance is strictly larger.
+    """
+    n = len(xyz)
+    threads = max(min(1 << int(np.log(n) / np.log(2.0)), 512), 1)
+    temp = [1e10] * n
+    idxs, old = [0], 0
+    for _ in range(1, m):
+        dists, dists_i = [], []
+        for t in range(threads):
+            best, besti = -1.0, 0
+            for k in range(t, n, threads):
+                if float(np.sum(xyz[k] ** 2)) <= 1e-3:
+                    continue
+                d = float(np.sum((xyz[k] - xyz[old]) ** 2))
+                temp[k] = min(d, temp[k])
+                if temp[k] > best:
+                    best, besti = temp[k], k
+            dists.append(best)
+            dists_i.append(besti)
+        s = threads // 2
+        while s >= 1:
+            for i in range(s):
+                if dists[i + s] > dists[i]:
+                    dists[i], dists_i[i] = dists[i + s], dists_i[i + s]
+            s //= 2
+        old = dists_i[0]
+        idxs.append(old)
+    return idxs
+
+
+@pytest.mark.parametrize("n,m", [(40, 12), (100, 30), (600, 20)])
+def test_fps_like_kernel_matches_the_cuda_kernel(n, m):
+    g = torch.Generator().manual_seed(n)
+    xyz = torch.rand(2, n, 3, generator=g, dtype=torch.float64) * 2 - 1
+    xyz[:, 3] = 0.01  # squared norm 3e-4: skipped by the kernel
+    xyz[:, 0] = 0.0  # the start is taken even at the origin
+    idx = farthest_point_sample(xyz, m, like_kernel=True)
+    for b in range(2):
+        want = fps_kernel_reference(xyz[b].numpy(), m)
+        assert idx[b].tolist() == want
+        assert 3 not in want
+
+
+def test_fps_like_kernel_breaks_ties_as_the_kernel():
+    # 8 points: 8 threads, so thread t holds point t; points 3, 5 and 6 tie for farthest from point 0.
+    # The reduction prefers threads by their bits read backwards: 6 (011) < 5 (101) < 3 (110).
+    xyz = torch.zeros(1, 8, 3, dtype=torch.float64)
+    xyz[0, :, 0] = torch.tensor([0.5, 0.6, 0.7, 2.0, 0.8, 2.0, 2.0, 0.9])
+    xyz[0, :, 1] = 1.0
+    assert fps_kernel_reference(xyz[0].numpy(), 2) == [0, 6]
+    assert farthest_point_sample(xyz, 2, like_kernel=True).tolist() == [[0, 6]]
+    assert farthest_point_sample(xyz, 2).tolist() == [[0, 3]]  # plain: the lowest index
+
+
+def test_fps_like_kernel_with_only_near_origin_points_left_repeats_point_0():
+    xyz = torch.zeros(1, 6, 3, dtype=torch.float64)
+    xyz[0, 2] = torch.tensor([1.0, 0.0, 0.0])
+    assert fps_kernel_reference(xyz[0].numpy(), 4) == [0, 2, 2, 2]  # point 2 at distance 0 still beats -1
+    assert farthest_point_sample(xyz, 4, like_kernel=True).tolist() == [[0, 2, 2, 2]]
+    line = torch.tensor([[[1.0, 0, 0], [0.02, 0, 0], [-1.0, 0, 0]]], dtype=torch.float64)
+    assert fps_kernel_reference(line[0].numpy(), 3) == [0, 2, 0]
+    assert farthest_point_sample(line, 3, like_kernel=True).tolist() == [[0, 2, 0]]
+    assert farthest_point_sample(line, 3).tolist() == [[0, 2, 1]]  # the plain rule takes the point near 0
+    assert farthest_point_sample(torch.zeros(1, 5, 3), 3, like_kernel=True).tolist() == [[0, 0, 0]]
+    with pytest.raises(ValueError, match="starts at point 0"):
+        farthest_point_sample(xyz, 2, start=1, like_kernel=True)
