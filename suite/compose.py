@@ -10,19 +10,23 @@
 4. the start-up checks (``suite/validate.py`` and the task's ``check_config``), before any data is read;
 5. the data module, set up for the run's stage, so that a missing data set is reported before any weights are
    fetched;
-6. the task, given what it asks for by name from the data module (``num_classes``, ``category_parts``, ...).
+6. the task, given what it asks for by name from the data module (``num_classes``, ``category_parts``, ...),
+   then the published weights its ``weights_options`` name (``model.weights=PATH``, ...), if given.
 
 ``benchmarks/throughput.py`` builds its data and task through :func:`build_datamodule` and :func:`build_task` too.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -102,6 +106,12 @@ def build_task(config: dict, datamodule):
     task = {k: v for k, v in config["task"].items() if k != "name"}
     wanted = inspect.signature(get_class(task["_target_"])).parameters
     from_data = {k: getattr(datamodule, k) for k in wanted if k not in task and hasattr(datamodule, k)}
+    # Published weights are loaded after the networks are built; the networks never see these options.
+    options = get_class(task["_target_"]).weights_options
+    model = {k: v for k, v in config["model"].items() if k not in options}
     # _recursive_=False: the optimisers are built by the module, from its optim config.
-    return instantiate(task, **from_data, model=config["model"], attn=config["attn"], optim=config["optim"],
-                       monitor=config["monitor"], _convert_="all", _recursive_=False)
+    module = instantiate(task, **from_data, model=model, attn=config["attn"], optim=config["optim"],
+                         monitor=config["monitor"], _convert_="all", _recursive_=False)
+    for option, layout in module.load_weights({k: config["model"].get(k) for k in options}).items():
+        log.info("model.%s: loaded %s (%s key layout)", option, config["model"][option], layout)
+    return module

@@ -46,11 +46,17 @@ def data_name(config: dict) -> str:
 
 
 def checkpoint_choice(config: dict, tested: str | None) -> str:
-    """Which weights were tested: ``best <monitor> (<max|min>)``, ``last``, or ``file <name>``."""
+    """Which weights were tested: ``best <monitor> (<max|min>)``, ``last``, ``file <name>``, or ``weights
+    <name>`` (published weights given as ``model.weights`` / ``model.g_weights``, tested without a checkpoint)."""
     monitor = config.get("monitor") or {}
     name = Path(tested).name if tested else ""
     if not name and config.get("mode", "train") != "train" and config.get("ckpt_path"):
         name = Path(str(config["ckpt_path"])).name
+    model = config.get("model") or {}
+    weights = model.get("g_ema_weights") or model.get("g_weights") or model.get("weights")
+    if not name and config.get("mode", "train") != "train" and weights and (config.get("task") or {}).get(
+            "name") != "segmentation":  # segmentation's model.weights is an ImageNet backbone, not a tested model
+        return f"weights {Path(str(weights)).name}"
     if name.startswith("best"):
         return f"best {monitor.get('metric')} ({monitor.get('mode')})"
     if not name or name.startswith(("last", "hpc_ckpt")):

@@ -83,10 +83,13 @@ def fit_and_test(cfg: DictConfig, composed, out_dir: Path, started: float) -> di
     ckpt = cfg.get("ckpt_path")
     if cfg.mode == "train" or ckpt == "last":
         ckpt = resume_checkpoint(ckpt, cfg.mode == "train" and bool(cfg.get("resume")), out_dir)
-    if (cfg.mode in ("test", "eval") or ckpt) and not (ckpt and Path(ckpt).is_file()):
+    # Published weights (model.weights=PATH, loaded when the task was built) are a model to test on their own.
+    weights = [f"model.{k}" for k in type(module).weights_options if config["model"].get(k)]
+    if (ckpt or (cfg.mode in ("test", "eval") and not weights)) and not (ckpt and Path(ckpt).is_file()):
         raise UserError(f"mode={cfg.mode} needs an existing checkpoint: ckpt_path={ckpt!r} is "
                         f"{'not set' if not ckpt else 'not a file'}. Pass e.g. "
-                        "`ckpt_path=outputs/.../checkpoints/last.ckpt`.")
+                        "`ckpt_path=outputs/.../checkpoints/last.ckpt`, or published weights with "
+                        "`model.weights=PATH` (the GAN: model.g_weights=PATH).")
     identity = {"task": cfg.task.name, "attn": config["attn"]}
     if ckpt:
         check_checkpoint(ckpt, identity)

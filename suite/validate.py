@@ -13,7 +13,9 @@ its own checks as a ``check_config(cfg)`` classmethod of ``tasks.base.Task`` (ca
 - ``trainer.on_nan`` not one of stop | skip | off;
 - a trainer, optim or data option of the wrong type or out of range (``trainer.max_epochs=abc``,
   ``optim.optimizer.lr=-1``, ``data.num_workers=-1``), against the schemas of ``suite.schema``;
-- ``ckpt_path`` a file that is no torch checkpoint at all (``ckpt_path=/etc/passwd``).
+- ``ckpt_path`` a file that is no torch checkpoint at all (``ckpt_path=/etc/passwd``);
+- a weights file of the task's ``weights_options`` (``model.weights=PATH``) that does not exist or is no torch
+  file (whether its tensors fit the network is checked when they are loaded, after the data).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def validate_config(cfg: DictConfig, overrides: Iterable[str]) -> None:
     check_option_types(cfg)
     check_checkpoint_format(cfg.get("ckpt_path"))
     task_cls = get_class(cfg.task._target_)
+    check_weights_files(cfg, task_cls.weights_options)
     check_layout_options(cfg, overrides, task_cls.layout)
     check_eval_sizes(cfg)
     task_cls.check_config(cfg)
@@ -70,6 +73,24 @@ def check_checkpoint_format(ckpt_path) -> None:
 
     if ckpt_path and ckpt_path != "last" and Path(ckpt_path).is_file():
         check_torch_file(ckpt_path, f"ckpt_path={ckpt_path}")
+
+
+def check_weights_files(cfg: DictConfig, options: Iterable[str]) -> None:
+    from suite.checkpoint_io import check_torch_file
+
+    for option in options:
+        path = (cfg.get("model") or {}).get(option)
+        if path and not Path(str(path)).is_file():
+            raise UserError(f"model.{option}={path} is not a file: pass the path of a weights file (a published "
+                            f"checkpoint or a state dict of the network), or drop model.{option}.")
+        if path:
+            try:
+                check_torch_file(str(path), f"model.{option}={path}")
+            except UserError:
+                raise UserError(f"model.{option}={path} is not a PyTorch file (torch.save writes a zip archive that "
+                                "starts with b'PK'): it is truncated, corrupt or something else. Pass the released "
+                                "weights file (e.g. PCT_Pytorch's model.t7) or a state dict saved with torch.save."
+                                ) from None
 
 
 def given_options(overrides: Iterable[str], prefix: str) -> list[str]:

@@ -8,7 +8,10 @@ subclass that fills these in (nothing is looked up with ``getattr``):
 - ``check_config(cfg)``: the task's own start-up checks of the composed config, before any data is read;
 - ``summaries()``: the networks that ``mode=summary`` and the run record count, with one example input each;
 - ``ddp_find_unused_parameters``: whether DDP must look for parameters without gradients (a GAN's D update
-  leaves G out).
+  leaves G out);
+- ``weights_options``: which ``model.<option>=PATH`` loads published weights into which of its networks
+  (``{"weights": "net"}`` by default); the runtime takes these options out of ``model`` before building the
+  task and then calls :meth:`Task.load_weights` (``tasks/nets/weights.py`` reads the files).
 
 Best-so-far validation metrics are tracked here, once: the metric the run monitors (``monitor``: the
 ``metric`` and ``mode`` that select the best checkpoint) and any the task adds in ``also_best``, each logged
@@ -45,6 +48,8 @@ class Task(L.LightningModule):
     ddp_find_unused_parameters: ClassVar[bool] = False
     # Validation metrics whose best so far is logged beside the monitored one, with their direction.
     also_best: ClassVar[Mapping[str, str]] = {}
+    # model.<option> -> the attribute (dotted) of the network its weights file is loaded into.
+    weights_options: ClassVar[Mapping[str, str]] = {"weights": "net"}
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -66,6 +71,20 @@ class Task(L.LightningModule):
             best.persistent(True)  # in the checkpoint: a resumed run keeps its best so far
             setattr(self, best_attribute(metric), best)
             self.best_modes[metric] = mode
+
+    def load_weights(self, paths: Mapping[str, str | None]) -> dict[str, str]:
+        """Load each given ``model.<option>`` weights file (``paths``: option -> PATH or None) into its network;
+        returns option -> the key layout the file was in (``own`` or ``official``)."""
+        from .nets.weights import load_weights
+
+        loaded = {}
+        for option, path in paths.items():
+            if path:
+                net = self
+                for name in self.weights_options[option].split("."):
+                    net = getattr(net, name)
+                loaded[option] = load_weights(net, str(path), f"model.{option}")
+        return loaded
 
     @classmethod
     def check_config(cls, cfg) -> None:

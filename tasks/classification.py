@@ -82,6 +82,7 @@ class ImageClassification(Task):
             from omegaconf import OmegaConf
 
             model, attn = (OmegaConf.to_container(c, resolve=True) for c in (cfg.model, cfg.attn))
+            model = {k: v for k, v in model.items() if k not in cls.weights_options}
             try:
                 with torch.device("meta"):  # no weights allocated: only the sizes matter
                     net = build_backbone(model, attn, num_classes=1, img_size=size)
@@ -142,6 +143,13 @@ class ImageClassification(Task):
             raise UserError(f"task.mixup={cfg} is not valid for timm.data.Mixup ({type(err).__name__}: {err}); "
                             "its options are mixup_alpha, cutmix_alpha, cutmix_minmax, prob, switch_prob and mode "
                             "(batch, pair or elem).") from None
+
+    def load_weights(self, paths):
+        """As :meth:`Task.load_weights`; the EMA copy, made when the network was built, starts from the weights."""
+        loaded = super().load_weights(paths)
+        if loaded and self.ema is not None:
+            self.ema.module.load_state_dict(self.net.state_dict())
+        return loaded
 
     def _build_ema(self, cfg: dict):
         if not cfg["enabled"]:

@@ -102,6 +102,8 @@ def not_counted(optimizer):
 class GAN(Task):
     """SAGAN-style conditional/unconditional GAN; batches ``{"image": (B, 3, H, W) in [-1, 1], "label": (B,)}``."""
     layout = "grid"
+    # StudioGAN releases G, D and G_ema as separate files; G's weights also start the EMA unless it has its own.
+    weights_options = {"g_weights": "G", "d_weights": "D", "g_ema_weights": "G_ema.module"}
 
     # Under DDP each backward pass leaves one network without gradients (D's update does not reach G).
     ddp_find_unused_parameters = True
@@ -142,6 +144,16 @@ class GAN(Task):
                              persistent=False)
         self.register_buffer("grid_y", torch.arange(rows).repeat_interleave(grid_per_class), persistent=False)
         self.grid_per_class = grid_per_class
+
+    def load_weights(self, paths):
+        """As :meth:`Task.load_weights`; with the EMA on and no ``model.g_ema_weights``, G's file starts the EMA."""
+        if paths.get("g_ema_weights") and self.G_ema is None:
+            raise UserError("model.g_ema_weights is given but the generator EMA is off: set ema.enabled=true to "
+                            "evaluate the EMA generator, or pass the file as model.g_weights.")
+        loaded = super().load_weights(paths)
+        if "g_weights" in loaded and self.G_ema is not None and "g_ema_weights" not in loaded:
+            self.G_ema.module.load_state_dict(self.G.state_dict())
+        return loaded
 
     # -- generation -------------------------------------------------------------------------------------------
     @property

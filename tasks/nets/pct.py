@@ -22,6 +22,7 @@ parameters, the paper's 2.88M.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,10 @@ from torch import nn
 import attention
 from attention.errors import UserError
 from attention.pointops import farthest_point_sample, gather, knn
+
+from .weights import take
+
+FPS_RULES = ("kernel", "plain")
 
 
 def conv_bn(cin: int, cout: int, act: nn.Module | None = None) -> nn.Sequential:
@@ -40,14 +45,14 @@ def conv_bn(cin: int, cout: int, act: nn.Module | None = None) -> nn.Sequential:
 class SampleAndGroup(nn.Module):
     """PCT's ``sample_and_group`` + ``Local_op``: FPS centres, kNN groups, shared MLP, max over neighbours."""
 
-    def __init__(self, cin: int, cout: int, samples: int, neighbours: int):
+    def __init__(self, cin: int, cout: int, samples: int, neighbours: int, fps: str = "kernel"):
         super().__init__()
-        self.samples, self.neighbours = samples, neighbours
+        self.samples, self.neighbours, self.like_kernel = samples, neighbours, fps == "kernel"
         self.mlp = nn.Sequential(conv_bn(2 * cin, cout), conv_bn(cout, cout))
 
     def forward(self, xyz: torch.Tensor, feats: torch.Tensor):
         # xyz (B, N, 3), feats (B, N, C) -> new_xyz (B, S, 3), out (B, S, C_out)
-        centres = farthest_point_sample(xyz, self.samples)  # (B, S)
+        centres = farthest_point_sample(xyz, self.samples, like_kernel=self.like_kernel)  # (B, S)
         new_xyz = gather(xyz, centres)  # (B, S, 3)
         centre_feats = gather(feats, centres)  # (B, S, C)
         groups = gather(feats, knn(new_xyz, xyz, self.neighbours))  # (B, S, K, C)
@@ -75,19 +80,26 @@ class OffsetBlock(nn.Module):
 
 
 class PCT(nn.Module):
+    official_weights: ClassVar[str] = ("PCT_Pytorch's model.t7 (Strawberry-Eat-Mango/PCT_Pytorch, its Pct network, "
+                                       "saved from nn.DataParallel; attn=offset with its defaults)")
+
     def __init__(self, num_classes: int, attn: Mapping, embedding: str = "neighbor",
                  samples: Sequence[int] = (512, 256), neighbours: int = 32, dropout: float = 0.5,
-                 layers: int = 4):
+                 layers: int = 4, fps: str = "kernel"):
         super().__init__()
         if embedding not in ("neighbor", "point"):
             raise UserError(f"model.embedding={embedding!r} is not known: use `neighbor` (PCT) or `point` (SPCT).")
+        if fps not in FPS_RULES:
+            raise UserError(f"model.fps={fps!r} is not known: use `kernel` (pointnet2_ops' CUDA kernel, which the "
+                            "reference calls: points within sqrt(1e-3) of the origin are never sampled) or `plain` "
+                            "(every point may be sampled).")
         if len(samples) != 2 or any(int(s) < 1 for s in samples):
             raise UserError(f"model.samples={list(samples)} must be two positive point counts, e.g. [512, 256].")
         self.embedding = embedding
         if embedding == "neighbor":
             self.embed = nn.Sequential(conv_bn(3, 64), conv_bn(64, 64))
-            self.groups = nn.ModuleList([SampleAndGroup(64, 128, samples[0], neighbours),
-                                         SampleAndGroup(128, 256, samples[1], neighbours)])
+            self.groups = nn.ModuleList([SampleAndGroup(64, 128, samples[0], neighbours, fps),
+                                         SampleAndGroup(128, 256, samples[1], neighbours, fps)])
             width = 256
         else:
             self.embed = nn.Sequential(conv_bn(3, 128), conv_bn(128, 128))
@@ -103,6 +115,33 @@ class PCT(nn.Module):
         )
         self.min_points = max(samples) if embedding == "neighbor" else 1
         self.neighbours = neighbours
+
+    @staticmethod
+    def from_official(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """PCT_Pytorch's ``Pct`` state dict in this network's keys (``module.`` already dropped by the loader).
+
+        Its SA_Layer ties ``q_conv.weight`` to ``k_conv.weight`` (both saved), which is the offset mixer's one
+        ``qk``; its 1x1 ``Conv1d`` projections (O, I, 1) are the mixer's ``Linear`` (O, I).
+        """
+        renames = [("conv1.", "embed.0.0."), ("bn1.", "embed.0.1."), ("conv2.", "embed.1.0."), ("bn2.", "embed.1.1."),
+                   ("pt_last.conv1.", "pre.0.0."), ("pt_last.bn1.", "pre.0.1."), ("pt_last.conv2.", "pre.1.0."),
+                   ("pt_last.bn2.", "pre.1.1."), ("conv_fuse.0.", "fuse.0."), ("conv_fuse.1.", "fuse.1."),
+                   ("linear1.", "head.0."), ("bn6.", "head.1."), ("linear2.", "head.4."), ("bn7.", "head.5."),
+                   ("linear3.", "head.8.")]
+        for i in range(2):
+            local, group = f"gather_local_{i}.", f"groups.{i}.mlp."
+            renames += [(local + "conv1.", group + "0.0."), (local + "bn1.", group + "0.1."),
+                        (local + "conv2.", group + "1.0."), (local + "bn2.", group + "1.1.")]
+        for j in range(4):
+            sa, block = f"pt_last.sa{j + 1}.", f"blocks.{j}."
+            renames += [(sa + "q_conv.", block + "mixer.qk."), (sa + "v_conv.", block + "mixer.v."),
+                        (sa + "trans_conv.", block + "conv."), (sa + "after_norm.", block + "norm.")]
+        tied = {k for k in state if ".k_conv." in k and k.replace("k_conv", "q_conv") in state
+                and torch.equal(state[k], state[k.replace("k_conv", "q_conv")])}
+        out = take({k: v for k, v in state.items() if k not in tied}, renames)  # an untied k_conv stays unexpected
+        for key in [k for k in out if ".mixer." in k and out[k].dim() == 3]:
+            out[key] = out[key].squeeze(-1)  # Conv1d (O, I, 1) -> Linear (O, I)
+        return out
 
     def forward(self, xyz: torch.Tensor) -> torch.Tensor:
         # xyz (B, N, 3) -> logits (B, classes)

@@ -1,0 +1,136 @@
+"""Loading published weights into the suite's networks: ``model.weights=PATH`` and its kin.
+
+One loader for every network and every file the papers released:
+
+1. the file is read with ``torch.load(weights_only=True)`` (``argparse.Namespace``, which DeiT's and
+   DilateFormer's training scripts store beside the weights, is allowed; nothing else that runs code);
+2. the state dict is taken out of its container: a plain state dict (PCT_Pytorch's ``model.t7``), or the entry
+   ``state_dict`` (StudioGAN, Lightning), ``model`` (DeiT, DilateFormer, Focal) or ``net``;
+3. prefixes that wrappers add are dropped: ``module.`` (``nn.DataParallel``), and a Lightning task's ``net.``;
+4. keys already in the network's own layout load as they are; otherwise the network's ``from_official`` maps
+   the official layout to its own (renames, 1x1 convs to linears, ...);
+5. the result must fit exactly: every tensor of the network placed, none left over, shapes equal. Anything else
+   is one message naming the option, the missing, unexpected and mis-shaped keys, and what the file holds.
+
+A network declares a key map by two class attributes (see ``tasks/nets/pct.py``)::
+
+    official_weights: ClassVar[str]          # which released files, from which repository
+    @staticmethod
+    def from_official(state) -> dict: ...    # official keys -> this network's keys
+
+The state dict formats are the papers' own, so no library maps them (timm's ``checkpoint_filter_fn`` covers
+timm's models only); this module is the one place that reads them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from attention.errors import UserError
+
+CONTAINER_KEYS = ("state_dict", "model", "net", "model_state_dict")  # where checkpoints keep their weights
+WRAPPER_PREFIXES = ("module.", "net.")  # nn.DataParallel / DDP, a Lightning task's network attribute
+SHOWN = 5  # keys named per list in a message
+
+
+def _is_state(obj) -> bool:
+    return isinstance(obj, Mapping) and len(obj) > 0 and all(torch.is_tensor(v) for v in obj.values())
+
+
+def describe(obj) -> str:
+    """What a loaded file holds, in one phrase: its container keys, tensor count and first keys with shapes."""
+    if _is_state(obj):
+        first = ", ".join(f"{k} {tuple(v.shape)}" for k, v in list(obj.items())[:3])
+        return f"a state dict of {len(obj)} tensors (first: {first})"
+    if isinstance(obj, Mapping):
+        inner = next((k for k in CONTAINER_KEYS if _is_state(obj.get(k))), None)
+        shown = ", ".join(repr(k) for k in list(obj)[:8])
+        return f"a dict with keys [{shown}]" + (f" whose {inner!r} is {describe(obj[inner])}" if inner else
+                                                 ", none of them a state dict")
+    return f"a {type(obj).__name__}"
+
+
+def read_state(path: str, option: str) -> tuple[dict[str, torch.Tensor], str]:
+    """The state dict in the file at ``path`` (unwrapped, wrapper prefixes dropped) and a description of the file."""
+    if not os.path.isfile(path):
+        raise UserError(f"{option}={path} is not a file: pass the path of a weights file (a state dict or a "
+                        f"checkpoint that holds one), or drop {option}.")
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - unreadable, truncated or code-carrying files all need the user
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(f"{option}={path} cannot be read with torch.load(weights_only=True): {first}. The file is "
+                        "corrupt, not a torch file, or pickles objects that could run code. If you trust it, "
+                        "re-save only its weights: torch.save(torch.load(PATH, weights_only=False)['model'], "
+                        "'weights.pth') (or the entry that holds them), and pass that file.") from None
+    what = describe(obj)
+    state = obj if _is_state(obj) else next((obj[k] for k in CONTAINER_KEYS
+                                             if isinstance(obj, Mapping) and _is_state(obj.get(k))), None)
+    if state is None:
+        raise UserError(f"{option}={path} holds no state dict: the file is {what}. Expected a state dict, or a "
+                        f"dict holding one under one of {list(CONTAINER_KEYS)}.")
+    for prefix in WRAPPER_PREFIXES:
+        if all(k.startswith(prefix) for k in state):
+            state = {k[len(prefix):]: v for k, v in state.items()}
+    return dict(state), what
+
+
+def _mismatch(own: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor], skip: Sequence[str]):
+    def kept(k):
+        return not k.startswith(tuple(skip))
+    missing = [k for k in own if k not in state and kept(k)]
+    unexpected = [k for k in state if k not in own and kept(k)]
+    shapes = [f"{k} {tuple(state[k].shape)} (the network's: {tuple(own[k].shape)})"
+              for k in state if k in own and kept(k) and state[k].shape != own[k].shape]
+    return missing, unexpected, shapes
+
+
+def _listed(keys: list[str]) -> str:
+    more = f" and {len(keys) - SHOWN} more" if len(keys) > SHOWN else ""
+    return f"{len(keys)} (" + ", ".join(keys[:SHOWN]) + more + ")" if keys else "none"
+
+
+def load_weights(net: nn.Module, path: str, option: str = "model.weights", skip: Sequence[str] = ()) -> str:
+    """Load the weights file ``path`` into ``net`` (module docstring); returns which layout it was in.
+
+    ``skip``: key prefixes left out on both sides (a classifier that a fine-tuning run replaces).
+    """
+    state, what = read_state(path, option)
+    own = net.state_dict()
+    layout, candidate = "own", state
+    if any(_mismatch(own, state, skip)) and hasattr(net, "from_official"):
+        layout, candidate = "official", net.from_official(state)
+    missing, unexpected, shapes = _mismatch(own, candidate, skip)
+    if missing or unexpected or shapes:
+        name = type(net).__name__
+        official = getattr(net, "official_weights", None)
+        maps = (f"{name} reads its own layout and {official}" if official else
+                f"{name} has no official key map, so only its own layout (a state dict it saved) loads")
+        raise UserError(f"{option}={path} does not fit {name} (tried its {layout} key layout): missing "
+                        f"{_listed(missing)}; unexpected {_listed(unexpected)}; wrong shape {_listed(shapes)}. "
+                        f"The file is {what}. {maps}. Check that the model options (model.*, attn=...) are the "
+                        f"ones the weights were trained with, or pass the matching file.")
+    kept = {k: v for k, v in candidate.items() if not k.startswith(tuple(skip))}
+    net.load_state_dict(kept, strict=not skip)
+    return layout
+
+
+def take(state: Mapping[str, torch.Tensor], renames: Sequence[tuple[str, str]]) -> dict[str, torch.Tensor]:
+    """``state`` with every key starting with an official prefix renamed to ours (first matching pair wins).
+
+    Keys no pair matches are kept as they are, so the loader names them as unexpected.
+    """
+    out = {}
+    for key, value in state.items():
+        for old, new in renames:
+            if key.startswith(old):
+                key = new + key[len(old):]
+                break
+        out[key] = value
+    return out
