@@ -35,8 +35,9 @@ so ``attn=X`` swaps head and backbone together) or a variant name (with its
 ``configs/attn`` options); ``model.backbone_options`` overrides the architecture
 (e.g. ``{depths: [1, 1, 1, 1]}``). No ImageNet weights are fetched for them:
 ``model.pretrained=true`` logs a warning and trains from scratch, ``model.weights=PATH``
-loads a state dict (e.g. from ``task=classification``; a ``state_dict`` entry and a
-``net.`` / ``model.`` / ``backbone.`` prefix are understood, the classifier is skipped).
+loads the backbone's published ImageNet file or a ``task=classification`` checkpoint
+(``tasks/nets/weights.py``: containers, ``module.`` / ``net.`` prefixes and the official key
+layouts are understood; the classifier is skipped).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from attention.errors import UserError
 
 from .backbones import MODELS, build_backbone, native_attn
 from .backbones.common import attn_defaults
+from .weights import load_weights
 
 log = logging.getLogger(__name__)
 BACKBONES = {  # name: (torchvision builder, weights enum name, bottleneck?)
@@ -83,35 +85,9 @@ def _dilate_basic_layer(layer: nn.Sequential, dilation: int) -> None:
             conv.dilation, conv.padding = (dilation, dilation), (dilation, dilation)
 
 
-def _read_state(weights: str, what: str) -> dict:
-    """The state dict in ``weights`` (its ``state_dict`` entry if it has one), read with weights_only=True."""
-    if not os.path.isfile(weights):
-        raise UserError(f"model.weights={weights} is not a file: pass the path of a {what} state dict "
-                        f"(e.g. ImageNet weights), or drop model.weights.")
-    try:
-        state = torch.load(weights, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - any unreadable or unsafe file is the user's to fix
-        raise UserError(f"model.weights={weights} cannot be loaded with torch.load(weights_only=True) "
-                        f"({str(err).splitlines()[0]}): pass a plain state dict of a {what}.") from None
-    return state.get("state_dict", state) if isinstance(state, dict) else state
-
-
-def _load_state(net: nn.Module, state: dict, name: str, weights: str, skip: str) -> None:
-    """Load ``state`` into ``net`` minus the classifier (keys starting with ``skip``); mismatches are UserErrors."""
-    own = net.state_dict()
-    state = {k: v for k, v in state.items() if not k.startswith(skip)}
-    missing = [k for k in own if k not in state and not k.startswith(skip)]
-    wrong = [k for k, v in state.items() if k not in own or own[k].shape != getattr(v, "shape", None)]
-    if missing or wrong:
-        raise UserError(f"model.weights={weights} does not fit a {name}: {len(missing)} missing tensors "
-                        f"(e.g. {missing[:3]}), {len(wrong)} unexpected or of the wrong shape (e.g. {wrong[:3]}). "
-                        "Pass the matching model.backbone or the right file.")
-    net.load_state_dict(state, strict=False)
-
-
 def _load_weights(net: nn.Module, name: str, pretrained: bool, weights: str | None) -> None:
     if weights:
-        _load_state(net, _read_state(weights, f"torchvision {name}"), name, weights, skip="fc.")
+        load_weights(net, weights, skip=("fc.",), name=name)  # the ImageNet classifier is not part of the backbone
         return
     if not pretrained:
         return
@@ -167,13 +143,8 @@ class TransformerBackbone(nn.Module):
         else:
             cfg = {"name": backbone_attn, **attn_defaults(attention.get(backbone_attn).name)}
         self.net = build_backbone({"name": name, **dict(options or {})}, cfg, num_classes=0, img_size=crop)
-        if weights:
-            state = _read_state(weights, f"{name} backbone")
-            own = self.net.state_dict()
-            for prefix in ("net.", "model.", "backbone.", "backbone.net."):  # Lightning / wrapper checkpoints
-                if not any(k in own for k in state) and any(k.startswith(prefix) for k in state):
-                    state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-            _load_state(self.net, state, name, weights, skip="head.")
+        if weights:  # official ImageNet files or a task=classification checkpoint; its classifier is left out
+            load_weights(self.net, weights, skip=("head.",), name=name)
         elif pretrained:
             log.warning("model.pretrained=true: no ImageNet weights are fetched for the transformer backbone %s; "
                         "it trains from scratch. Pass model.weights=PATH (e.g. a task=classification checkpoint) to "

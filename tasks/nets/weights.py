@@ -6,9 +6,10 @@ One loader for every network and every file the papers released:
    DilateFormer's training scripts store beside the weights, is allowed; nothing else that runs code);
 2. the state dict is taken out of its container: a plain state dict (PCT_Pytorch's ``model.t7``), or the entry
    ``state_dict`` (StudioGAN, Lightning), ``model`` (DeiT, DilateFormer, Focal) or ``net``;
-3. prefixes that wrappers add are dropped: ``module.`` (``nn.DataParallel``), and a Lightning task's ``net.``;
-4. keys already in the network's own layout load as they are; otherwise the network's ``from_official`` maps
-   the official layout to its own (renames, 1x1 convs to linears, ...);
+3. ``module.``, which ``nn.DataParallel`` puts before every key, is dropped;
+4. keys already in the network's own layout load as they are, and so do the entries of a task checkpoint under
+   ``net.`` (a Lightning checkpoint of ``task=classification``, say); otherwise the network's ``from_official``
+   maps the official layout to its own (renames, 1x1 convs to linears, ...);
 5. the result must fit exactly: every tensor of the network placed, none left over, shapes equal. Anything else
    is one message naming the option, the missing, unexpected and mis-shaped keys, and what the file holds.
 
@@ -34,7 +35,8 @@ from torch import nn
 from attention.errors import UserError
 
 CONTAINER_KEYS = ("state_dict", "model", "net", "model_state_dict")  # where checkpoints keep their weights
-WRAPPER_PREFIXES = ("module.", "net.")  # nn.DataParallel / DDP, a Lightning task's network attribute
+WRAPPER_PREFIXES = ("module.",)  # nn.DataParallel / DDP: on every key
+TASK_PREFIXES = ("net.", "model.", "backbone.", "backbone.net.")  # a network inside a task or wrapper checkpoint
 SHOWN = 5  # keys named per list in a message
 
 
@@ -96,23 +98,30 @@ def _listed(keys: list[str]) -> str:
     return f"{len(keys)} (" + ", ".join(keys[:SHOWN]) + more + ")" if keys else "none"
 
 
-def load_weights(net: nn.Module, path: str, option: str = "model.weights", skip: Sequence[str] = ()) -> str:
+def load_weights(net: nn.Module, path: str, option: str = "model.weights", skip: Sequence[str] = (),
+                 name: str | None = None) -> str:
     """Load the weights file ``path`` into ``net`` (module docstring); returns which layout it was in.
 
-    ``skip``: key prefixes left out on both sides (a classifier that a fine-tuning run replaces).
+    ``skip``: key prefixes left out on both sides (a classifier that a fine-tuning run replaces); ``name``: the
+    network as the user chose it (``model.backbone=resnet50``), for messages.
     """
     state, what = read_state(path, option)
     own = net.state_dict()
-    layout, candidate = "own", state
-    if any(_mismatch(own, state, skip)) and hasattr(net, "from_official"):
-        layout, candidate = "official", net.from_official(state)
-    missing, unexpected, shapes = _mismatch(own, candidate, skip)
+    candidates = {"own": state}
+    for prefix in TASK_PREFIXES:  # a task checkpoint (Lightning): its network's entries, without the rest
+        if any(k.startswith(prefix) for k in state):
+            candidates[f"own ({prefix})"] = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    if hasattr(net, "from_official"):
+        candidates["official"] = net.from_official(state)
+    problems = {layout: _mismatch(own, c, skip) for layout, c in candidates.items()}
+    layout = min(problems, key=lambda k: sum(len(p) for p in problems[k]))  # an exact fit, or the nearest
+    candidate, (missing, unexpected, shapes) = candidates[layout], problems[layout]
     if missing or unexpected or shapes:
-        name = type(net).__name__
+        name = name or type(net).__name__
         official = getattr(net, "official_weights", None)
         maps = (f"{name} reads its own layout and {official}" if official else
                 f"{name} has no official key map, so only its own layout (a state dict it saved) loads")
-        raise UserError(f"{option}={path} does not fit {name} (tried its {layout} key layout): missing "
+        raise UserError(f"{option}={path} does not fit a {name} (nearest: its {layout} key layout): missing "
                         f"{_listed(missing)}; unexpected {_listed(unexpected)}; wrong shape {_listed(shapes)}. "
                         f"The file is {what}. {maps}. Check that the model options (model.*, attn=...) are the "
                         f"ones the weights were trained with, or pass the matching file.")

@@ -191,7 +191,7 @@ def test_weights_that_do_not_fit_are_named(env, tmp_path):
     wrong = tmp_path / "wrong.pth"
     torch.save({"model": {"encoder.weight": torch.zeros(3, 3)}, "epoch": 3}, wrong)
     err = user_error([*OFFICIAL_TINY, "mode=test", f"model.weights={wrong}"], env,
-                     f"model.weights={wrong} does not fit PCT", "missing 109", "unexpected 1 (encoder.weight)",
+                     f"model.weights={wrong} does not fit a PCT", "missing 109", "unexpected 1 (encoder.weight)",
                      "a dict with keys ['model', 'epoch'] whose 'model' is a state dict of 1 tensors")
     assert "PCT_Pytorch's model.t7" in err
     text = tmp_path / "notes.txt"
