@@ -128,7 +128,8 @@ class GAN(Task):
                            num_classes=self.num_classes, resolution=resolution,
                            attn_block=model.get("g_attn_block", 2))
         self.D = Discriminator(dict(attn), channels=model.get("d_channels", 128), num_classes=self.num_classes,
-                               resolution=resolution, attn_block=model.get("d_attn_block", 1))
+                               resolution=resolution, attn_block=model.get("d_attn_block", 1),
+                               shortcut=model.get("d_shortcut", "studiogan"))
         ema = dict(ema or {})
         self.G_ema = EMA(self.G, float(ema.get("decay", 0.9999)), int(ema.get("start", 1000))) \
             if ema.get("enabled", False) else None

@@ -4,10 +4,14 @@ Defaults are the transformer's block: queries, keys and values of ``dim``
 channels, scale d^-0.5, output projection. The options also give SAGAN's
 block (Zhang et al., 2019; StudioGAN's ``ops.SelfAttention``)::
 
-    heads=1, qk_ratio=8, v_ratio=2, kv_pool=2, scale=1.0, qkv_bias=false, proj_bias=false
+    heads=1, qk_ratio=8, v_ratio=2, kv_pool=2, scale=1.0, qkv_bias=false, proj_bias=false, separate_qkv=true
 
 queries and keys of C/8 channels, values of C/2, keys and values max-pooled
 2x2 on the grid, no scaling of the logits, output projection C/2 -> C.
+``separate_qkv=true`` makes queries, keys and values three layers (``q``,
+``k``, ``v``, StudioGAN's theta, phi and g) instead of one stacked ``qkv``:
+the same function, but a spectral norm (SAGAN normalises every layer) then
+normalises each of the three matrices, as StudioGAN does, not their stack.
 
 ``kv_pool=p`` pools keys and values by p x p max-pooling on a ``Grid`` (sides
 divisible by p); on ``Points`` it max-pools over the p*p nearest neighbours of
@@ -33,7 +37,7 @@ class SelfAttention(Mixer):
     complexity = "quadratic"  # the N x N map (SDPA may not hold it)
 
     def __init__(self, dim: int, heads: int = 4, qkv_bias: bool = True, qk_ratio: int = 1, v_ratio: int = 1,
-                 kv_pool: int = 1, scale: float | None = None, proj_bias: bool = True):
+                 kv_pool: int = 1, scale: float | None = None, proj_bias: bool = True, separate_qkv: bool = False):
         super().__init__(dim, heads)
         check_divides("qk_ratio", qk_ratio, dim, self.name)
         check_divides("v_ratio", v_ratio, dim, self.name)
@@ -46,11 +50,19 @@ class SelfAttention(Mixer):
                             "number, or null for d^-0.5.")
         self.kv_pool = kv_pool
         self.scale = None if scale is None else float(scale)
-        self.qkv = nn.Linear(dim, 2 * self.qk_dim + self.v_dim, bias=qkv_bias)
+        if separate_qkv:
+            self.q, self.k = (nn.Linear(dim, self.qk_dim, bias=qkv_bias) for _ in range(2))
+            self.v = nn.Linear(dim, self.v_dim, bias=qkv_bias)
+        else:
+            self.qkv = nn.Linear(dim, 2 * self.qk_dim + self.v_dim, bias=qkv_bias)
+        self.separate_qkv = separate_qkv
         self.proj = nn.Linear(self.v_dim, dim, bias=proj_bias)
 
     def mix(self, x, layout):
-        q, k, v = self.qkv(x).split([self.qk_dim, self.qk_dim, self.v_dim], dim=-1)  # (B, N, C'), each
+        if self.separate_qkv:
+            q, k, v = self.q(x), self.k(x), self.v(x)  # (B, N, C'), each
+        else:
+            q, k, v = self.qkv(x).split([self.qk_dim, self.qk_dim, self.v_dim], dim=-1)  # (B, N, C'), each
         if self.kv_pool > 1:
             k, v = self._pool(k, layout), self._pool(v, layout)  # (B, M, C'), M = N / kv_pool^2
         q, k, v = (rearrange(t, "b n (h d) -> b h n d", h=self.heads) for t in (q, k, v))

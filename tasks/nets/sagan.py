@@ -9,13 +9,22 @@ channels; attention after generator block 2 and discriminator block 1):
                               shortcut nearest x2 -> conv1x1), attention after block 2 (16x16)
        BN -> ReLU -> conv3x3 -> 3 channels -> tanh
     D: DiscOptBlock 3->128 (32->16), attention after it (16x16),
-       DiscBlock 128->128 down (->8), 2 x DiscBlock 128->128,
+       DiscBlock 128->128 down (->8), 2 x DiscBlock 128->128 (ReLU -> conv3x3 -> ReLU -> conv3x3 [-> avgpool];
+                              shortcut [conv1x1 -> avgpool] of relu(x), see below),
        ReLU -> sum over space -> linear -> 1, + projection sum(embed(y) * h) when conditional
 
 The attention block is ``x + sigma * mixer(x)`` with sigma initialised to 0,
 the mixer built from the ``attn`` config on ``attention.Grid(h, w)``; with
-SAGAN's options for ``self`` (see ``attention/variants/softmax.py``) it is
-exactly StudioGAN's ``ops.SelfAttention``; ``attn=external`` is EAGAN.
+SAGAN's options for ``self`` (``configs/task/gan.yaml``' preset, see
+``attention/variants/softmax.py``) it is exactly StudioGAN's ``ops.SelfAttention``,
+spectral norms included: theta, phi, g and the output conv are four layers, each
+normalised on its own (``separate_qkv``); ``attn=external`` is EAGAN.
+
+StudioGAN's ``DiscBlock`` applies ``nn.ReLU(inplace=True)`` to its input after
+keeping it for the shortcut, so the shortcut (conv1x1 or identity) receives
+relu(x). That is the default here (``model.d_shortcut=studiogan``), the function
+its published weights compute; ``textbook`` gives the shortcut x. Both are held
+equal to StudioGAN's forward, written out in ``tests/tasks/test_sagan.py``.
 
 Class-conditional batch norm (``conditional=True``): BN without affine
 (eps 1e-4 as StudioGAN), then ``out * (1 + gain(y)) + bias(y)`` with ``gain``
@@ -27,6 +36,7 @@ conv, linear and embedding of both networks, attention projections included.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +47,7 @@ from torch.nn.utils.parametrizations import spectral_norm
 import attention
 from attention.errors import UserError
 
+SHORTCUTS = ("studiogan", "textbook")  # what a discriminator block's shortcut takes: relu(x) or x
 RESOLUTIONS = (32,)  # StudioGAN's 32x32 networks; other sizes need other block tables
 BN_EPS = 1e-4
 
@@ -116,21 +127,71 @@ class DiscOptBlock(nn.Module):
 
 
 class DiscBlock(nn.Module):
-    """ReLU -> conv -> ReLU -> conv [-> avgpool]; shortcut conv1x1 [-> avgpool] when shape changes, else identity."""
+    """ReLU -> conv -> ReLU -> conv [-> avgpool]; shortcut conv1x1 [-> avgpool] when shape changes, else identity.
 
-    def __init__(self, cin: int, cout: int, downsample: bool):
+    ``shortcut="studiogan"``: the shortcut takes relu(x), as in StudioGAN, whose ``DiscBlock`` keeps ``x0 = x`` and
+    then applies ``nn.ReLU(inplace=True)`` to x, rectifying x0 too; ``"textbook"``: the shortcut takes x.
+    """
+
+    def __init__(self, cin: int, cout: int, downsample: bool, shortcut: str = "studiogan"):
         super().__init__()
-        self.downsample = downsample
+        self.downsample, self.rectified_shortcut = downsample, shortcut == "studiogan"
         self.conv1 = nn.Conv2d(cin, cout, 3, padding=1)
         self.conv2 = nn.Conv2d(cout, cout, 3, padding=1)
         self.shortcut = nn.Conv2d(cin, cout, 1) if downsample or cin != cout else nn.Identity()
 
     def forward(self, x):
-        h = self.conv2(F.relu(self.conv1(F.relu(x))))
+        x = F.relu(x) if self.rectified_shortcut else x
+        h = self.conv2(F.relu(self.conv1(F.relu(x))))  # relu(relu(x)) = relu(x)
         shortcut = self.shortcut(x)
         if self.downsample:
             h, shortcut = F.avg_pool2d(h, 2), F.avg_pool2d(shortcut, 2)
         return h + shortcut
+
+
+# StudioGAN's checkpoints (src/models/resnet.py, torch.nn.utils.spectral_norm) in this module's names.
+SN_TENSORS = {"weight_orig": "parametrizations.weight.original", "weight_u": "parametrizations.weight.0._u",
+              "weight_v": "parametrizations.weight.0._v"}
+STUDIOGAN_ATTENTION = {"conv1x1_theta": "attn.mixer.q", "conv1x1_phi": "attn.mixer.k", "conv1x1_g": "attn.mixer.v",
+                       "conv1x1_attn": "attn.mixer.proj", "sigma": "attn.sigma"}
+STUDIOGAN_BLOCK = {"conv2d0": "shortcut", "conv2d1": "conv1", "conv2d2": "conv2"}
+BN_TENSORS = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
+
+
+def from_studiogan(state: Mapping[str, torch.Tensor], net: nn.Module, tops: Mapping[str, str], option: str
+                   ) -> dict[str, torch.Tensor]:
+    """A StudioGAN G or D state dict in the names of ``net`` (a :class:`Generator` or :class:`Discriminator`).
+
+    StudioGAN's ``blocks.<i>.0`` list holds the residual blocks and, after block ``attn_*_loc``, its
+    ``SelfAttention``; here the attention block is ``attn`` and the residual blocks count without it. Spectral
+    norm's ``weight_orig``/``weight_u``/``weight_v`` become the parametrization's ``original``/``_u``/``_v``, 1x1
+    attention convs (O, I, 1, 1) the mixer's linears (O, I), and an unconditional BN ``bn1`` the ``bn1.bn`` of
+    :class:`ConditionalBatchNorm2d`. ``tops`` renames the layers outside the blocks.
+    """
+    indices = sorted({int(k.split(".")[1]) for k in state if k.startswith("blocks.")})
+    attention_at = sorted({int(k.split(".")[1]) for k in state if k.split(".")[3:4] == ["conv1x1_theta"]})
+    residual = [i for i in indices if i not in attention_at]
+    found = [residual.index(i - 1) + 1 for i in attention_at if i - 1 in residual] or [None]
+    if found != [net.attn_block]:
+        raise UserError(f"model.{option}: the StudioGAN file places self-attention after block {found[0]}, the "
+                        f"network after block {net.attn_block}; set model.{option}={found[0]} to load it.")
+    out = {}
+    for key, value in state.items():
+        parts = key.split(".")
+        if parts[0] == "blocks":
+            layer, rest = parts[3], parts[4:]
+            if layer in STUDIOGAN_ATTENTION:
+                name = STUDIOGAN_ATTENTION[layer]
+                if value.dim() == 4 and rest == ["weight_orig"]:
+                    value = value.flatten(1)  # 1x1 conv (O, I, 1, 1) -> Linear (O, I)
+            else:
+                name = f"blocks.{residual.index(int(parts[1]))}.{STUDIOGAN_BLOCK.get(layer, layer)}"
+                if layer in ("bn1", "bn2") and len(rest) == 1 and rest[0] in BN_TENSORS:
+                    name += ".bn"  # StudioGAN's plain BN is the unconditional ConditionalBatchNorm2d's bn
+        else:
+            name, rest = tops.get(parts[0], parts[0]), parts[1:]
+        out[".".join([name, *rest[:-1], SN_TENSORS.get(rest[-1], rest[-1])] if rest else [name])] = value
+    return out
 
 
 def check_resolution(resolution: int) -> None:
@@ -149,6 +210,8 @@ def _attention_after(option: str, block: int | None, blocks: int):
 
 class Generator(nn.Module):
     """z (B, z_dim) and labels (B,) -> images (B, 3, 32, 32) in [-1, 1]."""
+    official_weights: ClassVar[str] = ("StudioGAN's generator checkpoints, model=G-*.pth and model=G_ema-*.pth "
+                                       "(POSTECH-CVLab/PyTorch-StudioGAN, configs/CIFAR10/SAGAN.yaml)")
 
     def __init__(self, attn: Mapping, z_dim: int = 128, channels: int = 256, num_classes: int = 0,
                  resolution: int = 32, attn_block: int | None = 2):
@@ -163,6 +226,9 @@ class Generator(nn.Module):
         self.conv = nn.Conv2d(channels, 3, 3, padding=1)
         init_and_normalise(self)
 
+    def from_official(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return from_studiogan(state, self, {"linear0": "linear", "bn4": "bn", "conv2d5": "conv"}, "g_attn_block")
+
     def forward(self, z: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
         onehot = F.one_hot(y, self.num_classes).to(z.dtype) if self.num_classes else None  # (B, K)
         h = self.linear(z).view(-1, self.channels, self.bottom, self.bottom)  # (B, C, 4, 4)
@@ -175,20 +241,29 @@ class Generator(nn.Module):
 
 class Discriminator(nn.Module):
     """Images (B, 3, 32, 32) and labels (B,) -> logits (B,)."""
+    official_weights: ClassVar[str] = ("StudioGAN's discriminator checkpoints, model=D-*.pth "
+                                       "(POSTECH-CVLab/PyTorch-StudioGAN, configs/CIFAR10/SAGAN.yaml)")
 
     def __init__(self, attn: Mapping, channels: int = 128, num_classes: int = 0, resolution: int = 32,
-                 attn_block: int | None = 1):
+                 attn_block: int | None = 1, shortcut: str = "studiogan"):
         super().__init__()
         check_resolution(resolution)
+        if shortcut not in SHORTCUTS:
+            raise UserError(f"model.d_shortcut={shortcut!r} is not known: use studiogan (the shortcut of a "
+                            "discriminator block takes relu(x), as StudioGAN's in-place ReLU makes it, and as its "
+                            "published weights were trained) or textbook (the shortcut takes x).")
         self.num_classes = num_classes
-        self.blocks = nn.ModuleList([DiscOptBlock(3, channels), DiscBlock(channels, channels, downsample=True),
-                                     DiscBlock(channels, channels, downsample=False),
-                                     DiscBlock(channels, channels, downsample=False)])
+        self.blocks = nn.ModuleList([DiscOptBlock(3, channels), DiscBlock(channels, channels, True, shortcut),
+                                     DiscBlock(channels, channels, False, shortcut),
+                                     DiscBlock(channels, channels, False, shortcut)])
         self.attn_block = _attention_after("d_attn_block", attn_block, len(self.blocks))
         self.attn = AttentionBlock(channels, attn) if self.attn_block else nn.Identity()
         self.linear = nn.Linear(channels, 1)
         self.embedding = nn.Embedding(num_classes, channels) if num_classes else None
         init_and_normalise(self)
+
+    def from_official(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return from_studiogan(state, self, {"linear1": "linear"}, "d_attn_block")
 
     def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
         h = x
