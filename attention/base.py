@@ -41,6 +41,14 @@ class Mixer(nn.Module):
     (option -> the layouts it acts on), so that run.py can refuse, before any
     data is read, an option given for a task whose layout ignores it.
 
+    Projections: a mixer owns its input projections (x -> q, k, v) and its
+    output projection. Where the surrounding block of a paper already has
+    them (EANet's conv1/conv2 around its memories, LAM's module without an
+    output conv), a variant lets them be switched off by the options
+    ``in_proj`` and ``out_proj`` (default true), built with :meth:`projection`
+    (a Linear, or the identity). A variant without these options refuses them
+    as any unknown option (``attention.build``).
+
     ``complexity`` is how the mixer's cost grows with the token count N on a
     grid: ``"quadratic"`` (every token may attend to every other, the general
     case and so the default) or ``"linear"`` (O(N): a fixed memory, a kernel
@@ -62,6 +70,17 @@ class Mixer(nn.Module):
         check_divides("heads", heads, dim, self.name)
         self.dim = dim
         self.heads = heads
+
+    def projection(self, cin: int, cout: int, on: bool, option: str, bias: bool = True) -> nn.Module:
+        """``nn.Linear(cin, cout)``, or the identity when the option ``attn.<option>`` is false (cin == cout)."""
+        if on:
+            return nn.Linear(cin, cout, bias=bias)
+        if cin != cout:
+            raise UserError(f"attn.{option}=false is impossible for attention variant {self.name!r} with these "
+                            f"options: the projection maps {cin} to {cout} channels, so it cannot be the identity. "
+                            f"Set attn.{option}=true, or the options that change the width (e.g. expand, qk_ratio) "
+                            "back to 1.")
+        return nn.Identity()
 
     def forward(self, x: torch.Tensor, layout: Grid | Points | None = None) -> torch.Tensor:
         self.check_input(x, layout)

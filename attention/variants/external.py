@@ -7,6 +7,13 @@ the heads. Queries come from a linear projection; an output projection mixes
 the heads, as in EAMLP. ``expand`` = e widens the queries as EAMLP does (its
 ``coef``): Linear(C, eC) queries in e x heads heads of C / heads channels,
 output Linear(eC, C); e = 1 (the default) is EANet's form.
+
+``in_proj=false out_proj=false`` leaves the queries and the output
+projection out: the memories act on the tokens themselves, which is EANet's
+``External_attention`` (model_torch.py) inside its conv1 -> memories -> conv2
++ BN block (``tasks/nets/segnet.py``; ``task=segmentation`` sets both for
+``attn=external``). Its ``linear_0`` (S, C, 1) is ``mem_k`` and its
+``linear_1`` (C, S, 1), transposed, ``mem_v``.
 """
 
 import torch
@@ -22,17 +29,18 @@ from ..registry import register
 class ExternalAttention(Mixer):
     complexity = "linear"  # a memory of S slots, not the tokens
 
-    def __init__(self, dim: int, heads: int = 1, memory: int = 64, expand: int = 1):
+    def __init__(self, dim: int, heads: int = 1, memory: int = 64, expand: int = 1, in_proj: bool = True,
+                 out_proj: bool = True):
         super().__init__(dim, heads)
         check_positive("memory", memory, self.name)
         check_positive("expand", expand, self.name)
         d = dim // heads
         self.memory, self.expand = memory, expand
-        self.q = nn.Linear(dim, expand * dim)
+        self.q = self.projection(dim, expand * dim, in_proj, "in_proj")
         self.mem_k = nn.Parameter(torch.randn(memory, d) * d ** -0.5)  # (S, d)
         # EANet initialises M_v as the transpose of M_k's initial weights; they train independently.
         self.mem_v = nn.Parameter(self.mem_k.detach().clone())  # (S, d)
-        self.proj = nn.Linear(expand * dim, dim)
+        self.proj = self.projection(expand * dim, dim, out_proj, "out_proj")
 
     def mix(self, x, layout):
         q = rearrange(self.q(x), "b n (h d) -> b h n d", h=self.heads * self.expand)  # (B, e*heads, N, d)

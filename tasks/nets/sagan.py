@@ -13,7 +13,7 @@ channels; attention after generator block 2 and discriminator block 1):
                               shortcut [conv1x1 -> avgpool] of relu(x), see below),
        ReLU -> sum over space -> linear -> 1, + projection sum(embed(y) * h) when conditional
 
-The attention block is ``x + sigma * mixer(x)`` with sigma initialised to 0,
+The attention block is ``x + sigma * mixer(x)`` (``blocks.ScaledResidual``), sigma initialised to 0,
 the mixer built from the ``attn`` config on ``attention.Grid(h, w)``; with
 SAGAN's options for ``self`` (``configs/task/gan.yaml``' preset, see
 ``attention/variants/softmax.py``) it is exactly StudioGAN's ``ops.SelfAttention``,
@@ -40,12 +40,12 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import nn
 from torch.nn.utils.parametrizations import spectral_norm
 
-import attention
 from attention.errors import UserError
+
+from .blocks import ScaledResidual
 
 SHORTCUTS = ("studiogan", "textbook")  # what a discriminator block's shortcut takes: relu(x) or x
 RESOLUTIONS = (32,)  # StudioGAN's 32x32 networks; other sizes need other block tables
@@ -80,21 +80,6 @@ class ConditionalBatchNorm2d(nn.Module):
             return out
         gain = (1 + self.gain(y))[:, :, None, None]  # (B, C, 1, 1)
         return out * gain + self.bias(y)[:, :, None, None]
-
-
-class AttentionBlock(nn.Module):
-    """``x + sigma * mixer(x)`` on a feature map (B, C, H, W); sigma starts at 0 (SAGAN)."""
-
-    def __init__(self, channels: int, attn: Mapping):
-        super().__init__()
-        self.mixer = attention.build(**attn, dim=channels)
-        self.sigma = nn.Parameter(torch.zeros(1))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h, w = x.shape[-2:]
-        tokens = rearrange(x, "b c h w -> b (h w) c")  # (B, N, C)
-        out = self.mixer(tokens, attention.Grid(h, w))  # (B, N, C)
-        return x + self.sigma * rearrange(out, "b (h w) c -> b c h w", h=h)
 
 
 class GenBlock(nn.Module):
@@ -221,7 +206,7 @@ class Generator(nn.Module):
         self.linear = nn.Linear(z_dim, channels * self.bottom ** 2)
         self.blocks = nn.ModuleList([GenBlock(channels, channels, num_classes) for _ in range(3)])
         self.attn_block = _attention_after("g_attn_block", attn_block, len(self.blocks))
-        self.attn = AttentionBlock(channels, attn) if self.attn_block else nn.Identity()
+        self.attn = ScaledResidual(channels, attn) if self.attn_block else nn.Identity()
         self.bn = nn.BatchNorm2d(channels, eps=BN_EPS)
         self.conv = nn.Conv2d(channels, 3, 3, padding=1)
         init_and_normalise(self)
@@ -257,7 +242,7 @@ class Discriminator(nn.Module):
                                      DiscBlock(channels, channels, False, shortcut),
                                      DiscBlock(channels, channels, False, shortcut)])
         self.attn_block = _attention_after("d_attn_block", attn_block, len(self.blocks))
-        self.attn = AttentionBlock(channels, attn) if self.attn_block else nn.Identity()
+        self.attn = ScaledResidual(channels, attn) if self.attn_block else nn.Identity()
         self.linear = nn.Linear(channels, 1)
         self.embedding = nn.Embedding(num_classes, channels) if num_classes else None
         init_and_normalise(self)

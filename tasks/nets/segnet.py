@@ -4,13 +4,17 @@
     backbone   torchvision ResNet-50/101 dilated to output stride 8 (``replace_stride_with_dilation``):
                layer3 (1024 ch) and layer4 (2048 ch) at H/8
     head       ConvBNReLU 3x3 2048->512
-               attention block  ReLU(x + BN(conv1x1(mixer(conv1x1(x)))))   (``head=attention``)
+               attention block  ReLU(x + BN(conv1x1(mixer(conv1x1(x)))))   (``head=attention``, EANet's)
+                                or x + gamma * mixer(x)                   (``head=scaled``, LAM's)
                ConvBNReLU 3x3 512->256, Dropout2d(0.1), conv1x1 -> classes
     aux head   on layer3: ConvBNReLU 3x3 1024->256, Dropout2d(0.1), conv1x1 -> classes (FCN, loss weight 0.4)
     logits     bilinear upsampling to (H, W)
 
 The mixer comes from the ``attn`` config and sees the feature map as tokens on
-``attention.Grid(H/8, W/8)``; ``attn=external`` is EANet's head. ``head=none`` drops
+``attention.Grid(H/8, W/8)``; ``attn=external`` is EANet's head exactly (the task's preset
+switches off the mixer's own projections: conv1/conv2 are EANet's; 591,360 parameters
+at 512 channels), ``attn=linear_taylor model.head=scaled`` LAM's module (its preset:
+C/8 queries and keys, no output projection). ``head=none`` drops
 the attention block (the plain dilated FCN every variant is compared with).
 
 ``resnet18`` / ``resnet34`` are accepted as light backbones for CPU runs; their
@@ -49,7 +53,6 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 import torchvision
-from einops import rearrange
 from torch import nn
 
 import attention
@@ -57,6 +60,7 @@ from attention.errors import UserError
 
 from .backbones import MODELS, build_backbone, native_attn
 from .backbones.common import attn_defaults
+from .blocks import EANetResidual, ScaledResidual
 from .weights import load_weights
 
 log = logging.getLogger(__name__)
@@ -66,7 +70,7 @@ BACKBONES = {  # name: (torchvision builder, weights enum name, bottleneck?)
     "resnet50": ("resnet50", "ResNet50_Weights", True),
     "resnet101": ("resnet101", "ResNet101_Weights", True),
 }
-HEADS = ("attention", "none")
+HEADS = {"attention": EANetResidual, "scaled": ScaledResidual, "none": None}  # model.head
 
 
 def conv_bn_relu(cin: int, cout: int, kernel: int = 3) -> nn.Sequential:
@@ -167,22 +171,6 @@ class TransformerBackbone(nn.Module):
         return features[-3], torch.cat([c3, up], dim=1)  # (B, C2, H/8, W/8), (B, C3 + C4, H/16, W/16)
 
 
-class AttentionBlock(nn.Module):
-    """EANet's block: ``ReLU(x + BN(conv1x1(mixer(conv1x1(x)))))`` with the mixer on the feature map's grid."""
-
-    def __init__(self, channels: int, attn: Mapping):
-        super().__init__()
-        self.conv_in = nn.Conv2d(channels, channels, 1)
-        self.mixer = attention.build(**attn, dim=channels)
-        self.conv_out = nn.Sequential(nn.Conv2d(channels, channels, 1, bias=False), nn.BatchNorm2d(channels))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h, w = x.shape[-2:]
-        tokens = rearrange(self.conv_in(x), "b c h w -> b (h w) c")  # (B, N, C)
-        mixed = rearrange(self.mixer(tokens, attention.Grid(h, w)), "b (h w) c -> b c h w", h=h)
-        return F.relu(x + self.conv_out(mixed))
-
-
 class SegNet(nn.Module):
     """image (B, 3, H, W) -> logits (B, K, H, W), plus the auxiliary logits in training when ``aux``."""
 
@@ -192,8 +180,9 @@ class SegNet(nn.Module):
                  backbone_options: Mapping | None = None):
         super().__init__()
         if head not in HEADS:
-            raise UserError(f"model.head={head!r} is not known: use model.head=attention (EANet-style head with the "
-                            "attn variant) or model.head=none (plain dilated FCN baseline).")
+            raise UserError(f"model.head={head!r} is not known: use model.head=attention (EANet's block around the "
+                            "attn variant), scaled (x + gamma * attn(x): LAM's and SAGAN's block) or none (plain "
+                            "dilated FCN baseline).")
         if backbone in MODELS:
             self.backbone = TransformerBackbone(backbone, attn, crop, backbone_attn, backbone_options, pretrained,
                                                 weights)
@@ -201,7 +190,7 @@ class SegNet(nn.Module):
             self.backbone = Backbone(backbone, pretrained, weights)
         c3, c4 = self.backbone.channels
         self.reduce = conv_bn_relu(c4, head_channels)
-        self.attention = AttentionBlock(head_channels, attn) if head == "attention" else nn.Identity()
+        self.attention = HEADS[head](head_channels, attn) if HEADS[head] else nn.Identity()
         self.classifier = nn.Sequential(conv_bn_relu(head_channels, head_channels // 2), nn.Dropout2d(dropout),
                                         nn.Conv2d(head_channels // 2, num_classes, 1))
         self.aux = nn.Sequential(conv_bn_relu(c3, 256), nn.Dropout2d(dropout), nn.Conv2d(256, num_classes, 1)) \

@@ -9,7 +9,8 @@ from torch.nn.utils import parametrize
 import attention
 from attention.errors import UserError
 from tasks.gan import EMA, d_loss, g_loss
-from tasks.nets.sagan import AttentionBlock, ConditionalBatchNorm2d, Discriminator, Generator
+from tasks.nets.blocks import ScaledResidual
+from tasks.nets.sagan import ConditionalBatchNorm2d, Discriminator, Generator
 
 SAGAN_SELF = {"name": "self", "heads": 1, "qk_ratio": 8, "v_ratio": 2, "kv_pool": 2, "scale": 1.0,
               "qkv_bias": False, "proj_bias": False}
@@ -42,7 +43,7 @@ def test_self_with_sagan_options_is_studiogans_block():
     ref = StudioGANSelfAttention(c).double()
     for p in ref.parameters():
         nn.init.normal_(p, std=0.3)
-    ours = AttentionBlock(c, SAGAN_SELF).double()
+    ours = ScaledResidual(c, SAGAN_SELF).double()
     mixer = ours.mixer
     with torch.no_grad():
         mixer.qkv.weight.copy_(torch.cat([ref.theta.weight, ref.phi.weight, ref.g.weight])[..., 0, 0])
@@ -52,7 +53,7 @@ def test_self_with_sagan_options_is_studiogans_block():
     torch.testing.assert_close(ours(x), ref(x), rtol=1e-12, atol=1e-12)
     assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in ref.parameters())
     # a wrong option would not match: the default d^-0.5 scaling changes the result
-    scaled = AttentionBlock(c, {**SAGAN_SELF, "scale": None}).double()
+    scaled = ScaledResidual(c, {**SAGAN_SELF, "scale": None}).double()
     scaled.load_state_dict(ours.state_dict())
     assert not torch.allclose(scaled(x), ref(x))
 
