@@ -75,15 +75,17 @@ def offset_attention(q, k, v, eps: float = 1e-9):
 
 
 @float32_kernel
-def external_attention(q, mem_k, mem_v, eps: float = 1e-9):
+def external_attention(q, mem_k, mem_v, eps: float = 1e-9, dropout: float = 0.0, training: bool = False):
     """External attention (Guo et al., 2021) with double normalisation.
 
     A = q M_k^T over S memory slots, softmax over the N tokens, then each
     token's row divided by (eps + its sum over the S slots); output = A M_v.
     q (B, h, N, d), mem_k and mem_v (S, d), shared by all heads -> (B, h, N, d).
+    ``dropout`` drops entries of the normalised A in training (EAMLP's ``attn_drop``).
     """
     attn = torch.softmax(q @ mem_k.transpose(0, 1), dim=-2)  # (B, h, N, S), normalised over tokens
     attn = attn / (eps + attn.sum(dim=-1, keepdim=True))  # then over slots
+    attn = F.dropout(attn, dropout, training) if dropout else attn
     return attn @ mem_v  # (B, h, N, d)
 
 

@@ -9,7 +9,8 @@ no FLOPs for it.
     tokens-to-token (the stem; its mixers are always external attention, as the official):
                unfold 7x7 stride 4 (147 ch) -> token block -> unfold 3x3 stride 2 (576 ch) -> token block
                -> unfold 3x3 stride 2 -> Linear 576 -> 384                                  -> (B, H/16 * W/16, 384)
-               token block: r = Linear(LN(x)) to 64 ch; r + EA(r) (one head, 128 slots); + MLP(LN) ratio 1
+               token block: r = Linear(LN(x)) to 64 ch; r + EA(r) (one head, 128 slots, no query projection,
+               dropout 0.1 on the map and the projection); + MLP(LN) ratio 1
     class token + fixed 1-D sinusoid position table (the official ``get_sinusoid_encoding``)
     14 pre-norm blocks, width 384, MLP ratio 3, drop path 0.1:
                x + DropPath(mixer(LN(x))), x + DropPath(MLP(LN(x)))
@@ -18,9 +19,9 @@ no FLOPs for it.
 The paper's mixer (``attn=external``, multi-head EA): queries Linear(C, 4C) (the official ``coef = 4``
 widening, ``trans_dims``), 4 x 6 = 24 heads of 64 channels, memories M_k, M_v of 64 slots shared by the
 heads, double normalisation (``attention.functional.external_attention``), output Linear(4C, C): the
-shared ``external`` variant with ``expand=model.ea_expand``. The official memories are Linear layers with biases: the key bias is a
-constant per slot and cancels in the softmax over tokens, the value bias folds into the output bias, so
-they are left out (48 parameters per block).
+shared ``external`` variant with ``expand=model.ea_expand``. The official memories are Linear layers with
+biases: the key bias is a constant per slot and cancels in the softmax over tokens, the value bias folds into
+the output bias, so they are left out (128 parameters per block; ``EAMLP.from_official`` folds them in).
 
 ``attn=X`` (any other variant) replaces the mixer of every block (heads ``model.heads``); a grid-only
 variant drops the class token and pools the average token (as ``vit_s``). Inputs: sides multiples of 16
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -45,16 +47,22 @@ from .common import Backbone, Block, attn_options, drop_path_rates, make_mixer
 from .registry import register
 
 PRESETS = {"memory": 64}  # the official k = 256 // coef
+PASSED = ("in_proj", "out_proj", "attn_drop", "proj_drop")  # attn options the blocks' external attention takes
 
 
 class TokenBlock(nn.Module):
-    """T2T re-structurisation with EA: r = Linear(LN(x)); r = r + EA(r); r + MLP(LN(r)) (ratio 1)."""
+    """T2T re-structurisation with EA: r = Linear(LN(x)); r = r + EA(r); r + MLP(LN(r)) (ratio 1).
 
-    def __init__(self, cin: int, dim: int, memory: int):
+    The official ``token_performer.Attention``: its ``q_linear`` is ``reduce`` and feeds the memories directly
+    (the mixer's own query projection is off), dropout ``drop`` on the map and after the projection (0.1).
+    """
+
+    def __init__(self, cin: int, dim: int, memory: int, drop: float):
         super().__init__()
         self.norm1 = nn.LayerNorm(cin)
         self.reduce = nn.Linear(cin, dim)
-        self.attn = attention.build("external", dim=dim, heads=1, memory=memory)
+        self.attn = attention.build("external", dim=dim, heads=1, memory=memory, in_proj=False, attn_drop=drop,
+                                    proj_drop=drop)
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = Mlp(dim, dim)
 
@@ -67,10 +75,10 @@ class TokenBlock(nn.Module):
 class TokensToToken(nn.Module):
     """Soft splits 7/4, 3/2, 3/2 (stride 16) with two EA token blocks between them, then Linear to ``embed_dim``."""
 
-    def __init__(self, in_chans: int, embed_dim: int, token_dim: int, memory: int):
+    def __init__(self, in_chans: int, embed_dim: int, token_dim: int, memory: int, drop: float):
         super().__init__()
-        self.block1 = TokenBlock(in_chans * 49, token_dim, memory)
-        self.block2 = TokenBlock(token_dim * 9, token_dim, memory)
+        self.block1 = TokenBlock(in_chans * 49, token_dim, memory, drop)
+        self.block2 = TokenBlock(token_dim * 9, token_dim, memory, drop)
         self.project = nn.Linear(token_dim * 9, embed_dim)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -87,8 +95,8 @@ class TokensToToken(nn.Module):
 def sinusoid_table(n: int, dim: int) -> torch.Tensor:
     """(1, n, dim) fixed 1-D sinusoid position table: sin on even channels, cos on odd (Vaswani et al.)."""
     pos = torch.arange(n, dtype=torch.float64)[:, None]  # (n, 1)
-    freq = torch.pow(10000.0, -2 * (torch.arange(dim) // 2) / dim).double()  # (dim,)
-    angle = pos * freq  # (n, dim)
+    wavelength = torch.pow(10000.0, 2 * (torch.arange(dim, dtype=torch.float64) // 2) / dim)  # (dim,), in float64
+    angle = pos / wavelength  # (n, dim), as the official table (float32 rounding here moved it by up to 7e-6)
     table = torch.where(torch.arange(dim) % 2 == 0, angle.sin(), angle.cos())
     return table.float()[None]
 
@@ -98,15 +106,17 @@ class EAMLP(Backbone):
     """The architecture's options: configs/model/eamlp.yaml."""
 
     native_attn = "external"
+    official_weights: ClassVar[str] = ("EAMLP's ImageNet checkpoints (MenghaoGuo/EANet, EAMLP/: T2T_ViT with "
+                                       "tokens_type='performer', e.g. EAMLP-14's model_best.pth.tar)")
 
     def __init__(self, name: str, attn: Mapping, num_classes: int, img_size: int, in_chans: int = 3, *,
                  embed_dim: int, depth: int, heads: int, mlp_ratio: float, drop_path_rate: float, ea_expand: int,
-                 token_dim: int, token_memory: int, class_token, global_attn: str, pad: bool):
+                 token_dim: int, token_memory: int, token_drop: float, class_token, global_attn: str, pad: bool):
         super().__init__()
         self.model_name, self.pad = name, bool(pad)
         self.size_divisor = self.min_size = 16
         class_token = self._resolve_class_token(class_token, attn, "token")
-        self.tokens_to_token = TokensToToken(in_chans, embed_dim, token_dim, token_memory)
+        self.tokens_to_token = TokensToToken(in_chans, embed_dim, token_dim, token_memory, token_drop)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if class_token else None
         self.num_prefix = int(bool(class_token))
         rates = drop_path_rates(drop_path_rate, [depth])[0]
@@ -115,13 +125,14 @@ class EAMLP(Backbone):
         for i in range(depth):
             if attn["name"] == self.native_attn:
                 opts = attn_options(attn, PRESETS)
-                unknown = sorted(set(opts) - {"memory", "heads", "expand"})
+                unknown = sorted(set(opts) - {"memory", "heads", "expand", *PASSED})
                 if unknown:
                     raise UserError(f"model={name}: the external attention of its blocks has no option "
-                                    f"{', '.join(f'attn.{k}' for k in unknown)}; its options are attn.memory and "
-                                    f"model.ea_expand.")
+                                    f"{', '.join(f'attn.{k}' for k in unknown)}; its options are attn.memory, "
+                                    f"{', '.join(f'attn.{k}' for k in PASSED)} and model.ea_expand.")
                 mixer = attention.build(self.native_attn, dim=embed_dim, heads=heads, memory=opts["memory"],
-                                        expand=ea_expand)  # PRESETS put memory in opts unless attn.memory was set
+                                        expand=ea_expand,  # PRESETS put memory in opts unless attn.memory was set
+                                        **{k: opts[k] for k in PASSED if k in opts})
             else:
                 mixer = make_mixer(attn, embed_dim, heads, model=name, stage=f"block {i + 1}", layout=layout)
             blocks.append(Block(embed_dim, mixer, mlp_ratio, rates[i]))
@@ -134,6 +145,36 @@ class EAMLP(Backbone):
                 trunc_normal_(m.weight, std=0.02)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
+
+    @staticmethod
+    def from_official(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The official ``T2T_ViT`` (tokens_type="performer") state dict in this network's keys.
+
+        Renames: ``attention1/2`` -> ``block1/2``, ``q_linear`` -> ``reduce``, ``trans_dims`` -> ``q``; the
+        memories ``linear_0.weight`` (S, d) is ``mem_k`` and ``linear_1.weight`` (d, S) transposed ``mem_v``. Their
+        biases are not parameters here, exactly: ``linear_0``'s is constant over the tokens, so the softmax over
+        tokens cancels it; ``linear_1``'s is added to every head's output before ``proj``, so it moves into
+        ``proj.bias`` as ``proj.weight @ bias`` (repeated over the heads). ``pos_embed``, the fixed sinusoid
+        table, is computed here and dropped when it is that table.
+        """
+        out = {}
+        for key, value in state.items():
+            key = key.replace("tokens_to_token.attention", "tokens_to_token.block").replace(".attn.q_linear.", ".reduce.")
+            key = key.replace(".attn.trans_dims.", ".attn.q.")
+            if key.endswith("attn.linear_0.weight"):
+                out[key.replace("linear_0.weight", "mem_k")] = value
+            elif key.endswith("attn.linear_1.weight"):
+                out[key.replace("linear_1.weight", "mem_v")] = value.T
+            elif key == "pos_embed" and torch.allclose(value.float(), sinusoid_table(*value.shape[1:]), atol=1e-6):
+                continue
+            elif not key.endswith(("attn.linear_0.bias", "attn.linear_1.bias")):
+                out[key] = value
+        for key, bias in state.items():  # fold linear_1's bias into proj's
+            if key.endswith("attn.linear_1.bias"):
+                prefix = key.replace("tokens_to_token.attention", "tokens_to_token.block")[:-len("linear_1.bias")]
+                weight, proj_bias = (state[key.replace("linear_1.bias", f"proj.{n}")] for n in ("weight", "bias"))
+                out[prefix + "proj.bias"] = proj_bias + weight @ bias.repeat(weight.shape[1] // len(bias))  # H*d
+        return out
 
     def _forward(self, x):
         x, h, w = self.tokens_to_token(x)  # (B, N, C)

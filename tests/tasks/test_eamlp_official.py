@@ -1,0 +1,166 @@
+"""EAMLP against the official T2T_ViT of MenghaoGuo/EANet@59c03cb (EAMLP/models: t2t_vit.py with
+tokens_type="performer", token_performer.py, transformer_block.py), transliterated here in float64 with the
+official attribute names, so that its state dict is a released checkpoint's layout."""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from tasks.nets.backbones import build_backbone
+from tasks.nets.weights import load_weights
+
+
+class Mlp(nn.Module):
+    def __init__(self, cin, hidden):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(cin, hidden), nn.GELU(), nn.Linear(hidden, cin)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class TokenAttention(nn.Module):  # token_performer.Attention
+    def __init__(self, dim, in_dim, k=128, drop=0.1):
+        super().__init__()
+        self.q_linear = nn.Linear(dim, in_dim)
+        self.linear_0 = nn.Linear(in_dim, k, bias=False)
+        self.linear_1 = nn.Linear(k, in_dim)
+        self.proj = nn.Linear(in_dim, in_dim)
+        self.attn_drop, self.proj_drop = nn.Dropout(drop), nn.Dropout(drop)
+
+    def forward(self, x):
+        x = self.q_linear(x)
+        idn = x
+        attn = self.linear_0(x).softmax(dim=-2)
+        attn = self.attn_drop(attn / (1e-9 + attn.sum(dim=-1, keepdim=True)))
+        return idn + self.proj_drop(self.proj(self.linear_1(attn)))
+
+
+class TokenPerformer(nn.Module):
+    def __init__(self, dim, in_dim):
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(dim), TokenAttention(dim, in_dim)
+        self.norm2, self.mlp = nn.LayerNorm(in_dim), Mlp(in_dim, in_dim)
+
+    def forward(self, x):
+        x = self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class Attention(nn.Module):  # transformer_block.Attention: multi-head EA, coef 4
+    def __init__(self, dim, num_heads):
+        super().__init__()
+        self.num_heads = num_heads * 4
+        self.trans_dims = nn.Linear(dim, dim * 4)
+        self.linear_0 = nn.Linear(dim * 4 // self.num_heads, 64)
+        self.linear_1 = nn.Linear(64, dim * 4 // self.num_heads)
+        self.proj = nn.Linear(dim * 4, dim)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        x = self.trans_dims(x).view(b, n, self.num_heads, -1).permute(0, 2, 1, 3)
+        attn = self.linear_0(x).softmax(dim=-2)
+        attn = attn / (1e-9 + attn.sum(dim=-1, keepdim=True))
+        return self.proj(self.linear_1(attn).permute(0, 2, 1, 3).reshape(b, n, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, dim, heads, mlp_ratio):
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(dim), Attention(dim, heads)
+        self.norm2, self.mlp = nn.LayerNorm(dim), Mlp(dim, int(dim * mlp_ratio))
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class T2TModule(nn.Module):
+    def __init__(self, embed_dim, token_dim):
+        super().__init__()
+        self.soft_split0 = nn.Unfold(7, stride=4, padding=2)
+        self.soft_split1 = nn.Unfold(3, stride=2, padding=1)
+        self.soft_split2 = nn.Unfold(3, stride=2, padding=1)
+        self.attention1 = TokenPerformer(3 * 49, token_dim)
+        self.attention2 = TokenPerformer(token_dim * 9, token_dim)
+        self.project = nn.Linear(token_dim * 9, embed_dim)
+
+    def forward(self, x):
+        x = self.attention1(self.soft_split0(x).transpose(1, 2))
+        b, hw, c = x.shape
+        x = x.transpose(1, 2).reshape(b, c, int(np.sqrt(hw)), int(np.sqrt(hw)))
+        x = self.attention2(self.soft_split1(x).transpose(1, 2))
+        b, hw, c = x.shape
+        x = x.transpose(1, 2).reshape(b, c, int(np.sqrt(hw)), int(np.sqrt(hw)))
+        return self.project(self.soft_split2(x).transpose(1, 2))
+
+
+def sinusoid(n, d):
+    table = np.array([[p / np.power(10000, 2 * (j // 2) / d) for j in range(d)] for p in range(n)])
+    table[:, 0::2], table[:, 1::2] = np.sin(table[:, 0::2]), np.cos(table[:, 1::2])
+    return torch.FloatTensor(table).unsqueeze(0)
+
+
+class T2TViT(nn.Module):
+    def __init__(self, img_size=224, embed_dim=384, depth=14, num_heads=6, mlp_ratio=3.0, token_dim=64, classes=1000):
+        super().__init__()
+        self.tokens_to_token = T2TModule(embed_dim, token_dim)
+        n = (img_size // 16) ** 2
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+        self.pos_embed = nn.Parameter(sinusoid(n + 1, embed_dim), requires_grad=False)
+        self.blocks = nn.ModuleList([Block(embed_dim, num_heads, mlp_ratio) for _ in range(depth)])
+        self.norm, self.head = nn.LayerNorm(embed_dim), nn.Linear(embed_dim, classes)
+
+    def forward(self, x):
+        x = self.tokens_to_token(x)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x)[:, 0])
+
+
+def randomise(module, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name != "pos_embed":
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.1 + (1.0 if "norm" in name and
+                                                                                  name.endswith("weight") else 0.0))
+    return module.eval()
+
+
+SMALL = {"embed_dim": 48, "depth": 2, "heads": 2, "token_dim": 16}
+
+
+def test_official_eamlp_file_loads_and_computes_the_official_function(tmp_path):
+    official = randomise(T2TViT(32, 48, 2, 2, 3.0, 16, classes=10).double(), 0)
+    torch.save({"state_dict": official.state_dict(), "epoch": 299}, tmp_path / "model_best.pth.tar")
+    ours = build_backbone({"name": "eamlp", **SMALL}, {"name": "external"}, num_classes=10, img_size=32).double()
+    assert load_weights(ours.eval(), str(tmp_path / "model_best.pth.tar")) == "official"
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), official(x), rtol=1e-9, atol=1e-9)
+
+
+def test_token_blocks_drop_as_the_official_ones():
+    ours = build_backbone({"name": "eamlp", **SMALL}, {"name": "external"}, num_classes=10, img_size=32)
+    mixer = ours.tokens_to_token.block1.attn
+    assert (mixer.attn_drop, mixer.proj_drop) == (0.1, 0.1) and isinstance(mixer.q, nn.Identity)
+    x = torch.randn(2, 64, 16)
+    torch.manual_seed(0)
+    a = mixer.train()(x)
+    assert not torch.equal(a, mixer(x)) and torch.equal(mixer.eval()(x), mixer(x))
+
+
+def test_eamlp_14_parameters_and_released_key_layout():
+    official = T2TViT()
+    counted = sum(p.numel() for p in official.parameters() if p.requires_grad)
+    ours = build_backbone({"name": "eamlp"}, {"name": "external"}, num_classes=1000, img_size=224)
+    # The official EAMLP-14 has 29,801,422; here 1,920 fewer, the biases that cancel or fold exactly:
+    # linear_0's (14 x 64) and linear_1's (14 x 64 + 2 x 64).
+    assert counted == 29_801_422 and sum(p.numel() for p in ours.parameters()) == counted - 1_920
+    state = official.state_dict()
+    assert len(state) == 262
+    ours.load_state_dict(ours.from_official(state), strict=True)
+    assert torch.equal(ours.blocks[13].attn.mem_v, state["blocks.13.attn.linear_1.weight"].T)
