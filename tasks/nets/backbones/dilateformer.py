@@ -23,11 +23,17 @@ our choice (Swin-style scaling), not a published figure.
 the paper's ``kernel_size=3, dilations=[1, 2, 3]`` replace the generic ``configs/attn/dilated.yaml``
 values unless those were changed (see :mod:`.common`). The official MSDA takes q/k/v from a 1x1
 conv; ours from a Linear, the same map. Inputs: sides multiples of 32 (``model.pad=true`` pads).
+
+Published weights: ``model.weights=PATH`` loads the official checkpoints (``{"model": state_dict, ...}`` as the
+official ``main.py`` saves them) through :meth:`DilateFormer.from_official`, into a network with the paper's
+options (``attn=dilated``, ``local_stages=[1, 2]``, ``global_attn=self``) and a 1000-class head.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
+from typing import ClassVar
 
 import torch
 from einops import rearrange
@@ -74,6 +80,8 @@ class DilateFormer(Backbone):
     """The architecture's options: configs/model/dilateformer_{t,s,b}.yaml."""
 
     native_attn = "dilated"
+    official_weights: ClassVar[str] = ("DilateFormer's ImageNet-1K checkpoints (JIAOJIAYUASD/dilateformer, "
+                                       "models/dilateformer.py's Dilateformer: dilateformer_tiny/small/base)")
 
     def __init__(self, name: str, attn: Mapping, num_classes: int, img_size: int, in_chans: int = 3, *,
                  embed_dim: int, depths, heads, mlp_ratio: float, drop_path_rate: float, local_stages,
@@ -112,6 +120,31 @@ class DilateFormer(Backbone):
             trunc_normal_(m.weight, std=0.02)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
+
+    @staticmethod
+    def from_official(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The official ``Dilateformer`` state dict in this network's keys.
+
+        Renames: ``patch_embed.proj.<i>`` -> ``stem.<i>`` (the same Sequential positions, BatchNorm buffers
+        included), ``stages.<i>.blocks.<j>.pos_embed`` -> ``stages.<i>.<j>.pos_embed``, the rest of a block
+        (``norm1``, ``attn``, ``norm2``, ``mlp``) under ``stages.<i>.<j>.block``, ``stages.<i>.downsample.proj``
+        -> ``downsamples.<i>``; ``norm`` and ``head`` keep their names. The MSDA's ``qkv`` is a 1x1 Conv2d,
+        weight (3C, C, 1, 1): the Linear's (3C, C) with the same channel order (q|k|v, then dilation groups,
+        then heads), so it is squeezed; the global blocks' ``qkv`` is a Linear already.
+        """
+        out = {}
+        for key, value in state.items():
+            if key.startswith("patch_embed.proj."):
+                key = "stem." + key[len("patch_embed.proj."):]
+            elif match := re.fullmatch(r"stages\.(\d+)\.blocks\.(\d+)\.(.+)", key):
+                stage, block, rest = match.groups()
+                key = f"stages.{stage}.{block}." + (rest if rest.startswith("pos_embed.") else f"block.{rest}")
+                if rest == "attn.qkv.weight" and value.dim() == 4:  # (3C, C, 1, 1): a 1x1 conv
+                    value = value.flatten(1)  # (3C, C)
+            elif match := re.fullmatch(r"stages\.(\d+)\.downsample\.proj\.(.+)", key):
+                key = f"downsamples.{match[1]}.{match[2]}"
+            out[key] = value
+        return out
 
     def _forward(self, x):
         return self._stages_forward(x)

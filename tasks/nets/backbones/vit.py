@@ -17,11 +17,17 @@ resampled bicubically (timm's ``resample_abs_pos_embed``); sides must be
 multiples of 16 (``model.pad=true`` pads). ``model.global_attn`` is accepted
 for a uniform interface and ignored (ViT has no global-only stages). ``forward_features`` gives one map,
 the final-normed patch tokens at stride 16.
+
+Published weights: ``model.weights=PATH`` loads DeiT's ``deit_small_patch16_224`` checkpoint (``{"model":
+state_dict, ...}``, timm's ``VisionTransformer`` layout) through :meth:`VisionTransformer.from_official`: the keys
+are ours but for the patch embedding's ``patch_embed.proj``. It needs the checkpoint's image size (224:
+``pos_embed`` holds 1 + 14 * 14 positions), a class token (``attn=self``) and a 1000-class head.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import ClassVar
 
 import torch
 from einops import rearrange
@@ -30,6 +36,7 @@ from torch import nn
 
 from attention.errors import UserError
 
+from ..weights import take
 from .common import Backbone, Block, drop_path_rates, make_mixer
 from .registry import register
 
@@ -39,6 +46,8 @@ class VisionTransformer(Backbone):
     """The architecture's options: configs/model/vit_s.yaml."""
 
     native_attn = "self"
+    official_weights: ClassVar[str] = ("DeiT-S's ImageNet-1K checkpoint (facebookresearch/deit, timm's "
+                                       "deit_small_patch16_224 layout, e.g. deit_small_patch16_224-cd65a155.pth)")
 
     def __init__(self, name: str, attn: Mapping, num_classes: int, img_size: int, in_chans: int = 3, *,
                  patch_size: int, embed_dim: int, depth: int, heads: int, mlp_ratio: float, drop_path_rate: float,
@@ -75,6 +84,13 @@ class VisionTransformer(Backbone):
                 trunc_normal_(m.weight, std=0.02)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
+
+    @staticmethod
+    def from_official(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """timm's ``VisionTransformer`` (DeiT) state dict in this network's keys: ``patch_embed.proj.*`` (timm's
+        ``PatchEmbed`` module) is our ``patch_embed`` conv; every other key (``cls_token``, ``pos_embed``,
+        ``blocks.<i>.{norm1,attn.qkv,attn.proj,norm2,mlp.fc1,mlp.fc2}``, ``norm``, ``head``) is the same."""
+        return take(state, [("patch_embed.proj.", "patch_embed.")])
 
     def _pos_embed(self, x: torch.Tensor, h: int, w: int) -> torch.Tensor:
         pos = self.pos_embed
