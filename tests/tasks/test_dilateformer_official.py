@@ -171,8 +171,20 @@ def randomise(module, seed):
 
 
 def save_official(net, path):
-    args = argparse.Namespace(model="dilateformer_tiny", input_size=64, drop_path=0.1)
-    torch.save({"model": net.state_dict(), "optimizer": {}, "epoch": 299, "args": args}, path)
+    """As the official ``main.py`` saves ``checkpoint.pth`` (model EMA on, its default): the weights under
+    ``model``, beside the optimiser, scheduler, EMA and AMP scaler states and the argparse arguments."""
+    from timm.scheduler import CosineLRScheduler
+
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    net(torch.zeros(1, 3, 32, 32, dtype=torch.float64)).sum().backward()
+    optimizer.step()  # tensors in the optimiser state, as a trained checkpoint has them
+    optimizer.zero_grad()
+    args = argparse.Namespace(model="dilateformer_tiny", input_size=64, drop_path=0.1, output_dir="ckpt",
+                              model_ema=True, model_ema_decay=0.99996, smoothing=0.1, resume="")
+    torch.save({"model": net.state_dict(), "optimizer": optimizer.state_dict(),
+                "lr_scheduler": CosineLRScheduler(optimizer, t_initial=300).state_dict(), "epoch": 299,
+                "model_ema": {k: v + 1 for k, v in net.state_dict().items()},
+                "scaler": torch.amp.GradScaler("cpu").state_dict(), "args": args, "max_accuracy": 82.1}, path)
 
 
 def test_official_file_loads_and_computes_the_official_function(tmp_path):
