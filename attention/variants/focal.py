@@ -35,18 +35,28 @@ e = ``expand_size``, fw = ``focal_window``, L = ``focal_level``:
   ``relative_position_bias_table_to_windows`` indexed by the query's position
   in its window minus the pooled token's position in its K x K neighbourhood.
 
-Where this deviates from the official code, on purpose:
+Borders (``border``, grids only):
 
-- Borders are masked, not wrapped: the official code rolls the map
-  cyclically, so windows at one edge take expand tokens from the opposite
-  edge, and its zero padding pixels are keys. Here out-of-map expand tokens and
-  padding pixels are excluded from the softmax. A pooled token is a key iff its
-  sub-window holds at least one pixel of the map (padding pixels enter the
-  'fc' sum as zeros, as the official F.pad); pooled tokens beyond the pooled
-  map are masked as there (there with -100, here exactly).
-- A map smaller than a window is one padded, masked window with the module's
-  own ws and e; the official block instead shrinks the window to the map's
-  shorter side and drops the expansion, so its parameters depend on the map.
+- ``roll``, the official function: the zero-padded map is projected (a
+  padding pixel's key and value are the qkv bias) and its padding pixels are
+  keys of the windows that hold them; the expand copies are cyclic rolls of
+  the padded map (``torch.roll``), so a window at one edge takes expand tokens
+  from the opposite edge (offsets taken modulo the padded sides); every pooled
+  token of the pooled map is a key, and the slots of the K x K neighbourhood
+  beyond the pooled map (``nn.Unfold``'s zero padding) have key and value 0
+  and the official additive mask -100 on their logits.
+- ``mask`` (the default for generic use; a deviation): out-of-map expand
+  tokens and padding pixels are excluded from the softmax. A pooled token is
+  a key iff its sub-window holds at least one pixel of the map (padding
+  pixels enter the 'fc' sum as zeros, as the official F.pad); pooled slots
+  beyond the pooled map are excluded exactly.
+
+Either way a map smaller than a window is one padded window with the module's
+own ws and e; the official block instead shrinks the window to the map's
+shorter side and drops the expansion, so its parameters depend on the map
+(``tasks/nets/backbones/focal.py`` does that at build time, as the official
+block; with ``border=roll`` and the shrunk options the function is then the
+official one).
 
 On point sets (no official counterpart), in place of windows:
 
@@ -59,8 +69,9 @@ On point sets (no official counterpart), in place of windows:
   order of the region's points). Every point of a sample attends to the same
   coarse tokens. Sampling starts at the point farthest from the centroid, so
   the result does not depend on the order of the points.
-- no position bias (the tables above are grid offsets), so ``expand_size``
-  and ``focal_window`` act on grids only, ``neighbours`` on point sets only.
+- no position bias (the tables above are grid offsets), so ``expand_size``,
+  ``focal_window`` and ``border`` act on grids only, ``neighbours`` on point
+  sets only.
 """
 
 from __future__ import annotations
@@ -127,15 +138,23 @@ def pooled_geometry(h: int, w: int, ws: int, k: int) -> tuple[int, int, int, int
     return g, ph, pw, (nh * ws - ph * g) // 2, (nw * ws - pw * g) // 2
 
 
+BORDERS = ("mask", "roll")
+ROLL_MASK = -100.0  # the official additive mask of pooled slots beyond the pooled map (border=roll)
+
+
 @functools.lru_cache(maxsize=64)
-def grid_plan(h: int, w: int, ws: int, e: int, focal_level: int, focal_window: int, device: torch.device):
+def grid_plan(h: int, w: int, ws: int, e: int, focal_level: int, focal_window: int, device: torch.device,
+              border: str = "mask"):
     """The keys of every window of an h x w map, as indices into its key sources.
 
-    Sources: the h*w pixels, then the pooled tokens of each coarse level
-    (row-major), then one null token read by masked slots. Returns ``keys``
-    (nW, M) and ``valid`` (nW, M), windows row-major, slots in the order:
-    window, expand (see :func:`expand_offsets`), then each level's K x K
-    neighbourhood row-major.
+    Sources: the pixels (``mask``: the h*w of the map; ``roll``: the H'*W' of
+    the map padded to multiples of ws), then the pooled tokens of each coarse
+    level (row-major), then one null token read by masked slots. Returns
+    ``keys`` (nW, M) and ``valid`` (nW, M), windows row-major, slots in the
+    order: window, expand (see :func:`expand_offsets`), then each level's
+    K x K neighbourhood row-major. With ``roll`` every pixel slot is valid
+    (expand offsets wrap around the padded map) and so is every pooled token
+    of the pooled map; the invalid slots are those beyond it.
     """
     nh, nw = math.ceil(h / ws), math.ceil(w / ws)
     win_r = torch.arange(nh).repeat_interleave(nw)  # (nW,) window row, column
@@ -145,19 +164,24 @@ def grid_plan(h: int, w: int, ws: int, e: int, focal_level: int, focal_window: i
     offsets = torch.cat([window_offsets(ws), expand_offsets(ws, e)])  # (F, 2)
     r = win_r[:, None] * ws + offsets[:, 0]  # (nW, F)
     c = win_c[:, None] * ws + offsets[:, 1]
-    keys, valid = [r * w + c], [(r >= 0) & (r < h) & (c >= 0) & (c < w)]
+    if border == "roll":  # the official torch.roll of the padded map
+        keys, valid = [(r % (nh * ws)) * (nw * ws) + c % (nw * ws)], [torch.ones_like(r, dtype=torch.bool)]
+        first = nh * ws * nw * ws
+    else:
+        keys, valid = [r * w + c], [(r >= 0) & (r < h) & (c >= 0) & (c < w)]
+        first = h * w
 
     # coarse levels: the K x K pooled tokens around the window's own 2^k x 2^k
-    first = h * w
     for k in range(focal_level - 1):
         g, ph, pw, top, left = pooled_geometry(h, w, ws, k)
         span = torch.arange(focal_window + 2 ** k - 1) - (focal_window - 1) // 2  # (K,)
         pr = (win_r * 2 ** k)[:, None, None] + span[None, :, None]  # (nW, K, 1)
         pc = (win_c * 2 ** k)[:, None, None] + span[None, None, :]  # (nW, 1, K)
         exists = (pr >= 0) & (pr < ph) & (pc >= 0) & (pc < pw)  # (nW, K, K)
-        touches_map = (top + pr * g < h) & (left + pc * g < w)  # sub-window holds a pixel of the map
+        if border != "roll":
+            exists = exists & (top + pr * g < h) & (left + pc * g < w)  # sub-window holds a pixel of the map
         keys.append((first + pr * pw + pc).flatten(1))  # (nW, K*K)
-        valid.append((exists & touches_map).flatten(1))
+        valid.append(exists.flatten(1))
         first += ph * pw
 
     valid = torch.cat(valid, dim=1)  # (nW, M)
@@ -174,15 +198,19 @@ class FocalAttention(Mixer):
     complexity = "linear"  # fixed windows and pooled regions
     layouts = frozenset({"grid", "points"})
     layout_options = {"expand_size": frozenset({"grid"}), "focal_window": frozenset({"grid"}),
-                      "neighbours": frozenset({"points"})}
+                      "border": frozenset({"grid"}), "neighbours": frozenset({"points"})}
 
     def __init__(self, dim: int, heads: int = 4, window_size: int = 7, expand_size: int = 3,
-                 focal_level: int = 2, focal_window: int = 7, neighbours: int | None = None,
+                 focal_level: int = 2, focal_window: int = 7, border: str = "mask", neighbours: int | None = None,
                  qkv_bias: bool = True):
         super().__init__(dim, heads)
         self._check_options(window_size, expand_size, focal_level, focal_window, neighbours)
+        if border not in BORDERS:
+            raise UserError(f"attn.border={border!r} is invalid for attention variant {self.name!r}: expected one of "
+                            f"{list(BORDERS)} (roll = the official cyclic roll of the zero-padded map, mask = "
+                            f"out-of-map keys left out).")
         ws, e = window_size, expand_size
-        self.window_size, self.expand_size = ws, e
+        self.window_size, self.expand_size, self.border = ws, e, border
         self.focal_level, self.focal_window = focal_level, focal_window
         self.neighbours = ws * ws if neighbours is None else neighbours
         self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
@@ -247,17 +275,28 @@ class FocalAttention(Mixer):
         b, n, c = x.shape
         ws = self.window_size
         nh, nw = math.ceil(h / ws), math.ceil(w / ws)
-        keys, valid = grid_plan(h, w, ws, self.expand_size, self.focal_level, self.focal_window, x.device)
+        keys, valid = grid_plan(h, w, ws, self.expand_size, self.focal_level, self.focal_window, x.device,
+                                self.border)
+        pad = (0, 0, 0, nw * ws - w, 0, nh * ws - h)
 
-        qkv = self.qkv(x)  # (B, N, 3C)
-        q = F.pad(qkv[..., :c].view(b, h, w, c), (0, 0, 0, nw * ws - w, 0, nh * ws - h))  # (B, H', W', C)
+        if self.border == "roll":  # the padded map is projected: padding pixels are keys (the qkv bias)
+            qkv = self.qkv(F.pad(x.view(b, h, w, c), pad)).flatten(1, 2)  # (B, H'*W', 3C)
+            q = qkv[..., :c].view(b, nh * ws, nw * ws, c)  # (B, H', W', C)
+        else:
+            qkv = self.qkv(x)  # (B, N, 3C)
+            q = F.pad(qkv[..., :c].view(b, h, w, c), pad)  # (B, H', W', C)
         q = rearrange(q, "b (nh r) (nw s) (heads d) -> b heads (nh nw) (r s) d", r=ws, s=ws, heads=self.heads)
 
         sources = [qkv[..., c:]] + [self._kv(self._pool(x, h, w, k)) for k in range(self.focal_level - 1)]
-        sources = torch.cat(sources + [x.new_zeros(b, 1, 2 * c)], dim=1)  # (B, N + pooled + 1, 2C)
+        sources = torch.cat(sources + [x.new_zeros(b, 1, 2 * c)], dim=1)  # (B, pixels + pooled + 1, 2C)
         k, v = rearrange(sources[:, keys], "b nw m (two heads d) -> two b heads nw m d", two=2, heads=self.heads)
 
-        out = functional.focal_attention(q, k, v, mask=valid[:, None, :], bias=self._grid_bias()[:, None])
+        bias = self._grid_bias()[:, None]  # (heads, 1, ws*ws, M)
+        if self.border == "roll":  # slots beyond the pooled map: key and value 0, logit + ROLL_MASK (official)
+            bias = bias + torch.where(valid, 0.0, ROLL_MASK).to(bias.dtype)[:, None, :]  # (heads, nW, ws*ws, M)
+            out = functional.focal_attention(q, k, v, bias=bias)
+        else:
+            out = functional.focal_attention(q, k, v, mask=valid[:, None, :], bias=bias)
         out = rearrange(out, "b heads (nh nw) (r s) d -> b (nh r) (nw s) (heads d)", nh=nh, r=ws)  # (B, H', W', C)
         return self.proj(out[:, :h, :w].reshape(b, n, c))
 
@@ -313,4 +352,5 @@ class FocalAttention(Mixer):
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, window_size={self.window_size}, expand_size={self.expand_size}, "
-                f"focal_level={self.focal_level}, focal_window={self.focal_window}, neighbours={self.neighbours}")
+                f"focal_level={self.focal_level}, focal_window={self.focal_window}, border={self.border!r}, "
+                f"neighbours={self.neighbours}")

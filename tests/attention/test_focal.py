@@ -282,12 +282,39 @@ def test_left_window_does_not_see_the_right_edge():
     assert rel_err(y3[0, left_window], y[0, left_window]) > 1e-3
 
 
+@pytest.mark.parametrize("opts", [dict(window_size=4, expand_size=2, focal_level=3, focal_window=3),
+                                  dict(window_size=4, expand_size=1, focal_level=2, focal_window=3)])
+def test_roll_and_mask_agree_inside_and_differ_at_borders(opts):
+    """A 12 x 12 map, no padding: the centre window's keys (its ring, the pooled tokens around it) lie in the
+    map, so the official roll (border=roll) and the mask give it the same output; the windows at the border
+    take wrapped expand tokens and all pooled tokens under roll, so they differ. (The official function itself
+    is held by tests/tasks/test_focal_official.py.)"""
+    h = w = 12
+    rolled = build(heads=2, border="roll", **opts).double()
+    masked = build(heads=2, border="mask", **opts).double()
+    masked.load_state_dict(rolled.state_dict())
+    x = torch.randn(2, h * w, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        y_roll, y_mask = (m(x, Grid(h, w)).view(2, h, w, DIM) for m in (rolled, masked))
+    torch.testing.assert_close(y_roll[:, 4:8, 4:8], y_mask[:, 4:8, 4:8], rtol=1e-12, atol=1e-12)
+    for rows, cols in ((slice(0, 4), slice(0, 4)), (slice(8, 12), slice(4, 8)), (slice(4, 8), slice(8, 12))):
+        assert (y_roll[:, rows, cols] - y_mask[:, rows, cols]).abs().amax() > 1e-3
+
+
+def test_border_option_is_checked():
+    with pytest.raises(UserError, match="attn.border='wrap'"):
+        attention.build("focal", dim=DIM, border="wrap")
+    assert attention.get("focal").layout_options["border"] == frozenset({"grid"})
+
+
 # --------------------------------------------------------------------------------------------
 # Shapes, sizes, gradients
 # --------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("opts", [dict(), dict(window_size=5, expand_size=2, focal_level=3, focal_window=3),
-                                  dict(window_size=1, expand_size=0, focal_level=2, focal_window=1)])
+                                  dict(window_size=1, expand_size=0, focal_level=2, focal_window=1),
+                                  dict(border="roll"), dict(window_size=5, expand_size=2, focal_level=3,
+                                                            focal_window=3, border="roll")])
 @pytest.mark.parametrize("h,w", [(5, 9), (13, 10), (3, 2), (1, 1), (1, 20), (14, 14)])
 def test_sizes_shapes_and_gradients(h, w, opts):
     mixer = build(dim=DIM, heads=4, **opts).train()

@@ -21,15 +21,19 @@ As the official block, a stage whose map at ``img_size`` is no larger than the w
 (min(H_i, W_i) <= window_size, e.g. stage 4 at 224: 7x7) uses one window of side min(H_i, W_i) and no
 expansion (expand_size 0); so parameters depend on ``img_size`` there, as in the official code.
 ``attn=X`` replaces the mixer of every stage (heads from the spec). With ``attn=focal`` the paper's
-window_size, expand_size, focal_level and per-stage focal_window replace the generic
-``configs/attn/focal.yaml`` values unless those were changed (see :mod:`.common`); the deviations of our
-focal mixer from the official one (masked instead of cyclic borders) are in
+window_size, expand_size, focal_level, per-stage focal_window and border replace the generic
+``configs/attn/focal.yaml`` values unless those were changed (see :mod:`.common`). ``border: roll`` (the
+default here, ``model.border=mask`` for the masked borders of ``configs/attn/focal.yaml``) is the official
+cyclic roll of the zero-padded map that the published weights were trained with, so that with the official
+options the network is the official ``FocalTransformer`` (``pool_method="fc"``, no shift) and its released
+checkpoints load (:meth:`FocalTransformer.from_official`) and give its outputs; see
 ``attention/variants/focal.py``. Inputs: sides multiples of 32 (``model.pad=true`` pads).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import ClassVar
 
 import torch
 from einops import rearrange
@@ -74,11 +78,14 @@ class FocalTransformer(Backbone):
     """The architecture's options: configs/model/focal_{t,s}.yaml."""
 
     native_attn = "focal"
+    official_weights: ClassVar[str] = ("Focal Transformer's ImageNet checkpoints (microsoft/Focal-Transformer, "
+                                       "classification/focal_transformer.py, e.g. focal-tiny-is224-ws7.pth; "
+                                       "with model.use_conv_embed=true the useconv ones)")
 
     def __init__(self, name: str, attn: Mapping, num_classes: int, img_size: int, in_chans: int = 3, *,
                  embed_dim: int, depths, heads, mlp_ratio: float, drop_path_rate: float, window_size: int,
-                 expand_size: int, focal_level: int, focal_window, use_conv_embed: bool, global_attn: str,
-                 pad: bool):
+                 expand_size: int, focal_level: int, focal_window, border: str, use_conv_embed: bool,
+                 global_attn: str, pad: bool):
         super().__init__()
         self.model_name, self.pad = name, bool(pad)
         n = len(depths)
@@ -93,7 +100,7 @@ class FocalTransformer(Backbone):
             presets = force = None
             if attn["name"] == self.native_attn:
                 presets = dict(window_size=window_size, expand_size=expand_size, focal_level=focal_level,
-                               focal_window=focal_window[i])
+                               focal_window=focal_window[i], border=border)
                 side = img_size // (4 * 2 ** i)  # the stage's map side at img_size
                 if side <= attn_options(attn, presets)["window_size"]:  # the official small-map rule
                     force = dict(window_size=max(side, 1), expand_size=0)
@@ -119,4 +126,30 @@ class FocalTransformer(Backbone):
 
     def _forward(self, x):
         return self._stages_forward(x)
+
+    @staticmethod
+    def from_official(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The official ``FocalTransformer`` state dict in this network's keys.
+
+        Renames: ``patch_embed`` -> ``stem``, ``layers.i.blocks`` -> ``stages.i.blocks``, the block's
+        ``pool_layers`` -> its mixer's (``attn.pool_layers``), ``layers.i.downsample`` -> ``downsamples.i``. The
+        official index buffers (``relative_position_index*``, ``valid_ind_rolled``, ``valid_ind_unfold_*``,
+        ``attn_mask``) are functions of the window sizes, which the bias tables' shapes fix; the mixer computes
+        them, so they are dropped.
+        """
+        buffers = ("relative_position_index", "valid_ind_rolled", "valid_ind_unfold_", "attn_mask")
+        out = {}
+        for key, value in state.items():
+            if key.split(".")[-1].startswith(buffers):
+                continue
+            parts = key.split(".")
+            if parts[0] == "patch_embed":
+                key = ".".join(["stem"] + parts[1:])
+            elif parts[0] == "layers" and parts[2] == "downsample":
+                key = ".".join(["downsamples", parts[1]] + parts[3:])
+            elif parts[0] == "layers" and parts[2] == "blocks":
+                tail = ["attn"] + parts[4:] if parts[4] == "pool_layers" else parts[4:]  # the block's pools
+                key = ".".join(["stages", parts[1], "blocks", parts[3]] + tail)
+            out[key] = value
+        return out
 
