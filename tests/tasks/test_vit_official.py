@@ -1,5 +1,6 @@
-"""ViT-S against timm's ``deit_small_patch16_224`` (the layout of DeiT's released ``deit_small_patch16_224-cd65a155.pth``,
-which holds it under ``model``), in float64: timm's own network, built without a download, is the reference."""
+"""ViT-S against timm's ``deit_small_patch16_224``, in float64: timm's own network (built without a download) is the
+reference, and its state dict is the layout of DeiT's released ``deit_small_patch16_224-cd65a155.pth`` (which
+holds it under ``model``)."""
 
 import argparse
 
