@@ -97,7 +97,13 @@ def protocol(config: dict, tested: str | None = None) -> dict:
         return p
     p.update(split="val" if name in VAL_IS_TEST_SPLIT else "test", selected_on="test" if val_is_test else "val")
     if task in ("modelnet", "shapenet"):
+        voting = config.get("eval") or {}
+        votes = int(voting.get("votes") or 1)
         p.update(tta="none", points=data.get("npoints"))
+        if votes > 1:  # tasks/voting.py: mean softmax over the unscaled cloud and votes - 1 scaled copies
+            low, high = voting.get("vote_scale")
+            p.update(tta=f"vote x{votes}, anisotropic scale [{low:g}, {high:g}]"
+                     + (", cumulative" if voting.get("vote_cumulative") else ""), votes=votes)
         if task == "shapenet":
             p["restrict_to_category"] = bool((config.get("task") or {}).get("restrict_to_category", True))
     elif task == "segmentation":

@@ -4,6 +4,10 @@ Metrics follow the PCT reference: overall accuracy (``oa``, micro) and mean
 class accuracy (``macc``, macro), per epoch on validation with their best
 values so far, and on test for the checkpoint that is tested. The loss is the
 reference's label-smoothed cross-entropy.
+
+Testing may vote (``eval.votes``, ``tasks/voting.py``): the argmax of the softmax averaged over the cloud as it is
+and votes - 1 randomly scaled copies (PAConv's ``eval_voting.py``); validation is always one pass. ``test/loss``
+is the unscaled pass's loss.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionM
 from .base import Task
 from .nets.pct import PCT
 from .optim import build_optimizers
+from .voting import check_voting, draw_scales, vote_generator, voted_probabilities
 from .wandb_media import log_confusion_matrix, log_point_clouds, palette
 
 
@@ -38,9 +43,12 @@ class PointCloudClassification(Task):
 
     def __init__(self, num_classes: int, class_names: Sequence[str], model: Mapping, attn: Mapping,
                  optim: Mapping, label_smoothing: float = 0.2, log_samples: int = 8, input_points: int = 1024,
-                 monitor: Mapping | None = None):
+                 eval: Mapping | None = None, seed: int = 0, monitor: Mapping | None = None):
         super().__init__(monitor)
         self.save_hyperparameters()
+        self.eval_cfg = dict(eval or {})  # votes, vote_scale, vote_cumulative (configs/task/modelnet.yaml)
+        self.seed = seed  # seeds the votes' scales
+        self._vote_rng: torch.Generator | None = None
         self.net = PCT(num_classes, attn=dict(attn), **dict(model))
         self.class_names = list(class_names)
         self.smoothing = reference_smoothing(label_smoothing, num_classes)
@@ -57,6 +65,12 @@ class PointCloudClassification(Task):
         self.test_confusion = MulticlassConfusionMatrix(num_classes)
         self._samples: list[tuple] = []
         self.example_input_array = torch.zeros(1, input_points, 3)  # one sample, for summaries
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        from omegaconf import OmegaConf
+
+        check_voting(OmegaConf.to_container(cfg.get("eval") or OmegaConf.create({}), resolve=True), "modelnet")
 
     def forward(self, points: torch.Tensor) -> torch.Tensor:
         return self.net(points)
@@ -88,10 +102,25 @@ class PointCloudClassification(Task):
 
     def on_test_epoch_start(self):
         self._samples = []
+        self._vote_rng = vote_generator(self.seed, self.global_rank, self.device)
+
+    def _test_logits(self, points: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scores whose argmax is the prediction, logits of the unscaled pass): one pass when eval.votes=1, else
+        the softmax averaged over the votes."""
+        votes = int(self.eval_cfg.get("votes", 1))
+        if votes == 1:
+            logits = self(points)
+            return logits, logits
+        if self._vote_rng is None:  # a test step outside a test epoch (a unit test)
+            self._vote_rng = vote_generator(self.seed, self.global_rank, self.device)
+        scales = draw_scales(self._vote_rng, votes, len(points), self.eval_cfg["vote_scale"],
+                             bool(self.eval_cfg.get("vote_cumulative", False)), points.device, points.dtype)
+        return voted_probabilities(self, points, scales, dim=-1)
 
     def test_step(self, batch, batch_idx):
-        loss, logits = self._step(batch)
-        pred = logits.argmax(-1)
+        scores, logits = self._test_logits(batch["points"])
+        loss = F.cross_entropy(logits, batch["label"], label_smoothing=self.smoothing)
+        pred = scores.argmax(-1)
         self.test_oa(pred, batch["label"])
         self.test_macc(pred, batch["label"])
         self.test_confusion(pred, batch["label"])

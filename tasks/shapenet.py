@@ -6,6 +6,11 @@ Batches are dicts with ``points`` (B, N, 3), ``parts`` (B, N) global part ids,
 (the standard protocol; ``restrict_to_category=false`` allows all parts).
 Metrics: instance mIoU (``imiou``, mean over shapes) and class mIoU
 (``cmiou``, mean over categories), with per-category IoU at test time.
+
+Testing may vote (``eval.votes``, ``tasks/voting.py``): the softmax averaged over the shape as it is and votes - 1
+copies with randomly scaled xyz (normals unscaled), then the same restricted argmax (RS-CNN's
+``voting_evaluate_partseg.py``, PAConv's ``part_seg/eval_voting.py``); validation is always one pass.
+``test/loss`` is the unscaled pass's loss.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from .base import Task
 from .metrics.part_iou import PartIoU, category_part_mask, restrict_to_category
 from .nets.pct import PCTPartSeg
 from .optim import build_optimizers
+from .voting import check_voting, draw_scales, vote_generator, voted_probabilities
 from .wandb_media import log_point_clouds, log_table, palette
 
 
@@ -30,9 +36,13 @@ class PartSegmentation(Task):
     def __init__(self, num_parts: int, num_categories: int, category_names: Sequence[str],
                  category_parts: Sequence[Sequence[int]], model: Mapping, attn: Mapping, optim: Mapping,
                  normals: bool = False, restrict_to_category: bool = True, label_smoothing: float = 0.0,
-                 input_points: int = 2048, log_samples: int = 4, monitor: Mapping | None = None):
+                 input_points: int = 2048, log_samples: int = 4, eval: Mapping | None = None, seed: int = 0,
+                 monitor: Mapping | None = None):
         super().__init__(monitor)
         self.save_hyperparameters()
+        self.eval_cfg = dict(eval or {})  # votes, vote_scale, vote_cumulative (configs/task/shapenet.yaml)
+        self.seed = seed  # seeds the votes' scales
+        self._vote_rng: torch.Generator | None = None
         self.net = PCTPartSeg(num_parts, num_categories, attn=dict(attn), in_channels=6 if normals else 3,
                               **dict(model))
         self.normals = normals
@@ -49,17 +59,27 @@ class PartSegmentation(Task):
                                     torch.zeros(1, dtype=torch.long))
         self._samples: list[tuple] = []
 
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        from omegaconf import OmegaConf
+
+        check_voting(OmegaConf.to_container(cfg.get("eval") or OmegaConf.create({}), resolve=True), "shapenet")
+
     def forward(self, points: torch.Tensor, category: torch.Tensor) -> torch.Tensor:
         return self.net(points, category)  # (B, parts, N)
 
     def _inputs(self, batch) -> torch.Tensor:
         return torch.cat([batch["points"], batch["normals"]], -1) if self.normals else batch["points"]
 
-    def _step(self, batch):
-        logits = self(self._inputs(batch), batch["category"])
+    def _step(self, batch, scores: torch.Tensor | None = None, logits: torch.Tensor | None = None):
+        """(loss, predicted parts); ``scores`` (B, parts, N), when given, decide the prediction instead of the
+        logits (the votes' mean softmax), and ``logits`` the loss (the unscaled pass)."""
+        if logits is None:
+            logits = self(self._inputs(batch), batch["category"])
+        scores = logits if scores is None else scores
         loss = F.cross_entropy(logits, batch["parts"], label_smoothing=self.hparams.label_smoothing)
-        pred = restrict_to_category(logits, batch["category"], self.part_mask) if self.restrict \
-            else logits.argmax(1)
+        pred = restrict_to_category(scores, batch["category"], self.part_mask) if self.restrict \
+            else scores.argmax(1)
         return loss, pred
 
     def training_step(self, batch, batch_idx):
@@ -85,9 +105,22 @@ class PartSegmentation(Task):
 
     def on_test_epoch_start(self):
         self._samples = []
+        self._vote_rng = vote_generator(self.seed, self.global_rank, self.device)
+
+    def _voted(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean softmax over the eval.votes votes, logits of the unscaled pass), both (B, parts, N)."""
+        if self._vote_rng is None:  # a test step outside a test epoch (a unit test)
+            self._vote_rng = vote_generator(self.seed, self.global_rank, self.device)
+        points = self._inputs(batch)
+        scales = draw_scales(self._vote_rng, int(self.eval_cfg["votes"]), len(points), self.eval_cfg["vote_scale"],
+                             bool(self.eval_cfg.get("vote_cumulative", False)), points.device, points.dtype)
+        return voted_probabilities(lambda x: self(x, batch["category"]), points, scales, dim=1)
 
     def test_step(self, batch, batch_idx):
-        loss, pred = self._step(batch)
+        if int(self.eval_cfg.get("votes", 1)) == 1:
+            loss, pred = self._step(batch)
+        else:
+            loss, pred = self._step(batch, *self._voted(batch))
         self.test_iou.update(pred, batch["parts"], batch["category"])
         self.test_loss(loss, len(batch["parts"]))
         self.log("test/loss", self.test_loss)
