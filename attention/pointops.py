@@ -93,12 +93,65 @@ def square_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return d.clamp_min_(0)
 
 
+# Entries of the (B, rows, N) distance block that knn holds at once: 2**24 float32 = 64 MiB, whatever N is.
+KNN_BLOCK_ELEMENTS = 1 << 24
+
+
 @torch.no_grad()
 def knn(query: torch.Tensor, points: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices (B, M, k) of the k nearest ``points`` (B, N, 3) of each ``query`` (B, M, 3), nearest first."""
-    if not 1 <= k <= points.shape[1]:
-        raise ValueError(f"knn: cannot take {k} neighbours among {points.shape[1]} points.")
-    return square_distance(query, points).topk(k, dim=-1, largest=False, sorted=True).indices
+    """Indices (B, M, k) of the k nearest ``points`` (B, N, 3) of each ``query`` (B, M, 3).
+
+    Nearest first, ties to the lower index: the neighbours are the first k of the points sorted by
+    (:func:`square_distance`, index), whatever the device or the block size. The queries are taken in
+    blocks of rows whose distance matrix holds at most ``KNN_BLOCK_ELEMENTS`` entries, so the peak memory
+    is O(B M k) plus one block, not O(B M N); the time stays O(B M N). Plain torch: runs as is on CUDA.
+    """
+    b, m, _ = query.shape
+    n = points.shape[1]
+    if not 1 <= k <= n:
+        raise ValueError(f"knn: cannot take {k} neighbours among {n} points.")
+    rows = max(1, KNN_BLOCK_ELEMENTS // (b * n))
+    if rows >= m:
+        return smallest(square_distance(query, points), k)
+    out = torch.empty(b, m, k, dtype=torch.long, device=query.device)
+    for i in range(0, m, rows):
+        out[:, i:i + rows] = smallest(square_distance(query[:, i:i + rows], points), k)  # (B, rows, k)
+    return out
+
+
+def smallest(d: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices (..., k) of the k smallest entries of each row of d (..., N), ordered by (value, index).
+
+    ``topk`` finds the k smallest values in order, but neither its order among equal values nor which of
+    the entries tied with the k-th value it picks is specified; rows with ties are redone by the rule.
+    d serves as scratch space and is left as it came.
+    """
+    n = d.shape[-1]
+    # One more than k tells whether an entry left out ties the k-th: nearly free once k > 16 (torch's
+    # CPU topk leaves its fast small-k path there); below, a scatter and a min over the row cost less.
+    more = n > k > 16
+    values, idx = d.topk(k + more, dim=-1, largest=False, sorted=True)  # (..., k or k + 1)
+    if more:
+        spill = values[..., k] == values[..., k - 1]  # (...,)
+        values, idx = values[..., :k], idx[..., :k]
+    elif k < n:
+        spill = d.scatter_(-1, idx, math.inf).amin(-1) <= values[..., -1]  # (...,) an entry left out ties
+        d.scatter_(-1, idx, values)  # restores d
+    else:
+        spill = torch.zeros(d.shape[:-1], dtype=torch.bool, device=d.device)
+    tied = (values[..., 1:] == values[..., :-1]).any(-1) | spill  # (...,) ties among the k taken
+    if spill.any():  # take every entry below the k-th value and the lowest-indexed of those equal to it
+        rows = spill.nonzero(as_tuple=True)
+        dr, kth = d[rows], values[rows][:, -1:]  # (R, N), (R, 1)
+        below, equal = dr < kth, dr == kth
+        take = below | (equal & (equal.cumsum(-1) <= k - below.sum(-1, keepdim=True)))  # (R, N), k a row
+        idx[rows] = take.nonzero()[:, 1].view(-1, k)  # (R, k), increasing index
+        values[rows] = dr.gather(-1, idx[rows])
+    if tied.any():  # order by (value, index): by index, then stably by value
+        rows = tied.nonzero(as_tuple=True)
+        i, order = idx[rows].sort(dim=-1)  # (R, k)
+        idx[rows] = i.gather(-1, values[rows].gather(-1, order).sort(dim=-1, stable=True).indices)
+    return idx
 
 
 def gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

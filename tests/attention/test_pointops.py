@@ -145,3 +145,53 @@ def test_fps_like_kernel_with_only_near_origin_points_left_repeats_point_0():
     assert farthest_point_sample(torch.zeros(1, 5, 3), 3, like_kernel=True).tolist() == [[0, 0, 0]]
     with pytest.raises(ValueError, match="starts at point 0"):
         farthest_point_sample(xyz, 2, start=1, like_kernel=True)
+
+
+def knn_reference(query: torch.Tensor, points: torch.Tensor, k: int) -> list:
+    """Per sample and query, the first k points sorted by (squared distance in float64, index)."""
+    out = []
+    for qs, ps in zip(query.double(), points.double()):
+        rows = []
+        for q in qs:
+            d = ((ps - q) ** 2).sum(-1).tolist()
+            rows.append(sorted(range(len(ps)), key=lambda j: (d[j], j))[:k])
+        out.append(rows)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("block", [1 << 24, 64, 1])  # one block; 64 entries (a row or two); one row per block
+@pytest.mark.parametrize("k", [1, 6, 7, 19, 27, 64])
+def test_knn_ties_go_to_the_lower_index(monkeypatch, dtype, block, k):
+    # integer grid coordinates: every distance is an integer, computed exactly, and tied many times over
+    # (6 neighbours at distance 1, 12 at 2, 8 at 3 ...), so k = 7, 19, 27 cut through ties; duplicates too
+    monkeypatch.setattr("attention.pointops.KNN_BLOCK_ELEMENTS", block)
+    grid = torch.cartesian_prod(*[torch.arange(4)] * 3).to(dtype)  # (64, 3)
+    g = torch.Generator().manual_seed(k)
+    points = torch.stack([grid, grid[torch.randperm(64, generator=g)]])  # (2, 64, 3), two orders
+    points[:, 10] = points[:, 11]  # a duplicate point
+    query = torch.randint(-1, 5, (2, 9, 3), generator=g).to(dtype)  # off the grid too
+    query[:, 0] = points[:, 11]
+    idx = knn(query, points, k)
+    assert idx.shape == (2, 9, k)
+    assert idx.tolist() == knn_reference(query, points, k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_knn_blocks_change_nothing(monkeypatch, dtype):
+    g = torch.Generator().manual_seed(3)
+    points = torch.rand(2, 300, 3, generator=g).to(dtype)
+    query = torch.rand(2, 70, 3, generator=g).to(dtype)
+    whole = knn(query, points, 16)
+    # no ties among random floats: the brute force of before (one matrix, topk) gives the same indices
+    assert torch.equal(whole, square_distance(query, points).topk(16, largest=False).indices)
+    if dtype == torch.float64:
+        assert whole.tolist() == knn_reference(query, points, 16)
+    for block in (600, 601, 1):  # one row per block, a row and a bit, one entry
+        monkeypatch.setattr("attention.pointops.KNN_BLOCK_ELEMENTS", block)
+        assert torch.equal(knn(query, points, 16), whole)
+
+
+def test_knn_rejects_impossible_counts():
+    with pytest.raises(ValueError, match="cannot take"):
+        knn(torch.rand(1, 2, 3), torch.rand(1, 5, 3), 6)
