@@ -66,12 +66,20 @@ On point sets (no official counterpart), in place of windows:
   of that level's sub-window) around m = ceil(N / s) centres picked by
   farthest point sampling; a region is its centre's s nearest points, pooled
   by their mean (the 'fc' pool's initial value: a learned pool would need an
-  order of the region's points). Every point of a sample attends to the same
-  coarse tokens. Sampling starts at the point farthest from the centroid, so
-  the result does not depend on the order of the points.
-- no position bias (the tables above are grid offsets), so ``expand_size``,
-  ``focal_window`` and ``border`` act on grids only, ``neighbours`` on point
-  sets only.
+  order of the region's points). Sampling starts at the point farthest from
+  the centroid, so the result does not depend on the order of the points.
+- each point attends, at coarse level l, to the pooled tokens of the t regions
+  whose centres are nearest to it (nearest first, ties to the earlier centre),
+  t = ``coarse_neighbours``, by default (fw + 2^(l-1) - 1)^2, the K x K pooled
+  tokens a grid window sees; where m <= t it attends to all m in sampling
+  order, so every point of a small set (N <= t * s, e.g. 2401 points with the
+  defaults) sees the same coarse tokens. Cost O(N (K + t)) with the k-nearest
+  searches of :func:`attention.pointops.knn` (memory O(N (K + t)), time
+  O(N^2 / s) for the regions and O(N^2) for the fine neighbours).
+- no position bias (the tables above are grid offsets), so ``expand_size`` and
+  ``border`` act on grids only, ``neighbours`` and ``coarse_neighbours`` on
+  point sets only; ``focal_window`` on grids, and on point sets through the
+  default of ``coarse_neighbours``.
 """
 
 from __future__ import annotations
@@ -197,14 +205,16 @@ def grid_plan(h: int, w: int, ws: int, e: int, focal_level: int, focal_window: i
 class FocalAttention(Mixer):
     complexity = "linear"  # fixed windows and pooled regions
     layouts = frozenset({"grid", "points"})
-    layout_options = {"expand_size": frozenset({"grid"}), "focal_window": frozenset({"grid"}),
-                      "border": frozenset({"grid"}), "neighbours": frozenset({"points"})}
+    layout_options = {"expand_size": frozenset({"grid"}), "border": frozenset({"grid"}),
+                      "neighbours": frozenset({"points"}), "coarse_neighbours": frozenset({"points"})}
 
     def __init__(self, dim: int, heads: int = 4, window_size: int = 7, expand_size: int = 3,
                  focal_level: int = 2, focal_window: int = 7, border: str = "mask", neighbours: int | None = None,
-                 qkv_bias: bool = True):
+                 coarse_neighbours: int | None = None, qkv_bias: bool = True):
         super().__init__(dim, heads)
         self._check_options(window_size, expand_size, focal_level, focal_window, neighbours)
+        if coarse_neighbours is not None:
+            check_positive("coarse_neighbours", coarse_neighbours, self.name)
         if border not in BORDERS:
             raise UserError(f"attn.border={border!r} is invalid for attention variant {self.name!r}: expected one of "
                             f"{list(BORDERS)} (roll = the official cyclic roll of the zero-padded map, mask = "
@@ -213,6 +223,7 @@ class FocalAttention(Mixer):
         self.window_size, self.expand_size, self.border = ws, e, border
         self.focal_level, self.focal_window = focal_level, focal_window
         self.neighbours = ws * ws if neighbours is None else neighbours
+        self.coarse_neighbours = coarse_neighbours
         self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim)
 
@@ -324,27 +335,38 @@ class FocalAttention(Mixer):
 
     # ---- point sets -------------------------------------------------------------------------
 
+    def coarse_tokens(self, k: int) -> int:
+        """How many pooled tokens of coarse level k (level l = k + 1) a point attends to: t in the docstring."""
+        return (self.focal_window + 2 ** k - 1) ** 2 if self.coarse_neighbours is None else self.coarse_neighbours
+
     @torch.no_grad()
     def point_regions(self, xyz):
-        """Fine neighbours (B, N, K) of every point, and per coarse level the regions (B, m, s) to pool."""
-        n = xyz.shape[1]
+        """Fine neighbours (B, N, K) of every point, and per coarse level the regions (B, m, s) to pool and
+        the regions (B, N, min(t, m)) each point attends to (all m in sampling order where m <= t)."""
+        b, n, _ = xyz.shape
         fine = knn(xyz, xyz, min(self.neighbours, n))  # (B, N, K), nearest first
         areas = [(self.window_size // 2 ** k) ** 2 for k in range(self.focal_level - 1)]
         if not areas:
-            return fine, []
+            return fine, [], []
         start = (xyz - xyz.mean(dim=1, keepdim=True)).square().sum(-1).argmax(-1)  # (B,) farthest from centroid
         centres = gather(xyz, farthest_point_sample(xyz, math.ceil(n / min(areas)), start))  # (B, m_max, 3)
         # FPS picks prefixes: the first m centres of a longer run are those of a run of m
-        return fine, [knn(centres[:, :math.ceil(n / a)], xyz, min(a, n)) for a in areas]
+        regions, seen = [], []
+        for k, area in enumerate(areas):
+            m, t = math.ceil(n / area), self.coarse_tokens(k)
+            regions.append(knn(centres[:, :m], xyz, min(area, n)))  # (B, m, s)
+            everyone = torch.arange(m, device=xyz.device).expand(b, n, m)  # (B, N, m)
+            seen.append(everyone if m <= t else knn(xyz, centres[:, :m], t))  # (B, N, min(t, m))
+        return fine, regions, seen
 
     def _mix_points(self, x, xyz):
-        b, n, c = x.shape
-        fine, regions = self.point_regions(xyz)
+        c = x.shape[-1]
+        fine, regions, seen = self.point_regions(xyz)
         qkv = self.qkv(x)  # (B, N, 3C)
         keys = [gather(qkv[..., c:], fine)]  # (B, N, K, 2C)
-        for region in regions:
-            pooled = self._kv(gather(x, region).mean(dim=2))  # (B, m, 2C), shared by all points
-            keys.append(pooled[:, None].expand(b, n, -1, -1))  # (B, N, m, 2C)
+        for region, near in zip(regions, seen):
+            pooled = self._kv(gather(x, region).mean(dim=2))  # (B, m, 2C)
+            keys.append(gather(pooled, near))  # (B, N, min(t, m), 2C)
         k, v = rearrange(torch.cat(keys, dim=2), "b n m (two heads d) -> two b heads n m d", two=2, heads=self.heads)
         q = rearrange(qkv[..., :c], "b n (heads d) -> b heads n 1 d", heads=self.heads)
         out = functional.focal_attention(q, k, v)  # (B, heads, N, 1, d)
@@ -353,4 +375,4 @@ class FocalAttention(Mixer):
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, window_size={self.window_size}, expand_size={self.expand_size}, "
                 f"focal_level={self.focal_level}, focal_window={self.focal_window}, border={self.border!r}, "
-                f"neighbours={self.neighbours}")
+                f"neighbours={self.neighbours}, coarse_neighbours={self.coarse_neighbours}")

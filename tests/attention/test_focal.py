@@ -16,6 +16,7 @@ from torch import nn
 import attention
 from attention import Grid, Points, UserError
 from attention import functional as AF
+from attention.pointops import gather
 
 DIM = 16
 
@@ -353,24 +354,32 @@ def fps_reference(xyz, m, start):
     return chosen
 
 
+def nearest(dist_row, k):
+    """The first k indices sorted by (distance, index)."""
+    return sorted(range(len(dist_row)), key=lambda j: (float(dist_row[j]), j))[:k]
+
+
 def reference_points(mixer, x, xyz):
-    """One sample: each point against its nearest points (by sorted distances) and the pooled regions, float64."""
+    """One sample: each point against its nearest points and the pooled regions of its nearest centres, float64."""
     n, C, H = x.shape[0], mixer.dim, mixer.heads
     d = C // H
     x, xyz = x.double(), xyz.double()
     dist = ((xyz[:, None] - xyz[None]) ** 2).sum(-1)  # (N, N)
     start = int(((xyz - xyz.mean(0)) ** 2).sum(-1).argmax())
-    coarse = []
+    levels = []  # per coarse level: the centres and their pooled tokens, in sampling order
     for k in range(mixer.focal_level - 1):
         area = (mixer.window_size // 2 ** k) ** 2
-        for centre in fps_reference(xyz, math.ceil(n / area), start):
-            members = sorted(range(n), key=lambda j: float(dist[centre, j]))[:min(area, n)]
-            coarse.append(x[members].mean(0))
+        centres = fps_reference(xyz, math.ceil(n / area), start)
+        levels.append((k, centres, [x[nearest(dist[c], min(area, n))].mean(0) for c in centres]))
     W, bqkv = mixer.qkv.weight.double(), mixer.qkv.bias.double()
     out = torch.empty(n, C, dtype=torch.float64)
     for i in range(n):
-        fine = sorted(range(n), key=lambda j: float(dist[i, j]))[:min(mixer.neighbours, n)]
-        feats = torch.stack([x[j] for j in fine] + coarse)  # the same coarse tokens for every query
+        feats = [x[j] for j in nearest(dist[i], min(mixer.neighbours, n))]
+        for k, centres, pooled in levels:
+            t = (mixer.focal_window + 2 ** k - 1) ** 2 if mixer.coarse_neighbours is None else mixer.coarse_neighbours
+            seen = range(len(centres)) if len(centres) <= t else nearest(dist[i, centres], t)
+            feats += [pooled[r] for r in seen]
+        feats = torch.stack(feats)
         q = x[i] @ W[:C].T + bqkv[:C]
         k = feats @ W[C:2 * C].T + bqkv[C:2 * C]
         v = feats @ W[2 * C:].T + bqkv[2 * C:]
@@ -380,9 +389,13 @@ def reference_points(mixer, x, xyz):
     return out @ mixer.proj.weight.double().T + mixer.proj.bias.double()
 
 
-@pytest.mark.parametrize("n,opts", [(40, dict(window_size=4, expand_size=1, focal_level=3, neighbours=6)),
-                                    (30, dict()),  # neighbours 49 clamped to 30, one region of all points
-                                    (25, dict(window_size=3, expand_size=1, focal_level=1, neighbours=5))])
+@pytest.mark.parametrize("n,opts", [
+    (40, dict(window_size=4, expand_size=1, focal_level=3, neighbours=6)),  # all regions: m = 3, 10 <= t = 49, 64
+    (30, dict()),  # neighbours 49 clamped to 30, one region of all points
+    (25, dict(window_size=3, expand_size=1, focal_level=1, neighbours=5)),
+    (60, dict(window_size=4, expand_size=1, focal_level=3, focal_window=1, neighbours=6)),  # t = 1 of 4, 4 of 15
+    (60, dict(window_size=4, expand_size=1, focal_level=3, neighbours=5, coarse_neighbours=3)),  # 3 of 4, 3 of 15
+])
 def test_points_match_bruteforce(n, opts):
     mixer = build(heads=2, **opts)
     gen = torch.Generator().manual_seed(n)
@@ -394,23 +407,57 @@ def test_points_match_bruteforce(n, opts):
         assert rel_err(mixer.double()(x.double(), Points(xyz.double())), expected) < 1e-12
 
 
+def every_point_sees_every_region(mixer, x, xyz):
+    """The point-set path as it was before coarse_neighbours: every region's pooled token, shared by all points."""
+    b, n, c = x.shape
+    fine, regions, _ = mixer.point_regions(xyz)
+    qkv = mixer.qkv(x)
+    keys = [gather(qkv[..., c:], fine)]
+    for region in regions:
+        pooled = mixer._kv(gather(x, region).mean(dim=2))
+        keys.append(pooled[:, None].expand(b, n, -1, -1))
+    k, v = torch.cat(keys, dim=2).view(b, n, -1, 2, mixer.heads, c // mixer.heads).permute(3, 0, 4, 1, 2, 5)
+    q = qkv[..., :c].view(b, n, mixer.heads, 1, c // mixer.heads).transpose(1, 2)
+    out = AF.focal_attention(q, k, v)  # (B, heads, N, 1, d)
+    return mixer.proj(out.transpose(1, 2).reshape(b, n, c))
+
+
+@pytest.mark.parametrize("n,opts", [(40, dict(window_size=4, expand_size=1, focal_level=3)),  # m = 3, 10
+                                    (2401, dict()),  # m = 49 = t: the largest set that keeps every region
+                                    (200, dict(focal_level=3, coarse_neighbours=50))])  # m = 5, 23
+def test_small_sets_see_every_region_exactly_as_before(n, opts):
+    mixer = build(**opts)
+    gen = torch.Generator().manual_seed(n)
+    x, xyz = torch.randn(1, n, DIM, generator=gen), torch.rand(1, n, 3, generator=gen)
+    _, regions, seen = mixer.point_regions(xyz)
+    assert all(near.shape[-1] == region.shape[1] for region, near in zip(regions, seen))
+    with torch.no_grad():
+        assert torch.equal(mixer(x, Points(xyz)), every_point_sees_every_region(mixer, x, xyz))
+    if n == 2401:  # one point more: 50 regions, each point sees its 49 nearest
+        _, regions, seen = mixer.point_regions(torch.rand(1, n + 1, 3, generator=gen))
+        assert regions[0].shape[1] == 50 and seen[0].shape[-1] == 49
+
+
 def test_point_regions():
-    mixer = build(window_size=4, expand_size=1, focal_level=3, neighbours=7)
+    mixer = build(window_size=4, expand_size=1, focal_level=3, neighbours=7, coarse_neighbours=5)
     gen = torch.Generator().manual_seed(5)
     xyz = torch.rand(2, 50, 3, generator=gen, dtype=torch.float64)
-    fine, regions = mixer.point_regions(xyz)
+    fine, regions, seen = mixer.point_regions(xyz)
     assert fine.shape == (2, 50, 7)
     assert [tuple(r.shape) for r in regions] == [(2, 4, 16), (2, 13, 4)]  # ceil(50/16) regions of 16, ceil(50/4) of 4
+    assert [tuple(s.shape) for s in seen] == [(2, 50, 4), (2, 50, 5)]  # all 4; the 5 nearest of 13
     for b in range(2):
         dist = ((xyz[b, :, None] - xyz[b, None]) ** 2).sum(-1)
         for i in range(50):
-            assert fine[b, i].tolist() == sorted(range(50), key=lambda j: float(dist[i, j]))[:7]
+            assert fine[b, i].tolist() == nearest(dist[i], 7)
         start = int(((xyz[b] - xyz[b].mean(0)) ** 2).sum(-1).argmax())
         centres = fps_reference(xyz[b], 13, start)
         for region, size in zip(regions, (16, 4)):
             for r, centre in enumerate(centres[:region.shape[1]]):
-                nearest = sorted(range(50), key=lambda j: float(dist[centre, j]))[:size]
-                assert sorted(region[b, r].tolist()) == sorted(nearest)
+                assert sorted(region[b, r].tolist()) == sorted(nearest(dist[centre], size))
+        for i in range(50):
+            assert seen[0][b, i].tolist() == [0, 1, 2, 3]
+            assert seen[1][b, i].tolist() == nearest(dist[i, centres], 5)
 
 
 def test_points_permutation_equivariance():
@@ -463,6 +510,7 @@ def test_kernel_matches_bruteforce():
     (dict(focal_window=0), "focal_window"),
     (dict(focal_window=4), "focal_window"),
     (dict(neighbours=0), "neighbours"),
+    (dict(coarse_neighbours=0), "coarse_neighbours"),
 ])
 def test_bad_options_name_the_option(opts, option):
     with pytest.raises(UserError, match=f"attn.{option}="):
