@@ -2,8 +2,10 @@
 
 One loader for every network and every file the papers released:
 
-1. the file is read with ``torch.load(weights_only=True)`` (``argparse.Namespace``, which DeiT's and
-   DilateFormer's training scripts store beside the weights, is allowed; nothing else that runs code);
+1. the file is read with ``torch.load(weights_only=True)``: nothing that runs code. What training scripts store
+   beside the weights is read as data: ``argparse.Namespace`` (DeiT, DilateFormer) as itself, and the yacs
+   ``CfgNode`` of Focal-Transformer's (and Swin's) ``save_checkpoint`` as a plain ``OrderedDict`` (yacs need not
+   be installed, and no yacs code runs);
 2. the state dict is taken out of its container: a plain state dict (PCT_Pytorch's ``model.t7``), or the entry
    ``state_dict`` (StudioGAN, Lightning), ``model`` (DeiT, DilateFormer, Focal) or ``net``;
 3. ``module.``, which ``nn.DataParallel`` puts before every key, is dropped;
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -38,6 +41,9 @@ CONTAINER_KEYS = ("state_dict", "model", "net", "model_state_dict")  # where che
 WRAPPER_PREFIXES = ("module.",)  # nn.DataParallel / DDP: on every key
 TASK_PREFIXES = ("net.", "model.", "backbone.", "backbone.net.")  # a network inside a task or wrapper checkpoint
 SHOWN = 5  # keys named per list in a message
+# Objects that training scripts pickle beside the weights, read as data: a class, or (stand-in, pickled name).
+# A CfgNode is a dict subclass with attributes; an OrderedDict takes both its items and its __dict__.
+SAFE_GLOBALS = [argparse.Namespace, (OrderedDict, "yacs.config.CfgNode")]
 
 
 def _is_state(obj) -> bool:
@@ -63,7 +69,7 @@ def read_state(path: str, option: str) -> tuple[dict[str, torch.Tensor], str]:
         raise UserError(f"{option}={path} is not a file: pass the path of a weights file (a state dict or a "
                         f"checkpoint that holds one), or drop {option}.")
     try:
-        with torch.serialization.safe_globals([argparse.Namespace]):
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - unreadable, truncated or code-carrying files all need the user
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

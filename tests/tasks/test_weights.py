@@ -2,6 +2,8 @@
 
 import argparse
 import collections
+import sys
+import types
 
 import pytest
 import torch
@@ -89,3 +91,31 @@ def test_files_that_run_code_or_hold_no_weights_are_refused(tmp_path):
         read_state(str(tmp_path / "empty.pth"), "model.weights")
     with pytest.raises(UserError, match="is not a file"):
         read_state(str(tmp_path / "missing.pth"), "model.g_weights")
+
+
+def test_a_focal_training_checkpoint_with_its_yacs_config_loads_without_yacs(tmp_path, monkeypatch):
+    """Focal-Transformer's ``save_checkpoint`` (as Swin's) pickles its yacs ``CfgNode`` beside ``model``. The class
+    below pickles as yacs' does (a dict subclass with attributes, module ``yacs.config``); it is gone when the file
+    is read, so nothing of it can run: the config comes back as plain data."""
+    yacs, config_module = types.ModuleType("yacs"), types.ModuleType("yacs.config")
+
+    class CfgNode(dict):
+        def __init__(self, init_dict=None):
+            super().__init__(init_dict or {})
+            self.__dict__.update({"__immutable__": True, "__deprecated_keys__": set(), "__new_allowed__": False})
+
+    CfgNode.__module__, CfgNode.__qualname__ = "yacs.config", "CfgNode"
+    config_module.CfgNode, yacs.config = CfgNode, config_module
+    monkeypatch.setitem(sys.modules, "yacs", yacs)
+    monkeypatch.setitem(sys.modules, "yacs.config", config_module)
+    state = official_state(3)
+    config = CfgNode({"MODEL": CfgNode({"TYPE": "focal", "NAME": "focal_tiny_patch4_window7_224"}), "SEED": 0})
+    torch.save({"model": state, "optimizer": {}, "max_accuracy": 82.2, "epoch": 299, "config": config},
+               tmp_path / "focal-tiny-is224-ws7.pth")
+    monkeypatch.delitem(sys.modules, "yacs.config")
+    monkeypatch.delitem(sys.modules, "yacs")
+    net = Toy()
+    assert load_weights(net, str(tmp_path / "focal-tiny-is224-ws7.pth")) == "official"
+    assert torch.equal(net.head.weight, state["fc2.weight"])
+    read, what = read_state(str(tmp_path / "focal-tiny-is224-ws7.pth"), "model.weights")
+    assert "'config'" in what and set(read) == set(state)
