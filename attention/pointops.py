@@ -79,22 +79,29 @@ def kernel_order(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     return torch.argsort(reversed_t * n + k).to(device)  # key (bit-reversed thread, index)
 
 
-def square_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Pairwise squared distances (B, N, M) between a (B, N, 3) and b (B, M, 3), in float32 at least.
+def distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Pairwise Euclidean distances (B, N, M) between a (B, N, 3) and b (B, M, 3), in float32 at least.
 
-    Under autocast the matmul would run in half precision, whose rounding (about 1e-3 of |a|^2 in float16,
-    4e-3 in bfloat16) reorders near neighbours; so half inputs are upcast and autocast is off here.
+    ``torch.cdist`` from the coordinate differences, not through |a|^2 + |b|^2 - 2 a.b: a matrix product
+    rounds differently for different shapes, whereas this computes each pair alone, so a pair's distance
+    is the same whatever the shapes it is computed among (knn's blocks and grid rely on it), and near
+    points far from the origin keep their distances (no cancellation). Half inputs are upcast and
+    autocast is off, as half precision (about 1e-3 relative) would reorder near neighbours.
     """
     with torch.autocast(a.device.type, enabled=False):
         a, b = (t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for t in (a, b))
-        d = -2 * a @ b.transpose(1, 2)  # (B, N, M)
-        d += a.square().sum(-1, keepdim=True)
-        d += b.square().sum(-1).unsqueeze(1)
-        return d.clamp_min_(0)
+        return torch.cdist(a, b, compute_mode="donot_use_mm_for_euclid_dist")
 
 
-# Entries of the (B, rows, N) distance block that knn holds at once: 2**24 float32 = 64 MiB, whatever N is.
+def square_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Pairwise squared distances (B, N, M): :func:`distance` squared."""
+    return distance(a, b).square_()
+
+
+# Entries of a distance block that knn holds at once: 2**24 float32 = 64 MiB, whatever N is.
 KNN_BLOCK_ELEMENTS = 1 << 24
+# Above this many distances per sample (M * N), knn searches a grid of cells instead of every pair.
+KNN_GRID_ABOVE = 1 << 24
 
 
 @torch.no_grad()
@@ -102,20 +109,108 @@ def knn(query: torch.Tensor, points: torch.Tensor, k: int) -> torch.Tensor:
     """Indices (B, M, k) of the k nearest ``points`` (B, N, 3) of each ``query`` (B, M, 3).
 
     Nearest first, ties to the lower index: the neighbours are the first k of the points sorted by
-    (:func:`square_distance`, index), whatever the device or the block size. The queries are taken in
-    blocks of rows whose distance matrix holds at most ``KNN_BLOCK_ELEMENTS`` entries, so the peak memory
-    is O(B M k) plus one block, not O(B M N); the time stays O(B M N). Plain torch: runs as is on CUDA.
+    (:func:`distance`, index), whatever the device, the block size or the search. Peak memory is
+    O(B M k) plus one block of at most ``KNN_BLOCK_ELEMENTS`` distances, never the M x N matrix. Up to
+    ``KNN_GRID_ABOVE`` distances a sample every pair is compared (:func:`knn_blocks`); above, a grid of
+    cells prunes the pairs (:func:`knn_grid`), in time about O(M k) for evenly spread points. Plain torch:
+    both run as they are on CUDA.
     """
     b, m, _ = query.shape
     n = points.shape[1]
     if not 1 <= k <= n:
         raise ValueError(f"knn: cannot take {k} neighbours among {n} points.")
-    rows = max(1, KNN_BLOCK_ELEMENTS // (b * n))
+    if m * n <= KNN_GRID_ABOVE:
+        return knn_blocks(query, points, k)
+    return torch.stack([knn_grid(q, p, k) for q, p in zip(query, points)])  # (B, M, k)
+
+
+def knn_blocks(query: torch.Tensor, points: torch.Tensor, k: int) -> torch.Tensor:
+    """:func:`knn` by brute force: every query against every point, queries in blocks of rows."""
+    b, m, _ = query.shape
+    rows = max(1, KNN_BLOCK_ELEMENTS // (b * points.shape[1]))
     if rows >= m:
-        return smallest(square_distance(query, points), k)
+        return smallest(distance(query, points), k)
     out = torch.empty(b, m, k, dtype=torch.long, device=query.device)
     for i in range(0, m, rows):
-        out[:, i:i + rows] = smallest(square_distance(query[:, i:i + rows], points), k)  # (B, rows, k)
+        out[:, i:i + rows] = smallest(distance(query[:, i:i + rows], points), k)  # (B, rows, k)
+    return out
+
+
+def knn_grid(query: torch.Tensor, points: torch.Tensor, k: int, cell: float | None = None) -> torch.Tensor:
+    """:func:`knn` of one sample, query (M, 3) and points (N, 3) -> (M, k), through a grid of cubic cells.
+
+    The cells (side ``cell``; by default about 0.3 k points each) are grouped in blocks of 2 x 2 x 2; the
+    queries of a block are compared, with :func:`distance` and :func:`smallest` as the brute force,
+    to the points of the block's cells and of one ring of cells around them, taken in index order. A query
+    keeps what it found when its k-th distance (plus a bound on the rounding of the distances) is below
+    the distance from it to the nearest face of that region beyond which points lie: every point
+    outside is then farther, so the result is the brute force's. The other queries search again with
+    cells twice as large, and by brute force once one cell would hold every point.
+    """
+    m, n = len(query), len(points)
+    lo = points.amin(0)
+    extent = (points.amax(0) - lo).tolist()
+    if cell is None:  # the side at which the occupied box holds about n / (0.3 k) cells
+        target, a, z = n / max(0.3 * k, 1.0), 1e-30, max(max(extent), 1e-30)
+        for _ in range(60):
+            mid = math.sqrt(a * z)
+            cells = math.prod(max(1.0, e / mid) for e in extent)
+            a, z = (mid, z) if cells > target else (a, mid)
+        cell = z
+    dims = [int(e // cell) + 1 for e in extent]  # cells per axis
+    if math.prod(dims) <= 8 or m * n <= KNN_BLOCK_ELEMENTS:
+        return knn_blocks(query[None], points[None], k)[0]
+    high = torch.tensor(dims, device=points.device) - 1
+    pc = ((points - lo) / cell).floor().long().clamp_(min=0).minimum(high)  # (N, 3) cell of each point
+    cell_key = (pc[:, 0] * dims[1] + pc[:, 1]) * dims[2] + pc[:, 2]  # (N,), z fastest
+    by_cell = cell_key.argsort(stable=True)  # (N,) points in cell order
+    cell_key = cell_key[by_cell]
+    qb = ((query - lo) / cell).floor().long().clamp_(min=0).minimum(high) // 2  # (M, 3) block of each query
+    nb = [(d + 1) // 2 for d in dims]  # blocks per axis
+    key = (qb[:, 0] * nb[1] + qb[:, 1]) * nb[2] + qb[:, 2]  # (M,)
+    order = key.argsort(stable=True)
+    keys, counts = key[order].unique_consecutive(return_counts=True)
+    # rounding: a computed distance is within a few eps of the exact one, relatively; the faces are placed
+    # within ~eps of the region's extent; both bounds are taken 16 times over
+    eps = torch.finfo(distance(query[None, :1], points[None, :1]).dtype).eps
+    slack = 16 * eps * (float(lo.abs().max()) + max(extent) + 2 * cell)
+    out = torch.empty(m, k, dtype=torch.long, device=query.device)
+    retry = torch.zeros(m, dtype=torch.bool, device=query.device)
+    for block, rows in zip(keys.tolist(), order.split(counts.tolist())):
+        b3 = [block // (nb[1] * nb[2]), block // nb[2] % nb[1], block % nb[2]]
+        c_lo = [max(2 * c - 1, 0) for c in b3]  # the block's cells and one ring around them, per axis
+        c_hi = [min(2 * c + 2, d - 1) for c, d in zip(b3, dims)]
+        # the region's points: for each of its (x, y) columns of cells, one run of the points in cell order
+        columns = [x * dims[1] + y for x in range(c_lo[0], c_hi[0] + 1) for y in range(c_lo[1], c_hi[1] + 1)]
+        first = torch.tensor([[c * dims[2] + c_lo[2], c * dims[2] + c_hi[2] + 1] for c in columns],
+                             device=points.device)  # (columns, 2) first keys in and after each run
+        start, end = torch.searchsorted(cell_key, first).unbind(1)  # (columns,)
+        length = end - start
+        offset = torch.repeat_interleave(start - (length.cumsum(0) - length), length)  # (P,)
+        candidates = by_cell[offset + torch.arange(len(offset), device=points.device)].sort().values  # (P,)
+        if len(candidates) < k:
+            retry[rows] = True
+            continue
+        q = query[rows]  # (R, 3)
+        found, kth, step = [], [], max(1, KNN_BLOCK_ELEMENTS // len(candidates))
+        for i in range(0, len(rows), step):
+            d = distance(q[None, i:i + step], points[None, candidates])[0]  # (rows, P)
+            found.append(smallest(d, k))  # (rows, k), positions among the candidates
+            kth.append(d.gather(1, found[-1][:, -1:])[:, 0])  # (rows,)
+        found, kth = torch.cat(found), torch.cat(kth)  # (R, k), (R,)
+        # distance to the nearest face with points beyond it (none beyond the grid's outer cells)
+        margin = torch.full_like(kth, math.inf)
+        for axis in range(3):
+            if c_lo[axis] > 0:
+                margin = margin.minimum(q[:, axis] - (lo[axis] + c_lo[axis] * cell))
+            if c_hi[axis] < dims[axis] - 1:
+                margin = margin.minimum(lo[axis] + (c_hi[axis] + 1) * cell - q[:, axis])
+        margin = (margin - slack).clamp_min(0)
+        out[rows] = candidates[found]
+        retry[rows] = ~(kth * (1 + 16 * eps) < margin)
+    if retry.any():
+        rows = retry.nonzero()[:, 0]
+        out[rows] = knn_grid(query[rows], points, k, 2 * cell)
     return out
 
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from attention.pointops import farthest_point_sample, gather, knn, square_distance
+from attention.pointops import farthest_point_sample, gather, knn, knn_blocks, knn_grid, square_distance
 
 
 def fps_reference(xyz: np.ndarray, m: int, start: int = 0) -> list[int]:
@@ -195,3 +195,37 @@ def test_knn_blocks_change_nothing(monkeypatch, dtype):
 def test_knn_rejects_impossible_counts():
     with pytest.raises(ValueError, match="cannot take"):
         knn(torch.rand(1, 2, 3), torch.rand(1, 5, 3), 6)
+
+
+def cloud(kind: str, n: int, g: torch.Generator) -> torch.Tensor:
+    if kind == "uniform":
+        return torch.rand(n, 3, generator=g)
+    if kind == "clusters":  # two dense blobs in a sparse haze, far from the origin
+        blobs = torch.randn(n, 3, generator=g) * 0.01 + (torch.arange(n) % 2)[:, None] * 0.5
+        haze = torch.rand(n, 3, generator=g)
+        return torch.where((torch.arange(n) % 5 == 0)[:, None], haze, blobs) + 10
+    if kind == "plane":  # a flat set: one cell thick
+        return torch.cat([torch.rand(n, 2, generator=g), torch.zeros(n, 1)], dim=1)
+    if kind == "line":
+        return torch.cat([torch.rand(n, 1, generator=g), torch.full((n, 2), 0.5)], dim=1)
+    grid = torch.cartesian_prod(*[torch.arange(8)] * 3).float()  # "grid": integer points, ties everywhere
+    return torch.cat([grid, grid[:n - len(grid)]])  # and duplicates
+
+
+@pytest.mark.parametrize("kind", ["uniform", "clusters", "plane", "line", "grid"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_knn_grid_search_is_the_brute_force(monkeypatch, kind, dtype):
+    g = torch.Generator().manual_seed(1)
+    points = torch.stack([cloud(kind, 700, g) for _ in range(2)]).to(dtype)  # (2, 700, 3)
+    query = torch.cat([points[:, :300], points[:, :20] + torch.randn(2, 20, 3, generator=g).to(dtype)], 1)
+    if kind == "grid":
+        query = query.round()
+    expected = {k: knn_blocks(query, points, k) for k in (1, 10, 17, 49)}
+    monkeypatch.setattr("attention.pointops.KNN_GRID_ABOVE", 1000)  # the grid path from here on
+    monkeypatch.setattr("attention.pointops.KNN_BLOCK_ELEMENTS", 2000)  # ... with small blocks of distances
+    for k, want in expected.items():
+        assert torch.equal(knn(query, points, k), want)
+        if kind == "grid" or dtype == torch.float64 and kind == "uniform":
+            assert want.tolist() == knn_reference(query, points, k)
+    # cells too small for anyone: every query searches again with larger ones, down to brute force
+    assert torch.equal(knn_grid(query[0], points[0], 10, cell=1e-4), expected[10][0])
