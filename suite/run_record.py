@@ -94,6 +94,19 @@ def protocol(config: dict, tested: str | None = None) -> dict:
                  fid_reference="train split" + (f" (first {reference})" if reference else ""),
                  feature_extractor=extractor, is_splits=metrics.get("isc_splits"),
                  ema=bool((config.get("ema") or {}).get("enabled")))
+        if metrics.get("kid"):   # torch-fidelity's polynomial-kernel KID on the same Inception features
+            size = metrics.get("kid_subset_size")
+            p.update(kid_subsets=metrics.get("kid_subsets"),
+                     kid_subset_size=size if size is not None else "min(1000, generated, reference images)",
+                     kid_kernel=f"poly degree {metrics.get('kid_degree')} gamma "
+                                f"{metrics.get('kid_gamma') if metrics.get('kid_gamma') is not None else '1/2048'} "
+                                f"coef0 {metrics.get('kid_coef0')}")
+        p["prc"] = "off"   # torch-fidelity's improved precision/recall, k-NN radii on VGG16 fc2_relu features
+        if metrics.get("prc"):
+            vgg = metrics.get("vgg16_weights")
+            p["prc"] = f"k={metrics.get('prc_neighborhood')}, vgg16 fc2_relu" + (
+                "" if vgg is None else f" ({vgg} weights, not comparable)" if str(vgg).startswith("random")
+                else f" ({Path(str(vgg)).name})")
         return p
     p.update(split="val" if name in VAL_IS_TEST_SPLIT else "test", selected_on="test" if val_is_test else "val")
     if task in ("modelnet", "shapenet"):

@@ -1,4 +1,4 @@
-"""Image generation with SAGAN / EAGAN (``task=gan``), FID and IS from torch-fidelity.
+"""Image generation with SAGAN / EAGAN (``task=gan``), FID, IS, KID and precision/recall from torch-fidelity.
 
 Manual optimisation as StudioGAN: one training step is ``d_steps``
 discriminator updates, each on its own real batch and fresh fakes, then one
@@ -10,9 +10,12 @@ Evaluation generates images from fixed latents and labels (seeded, the same
 at every evaluation), scores them with torch-fidelity's TF-compatible
 Inception against reference statistics of the training split (cached on disk,
 keyed by the data fingerprint and the weights) and logs a fixed-noise sample
-grid. Validation (every ``metrics.every_n_steps``) uses ``metrics.num_samples``
-images; test (``mode=eval``) follows StudioGAN's protocol with as many images
-as the training split unless ``eval.num_samples`` says otherwise. With
+grid. KID (``metrics.kid``) is computed from the same Inception pool features
+as FID; precision/recall (``metrics.prc``, off by default) needs a second
+network, torch-fidelity's VGG16, run on the same samples. Validation (every
+``metrics.every_n_steps``) uses ``metrics.num_samples`` images; test
+(``mode=eval``) follows StudioGAN's protocol with as many images as the
+training split unless ``eval.num_samples`` says otherwise. With
 ``ema.enabled`` the exponential moving average of the generator is evaluated.
 Batches of the evaluation loaders are ``{"index": (B,)}``: which of the fixed
 latents to generate, so ranks under DDP split the work and features are
@@ -36,7 +39,7 @@ from torchvision.utils import make_grid, save_image
 from attention.errors import UserError
 
 from .base import Task
-from .metrics import fid
+from .metrics import fid, prc
 from .nets.sagan import Discriminator, Generator
 
 log = logging.getLogger(__name__)
@@ -146,6 +149,32 @@ class GAN(Task):
         self.register_buffer("grid_y", torch.arange(rows).repeat_interleave(grid_per_class), persistent=False)
         self.grid_per_class = grid_per_class
 
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """KID's subset size and PRC's neighbourhood against the sample counts the config fixes."""
+        metrics, evaluation = cfg.get("metrics") or {}, cfg.get("eval") or {}
+        counts = {f"metrics.{k}": metrics.get(k) for k in ("num_samples", "reference_samples")}
+        counts["eval.num_samples"] = evaluation.get("num_samples")
+        counts = {k: v for k, v in counts.items() if isinstance(v, int)}
+        size = metrics.get("kid_subset_size")
+        if metrics.get("kid", False):
+            if int(metrics.get("kid_subsets", 100)) < 1:
+                raise UserError(f"metrics.kid_subsets={metrics.get('kid_subsets')} must be >= 1 (torch-fidelity's "
+                                f"default: 100), or turn KID off with metrics.kid=false.")
+            if size is not None and (int(size) < 2 or any(int(size) > v for v in counts.values())):
+                sizes = ", ".join(f"{k}={v}" for k, v in counts.items())
+                raise UserError(
+                    f"metrics.kid_subset_size={size} must be at least 2 and at most every sample count ({sizes}): KID "
+                    f"draws subsets of that many images without replacement from the generated and the reference "
+                    f"images. Lower it, set it to null (torch-fidelity's 1000, capped at the image counts), or turn "
+                    f"KID off with metrics.kid=false.")
+        k = metrics.get("prc_neighborhood", 3)
+        if metrics.get("prc", False) and (int(k) < 1 or any(int(k) >= v for v in counts.values())):
+            raise UserError(
+                f"metrics.prc_neighborhood={k} must be at least 1 and below every sample count "
+                f"({', '.join(f'{n}={v}' for n, v in counts.items())}): a sample's radius is the distance to its k-th "
+                f"nearest other sample. Use the paper's k=3 with more samples, or metrics.prc=false.")
+
     def load_weights(self, paths):
         """As :meth:`Task.load_weights`; with the EMA on and no ``model.g_ema_weights``, G's file starts the EMA."""
         if paths.get("g_ema_weights") and self.G_ema is None:
@@ -226,6 +255,11 @@ class GAN(Task):
             self._aux["inception"] = fid.load_inception(self.metrics_cfg.get("inception_weights"))
         return self._aux["inception"].to(self.device)
 
+    def _vgg16(self):
+        if "vgg16" not in self._aux:
+            self._aux["vgg16"] = prc.load_vgg16(self.metrics_cfg.get("vgg16_weights"))
+        return self._aux["vgg16"].to(self.device)
+
     def _eval_inputs(self, stage: str, n: int):
         """Fixed latents and labels of the ``n`` evaluation samples of ``stage`` (cached)."""
         key = (stage, n)
@@ -234,16 +268,31 @@ class GAN(Task):
             self._aux["inputs_key"], self._aux["inputs"] = key, self.sample_inputs(n, generator=gen)
         return self._aux["inputs"]
 
+    def _reference_images(self):
+        """(the real images FID, KID and PRC compare with, their cache key)."""
+        dm = self.trainer.datamodule
+        limit = self.metrics_cfg.get("reference_samples")
+        images = dm.train_images if not limit else dm.train_images[:int(limit)]
+        return images, dm.fingerprint + (f"-first{int(limit)}" if limit else "")
+
     def _reference(self):
+        """FID statistics of the real images, with their pool features when KID is on."""
         if "reference" not in self._aux:
-            dm = self.trainer.datamodule
-            limit = self.metrics_cfg.get("reference_samples")
-            images = dm.train_images if not limit else dm.train_images[:int(limit)]
-            key = dm.fingerprint + (f"-first{int(limit)}" if limit else "")
+            images, key = self._reference_images()
             self._aux["reference"] = fid.reference_statistics(
                 self._inception(), images, key, self.metrics_cfg.get("inception_weights"),
-                self.metrics_cfg.get("cache_dir"), batch_size=int(self.metrics_cfg.get("batch_size", 50)))
+                self.metrics_cfg.get("cache_dir"), batch_size=int(self.metrics_cfg.get("batch_size", 50)),
+                keep_features=bool(self.metrics_cfg.get("kid", False)))
         return self._aux["reference"]
+
+    def _prc_reference(self):
+        """VGG16 features of the real images (cached on disk like the FID statistics)."""
+        if "prc_reference" not in self._aux:
+            images, key = self._reference_images()
+            self._aux["prc_reference"] = prc.reference_features(
+                self._vgg16(), images, key, self.metrics_cfg.get("vgg16_weights"), self.metrics_cfg.get("cache_dir"),
+                batch_size=int(self.metrics_cfg.get("batch_size", 50)))
+        return self._aux["prc_reference"]
 
     def _eval_step(self, stage: str, batch):
         index = batch["index"]
@@ -252,14 +301,16 @@ class GAN(Task):
         images = fid.to_uint8(self.generator(z[index], y[index] if self.num_classes else None))
         with torch.autocast(self.device.type, enabled=False):  # float32 features, as the reference statistics
             pool, logits = fid.inception_features(self._inception(), images, batch_size=len(images))
-        self._features.append((index, pool, logits))
+            vgg = prc.vgg16_features(self._vgg16(), images, batch_size=len(images)) \
+                if self.metrics_cfg.get("prc", False) else torch.empty(len(images), 0)  # (B, 4096) or (B, 0)
+        self._features.append((index, pool, logits, vgg))
         folder = self.eval_cfg.get("save_samples") if stage == "test" else None
         if folder:
             for i, image in zip(index.tolist(), images):
                 fid.save_pngs(image[None].cpu(), folder, start=i)
 
     def _score(self, stage: str) -> dict[str, float]:
-        index, pool, logits = (torch.cat(t) for t in zip(*self._features))
+        index, pool, logits, vgg = (torch.cat(t) for t in zip(*self._features))
         self._features = []
         if self.trainer.world_size > 1:
             # Every rank's samples; ranks may hold one more or one fewer (torchmetrics' gather allows that,
@@ -267,16 +318,28 @@ class GAN(Task):
             from torchmetrics.utilities.distributed import gather_all_tensors
 
             index, pool, logits = (torch.cat(gather_all_tensors(t)) for t in (index, pool, logits))
+            vgg = torch.cat(gather_all_tensors(vgg)) if self.metrics_cfg.get("prc") else vgg.new_empty(len(index), 0)
         keep = first_of_each(index)
-        pool, logits = pool[keep].cpu(), logits[keep].cpu()
-        scores = torch.zeros(3, dtype=torch.float64)
+        pool, logits, vgg = pool[keep].cpu(), logits[keep].cpu(), vgg[keep]
+        cfg = self.metrics_cfg
+        names = ["fid", "is", "is_std"] + (["kid", "kid_std"] if cfg.get("kid") else []) \
+            + (["precision", "recall"] if cfg.get("prc") else [])
+        scores = torch.zeros(len(names), dtype=torch.float64)
         if self.trainer.is_global_zero:
-            splits = int(self.metrics_cfg.get("isc_splits", 1))
-            is_mean, is_std = fid.inception_score(logits, splits=splits)
-            scores = torch.tensor([fid.frechet_distance(fid.fid_statistics(pool), self._reference()), is_mean, is_std],
-                                  dtype=torch.float64)
+            reference = self._reference()
+            values = [fid.frechet_distance(fid.fid_statistics(pool), reference),
+                      *fid.inception_score(logits, splits=int(cfg.get("isc_splits", 1)))]
+            if cfg.get("kid"):
+                values += fid.kernel_inception_distance(
+                    pool, reference["features"], subsets=int(cfg.get("kid_subsets", 100)),
+                    subset_size=cfg.get("kid_subset_size"), degree=int(cfg.get("kid_degree", 3)),
+                    gamma=cfg.get("kid_gamma"), coef0=float(cfg.get("kid_coef0", 1)))
+            if cfg.get("prc"):
+                values += prc.precision_recall(vgg.to(self.device), self._prc_reference(),
+                                               neighborhood=int(cfg.get("prc_neighborhood", 3)))[:2]
+            scores = torch.tensor(values, dtype=torch.float64)
         scores = self.trainer.strategy.broadcast(scores, src=0)
-        return {f"{stage}/fid": float(scores[0]), f"{stage}/is": float(scores[1]), f"{stage}/is_std": float(scores[2]),
+        return {**{f"{stage}/{name}": float(v) for name, v in zip(names, scores)},
                 f"{stage}/samples": float(len(keep))}
 
     @torch.no_grad()

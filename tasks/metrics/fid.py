@@ -1,11 +1,12 @@
-"""FID and Inception Score for the GAN task, with torch-fidelity's TF-compatible Inception.
+"""FID, Inception Score and KID for the GAN task, with torch-fidelity's TF-compatible Inception.
 
 Everything numerical is torch-fidelity's own code: the feature extractor
 (``FeatureExtractorInceptionV3``, registered as ``inception-v3-compat``: the
 2015-12-05 TensorFlow graph ported bit-for-bit, including its resizing),
-``fid_features_to_statistics`` / ``fid_statistics_to_metric`` and
-``isc_features_to_metric``. This module only adds what a training loop needs
-around them:
+``fid_features_to_statistics`` / ``fid_statistics_to_metric``,
+``isc_features_to_metric`` and ``kid_features_to_metric`` (KID on the same
+pool features as FID: no second pass). This module only adds what a training
+loop needs around them:
 
 * :func:`to_uint8` quantises generator output in [-1, 1] exactly as
   ``torchvision.utils.save_image`` does, so scoring the in-memory tensor and
@@ -15,8 +16,9 @@ around them:
   official weights (downloaded into torch hub's cache), from a local file that
   is vetted with ``torch.load(weights_only=True)`` first, or from a seeded
   random initialisation for offline smoke runs (``"random"`` / ``"random:SEED"``);
-* :func:`reference_statistics` caches the real set's FID statistics on disk,
-  keyed by a dataset key and :func:`weights_id`.
+* :func:`reference_statistics` caches the real set's FID statistics and pool
+  features (KID draws its subsets from them) on disk, keyed by a dataset key
+  and :func:`weights_id`.
 
 Scores from random weights, or from fewer than the customary 50,000 samples,
 are not comparable with published numbers.
@@ -41,9 +43,11 @@ import torch
 import torch_fidelity.feature_extractor_inceptionv3 as _tf_inception
 from PIL import Image
 from torch import Tensor
+from torch_fidelity.defaults import DEFAULTS
 from torch_fidelity.feature_extractor_inceptionv3 import URL_INCEPTION_V3, FeatureExtractorInceptionV3
 from torch_fidelity.metric_fid import KEY_METRIC_FID, fid_features_to_statistics, fid_statistics_to_metric
 from torch_fidelity.metric_isc import KEY_METRIC_ISC_MEAN, KEY_METRIC_ISC_STD, isc_features_to_metric
+from torch_fidelity.metric_kid import KEY_METRIC_KID_MEAN, KEY_METRIC_KID_STD, kid_features_to_metric
 from tqdm import tqdm
 
 from attention.errors import UserError
@@ -53,7 +57,8 @@ log = logging.getLogger(__name__)
 EXTRACTOR_NAME = "inception-v3-compat"
 FEATURES = ["2048", "logits_unbiased"]   # FID's pool features, IS's logits (torch-fidelity's defaults)
 OFFICIAL_WEIGHTS_ID = "tf-2015-12-05"
-ISC_RNG_SEED = 2020                      # torch-fidelity's default ``rng_seed``
+ISC_RNG_SEED = 2020                      # torch-fidelity's default ``rng_seed`` (IS's shuffle, KID's subsets)
+KID_SUBSET_SIZE = DEFAULTS["kid_subset_size"]   # 1000, used when metrics.kid_subset_size is null
 
 _EXTRACTORS: dict[object, FeatureExtractorInceptionV3] = {}   # load_inception's per-process cache
 _FILE_SHA1: dict[tuple, str] = {}                              # weights_id's cache, keyed by path + stat
@@ -144,7 +149,11 @@ def weights_id(weights: str | None) -> str:
     seed = _random_seed(weights)
     if seed is not None:
         return f"random-{seed}"
-    path = _existing_weights_file(weights)
+    return file_id(_existing_weights_file(weights))
+
+
+def file_id(path: Path) -> str:
+    """The first 12 hex digits of the SHA-1 of a file's bytes (cached per path, size and mtime)."""
     st = path.stat()
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
     if key not in _FILE_SHA1:
@@ -417,6 +426,51 @@ def inception_score(logits: Tensor, splits: int = 1) -> tuple[float, float]:
     return float(out[KEY_METRIC_ISC_MEAN]), float(out[KEY_METRIC_ISC_STD])
 
 
+def kid_subset_size(requested: int | None, n_generated: int, n_reference: int) -> int:
+    """The KID subset size used: ``requested``, or for None torch-fidelity's 1000 capped at both image counts.
+
+    KID averages an unbiased estimator of the squared MMD, so a smaller subset
+    changes only the spread of the estimate, not its expectation. A requested
+    size above either count is a UserError naming ``metrics.kid_subset_size``.
+    """
+    if requested is None:
+        return min(KID_SUBSET_SIZE, n_generated, n_reference)
+    if requested < 2 or requested > min(n_generated, n_reference):
+        raise UserError(
+            f"metrics.kid_subset_size={requested} must be at least 2 and at most the number of images on each side "
+            f"({n_generated} generated, {n_reference} reference): KID draws subsets of that many without "
+            f"replacement. Lower it, raise the sample counts, or set it to null (torch-fidelity's 1000, capped at "
+            f"the image counts)."
+        )
+    return requested
+
+
+def kernel_inception_distance(
+    generated: Tensor, reference: Tensor | np.ndarray, subsets: int = 100, subset_size: int | None = None,
+    degree: int = 3, gamma: float | None = None, coef0: float = 1.0,
+) -> tuple[float, float]:
+    """(mean, std over subsets) of KID between (N, D) generated and (M, D) reference pool features.
+
+    torch-fidelity's ``kid_features_to_metric``: the unbiased squared MMD with
+    the polynomial kernel ``(gamma x.y + coef0) ** degree`` (gamma None = 1/D),
+    averaged over ``subsets`` pairs of subsets of ``subset_size`` images drawn
+    without replacement by ``np.random.RandomState(2020)``. The kernels are
+    computed in float64 (torch-fidelity's own pipeline passes its float32
+    features, so its numpy arithmetic is float32: relative differences of
+    ~1e-4, far below the spread over subsets).
+    """
+    generated, reference = generated.to(torch.float64), torch.as_tensor(reference).to(torch.float64)
+    if subsets < 1:
+        raise UserError(f"metrics.kid_subsets={subsets} must be >= 1 (torch-fidelity's default: 100).")
+    size = kid_subset_size(subset_size, len(generated), len(reference))
+    out = kid_features_to_metric(
+        generated.detach().cpu(), reference.cpu(), kid_subsets=subsets, kid_subset_size=size,
+        kid_kernel="poly", kid_kernel_poly_degree=degree, kid_kernel_poly_gamma=gamma, kid_kernel_poly_coef0=coef0,
+        rng_seed=ISC_RNG_SEED, verbose=False,
+    )
+    return float(out[KEY_METRIC_KID_MEAN]), float(out[KEY_METRIC_KID_STD])
+
+
 # ---------------------------------------------------------------------------
 # Reference statistics of the real images
 
@@ -428,9 +482,15 @@ def reference_statistics(
     weights: str | None,
     cache_dir: str | Path | None,
     batch_size: int = 50,
+    keep_features: bool = False,
 ) -> dict[str, np.ndarray]:
     """FID statistics of a real image set, cached as ``<cache_dir>/fid_ref_<dataset_key>_<weights_id>.npz``.
 
+    Returns ``{"mu": (D,), "sigma": (D, D)}`` in float64 and, with
+    ``keep_features``, ``"features"``: the (N, D) pool features themselves, for
+    KID. The file holds all three (the features as float32, which is what the
+    network computes, so nothing is lost); a cache file written before
+    features were kept is recomputed when they are asked for.
     ``dataset_key`` must identify the exact image set (dataset, split, number of
     images, preprocessing): it is the cache key together with
     :func:`weights_id` of ``weights``, which must be the weights ``extractor``
@@ -449,12 +509,18 @@ def reference_statistics(
             try:
                 with np.load(path, allow_pickle=False) as f:
                     stats = {k: np.asarray(f[k], dtype=np.float64) for k in ("mu", "sigma")}
+                    if keep_features and "features" not in f.files:
+                        raise ValueError("written without the pool features that KID needs")
+                    if keep_features:
+                        stats["features"] = np.asarray(f["features"])
                 d = stats["mu"].shape[0] if stats["mu"].ndim == 1 else -1
                 if stats["sigma"].shape != (d, d):
                     raise ValueError(f"mu {stats['mu'].shape} and sigma {stats['sigma'].shape} do not match")
+                if keep_features and (stats["features"].ndim != 2 or stats["features"].shape[1] != d):
+                    raise ValueError(f"features {stats['features'].shape} do not match mu {stats['mu'].shape}")
                 log.info("FID reference statistics: cache hit, loaded %s", path)
                 return stats
-            except Exception as e:  # corrupt / foreign file: recompute rather than fail the run
+            except Exception as e:  # corrupt / foreign / older file: recompute rather than fail the run
                 log.warning("FID reference statistics: ignoring unreadable cache file %s (%s); recomputing", path, e)
         log.info("FID reference statistics: cache miss, computing %s", path)
     else:
@@ -463,16 +529,24 @@ def reference_statistics(
     images = images_uint8() if callable(images_uint8) else images_uint8
     features, _ = inception_features(extractor, images, batch_size=batch_size, progress=True)
     stats = fid_statistics(features)
+    features32 = features.to(torch.float32).numpy()   # exact: the network's features are float32
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".npz.tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:   # a file object: np.savez would append ".npz" to a name
-                np.savez(f, mu=stats["mu"], sigma=stats["sigma"])
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
+        save_npz_atomically(path, mu=stats["mu"], sigma=stats["sigma"], features=features32)
         log.info("FID reference statistics: cached %s", path)
+    if keep_features:
+        stats["features"] = features32
     return stats
+
+
+def save_npz_atomically(path: Path, **arrays: np.ndarray) -> None:
+    """``np.savez`` to a temporary file beside ``path``, then ``os.replace``: readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".npz.tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:   # a file object: np.savez would append ".npz" to a name
+            np.savez(f, **arrays)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise

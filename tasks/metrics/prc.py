@@ -1,0 +1,262 @@
+"""Improved precision and recall (Kynkäänniemi et al. 2019) for the GAN task, with torch-fidelity's VGG16.
+
+Everything numerical is torch-fidelity's own code: the feature extractor
+(``FeatureExtractorVGG16``, registered as ``vgg16``: torchvision's VGG16 with
+the last classifier layers removed, inputs resized to 224x224 with the
+TF1-compatible bilinear resize; features ``fc2_relu``, its default for PRC)
+and ``prc_features_to_metric`` (the k-nearest-neighbour manifolds: a sample is
+inside the other set's manifold when it is within the k-th neighbour distance
+of one of its members; precision = generated samples inside the real manifold,
+recall = real samples inside the generated one). torch-fidelity takes the
+features as tensors, so nothing of the formula is rewritten here. This module
+adds what :mod:`tasks.metrics.fid` adds for Inception: loading the weights
+(``metrics.vgg16_weights``: torchvision's ImageNet weights fetched once into
+torch hub's cache, a vetted local file, or ``random[:SEED]`` for offline smoke
+runs) and a cache of the real set's features.
+
+Numbers from random weights or few samples are not comparable with published ones.
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import os
+import re
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from urllib.parse import urlparse
+
+import numpy as np
+import torch
+import torch_fidelity.feature_extractor_vgg16 as _tf_vgg16
+import torchvision
+from torch import Tensor
+from torch_fidelity.defaults import DEFAULTS
+from torch_fidelity.feature_extractor_vgg16 import FeatureExtractorVGG16
+from torch_fidelity.metric_prc import KEY_METRIC_F_SCORE, KEY_METRIC_PRECISION, KEY_METRIC_RECALL, \
+    prc_features_to_metric
+from tqdm import tqdm
+
+from attention.errors import UserError
+
+from . import fid
+
+log = logging.getLogger(__name__)
+
+EXTRACTOR_NAME = "vgg16"
+FEATURE = "fc2_relu"                     # torch-fidelity's default layer of vgg16 for PRC
+URL_VGG16 = torchvision.models.VGG16_Weights.IMAGENET1K_V1.url   # what torch-fidelity downloads
+OFFICIAL_WEIGHTS_ID = "vgg16-imagenet1k-v1"
+PRC_BATCH_SIZE = DEFAULTS["prc_batch_size"]   # 10000 rows per block of distances
+
+_EXTRACTORS: dict[object, FeatureExtractorVGG16] = {}
+_BUILD_LOCK = threading.Lock()
+
+
+def hub_weights_path() -> str:
+    """Where torchvision's download lands: ``torch.hub.get_dir()/checkpoints/<file name of the URL>``."""
+    return os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(urlparse(URL_VGG16).path))
+
+
+def _random_seed(weights: str) -> int | None:
+    if weights == "random":
+        return 0
+    if not weights.startswith("random:"):
+        return None
+    try:
+        return int(weights.split(":", 1)[1])
+    except ValueError:
+        raise UserError(
+            f"metrics.vgg16_weights={weights!r} is not understood: random weights are written 'random' or "
+            f"'random:SEED' with an integer SEED. Use a path to torchvision's VGG16 weights file, or leave the option "
+            f"unset (null) to fetch them."
+        ) from None
+
+
+def _existing_file(weights: str) -> Path:
+    path = Path(weights).expanduser()
+    if not path.is_file():
+        raise UserError(
+            f"metrics.vgg16_weights={weights!r}: no such file ({path.resolve()}). Expected torchvision's VGG16 "
+            f"ImageNet weights (the file at {URL_VGG16}); fix the path, leave the option unset (null) to download "
+            f"them, or use metrics.vgg16_weights=random for an offline smoke run (or metrics.prc=false)."
+        )
+    return path
+
+
+def weights_id(weights: str | None) -> str:
+    """Cache-key identifier of a weights choice, as :func:`tasks.metrics.fid.weights_id`."""
+    if weights is None:
+        return OFFICIAL_WEIGHTS_ID
+    weights = os.fspath(weights)
+    seed = _random_seed(weights)
+    if seed is not None:
+        return f"random-{seed}"
+    return fid.file_id(_existing_file(weights))
+
+
+def random_state_dict(seed: int) -> dict[str, Tensor]:
+    """torchvision's own VGG16 initialisation (Kaiming convolutions, N(0, 0.01) linears) drawn from ``seed``."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return torchvision.models.vgg16().state_dict()
+
+
+def _vetted_state_dict(weights: str) -> dict[str, Tensor]:
+    """Load a weights file without executing anything and check it is torchvision's VGG16 state dict."""
+    path = _existing_file(weights)
+    what = f"metrics.vgg16_weights={weights!r} ({path.resolve()}) must be torchvision's VGG16 state dict ({URL_VGG16})"
+    try:
+        state_dict = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise UserError(f"{what}; torch.load with weights_only=True refused it ({type(e).__name__}: "
+                        f"{fid._load_error_reason(e)}). Re-download the weights or re-save them as a state dict.") \
+            from None
+    if not isinstance(state_dict, Mapping) or not all(torch.is_tensor(v) for v in state_dict.values()):
+        raise UserError(f"{what}; this file holds a {type(state_dict).__name__}, not a dict of tensors.")
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in torchvision.models.vgg16().state_dict().items()}
+    found = {k: tuple(v.shape) for k, v in state_dict.items()}
+    if found != expected:
+        wrong = sorted(set(found) ^ set(expected)) + sorted(k for k in expected if k in found
+                                                            and found[k] != expected[k])
+        raise UserError(f"{what}; its keys or shapes differ ({', '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}"
+                        f"). Use the torchvision file, not another VGG port.")
+    return dict(state_dict)
+
+
+def _construct(state_dict: Mapping[str, Tensor] | None) -> FeatureExtractorVGG16:
+    """torch-fidelity's extractor with ``state_dict`` (None: torchvision's download, torch-fidelity's default).
+
+    Given a path, torch-fidelity would unpickle it with ``weights_only=False``;
+    instead its module-global ``torchvision_load_pretrained_vgg16`` is swapped,
+    under a lock, for a function returning a VGG16 holding the dict already
+    loaded and vetted (as :func:`tasks.metrics.fid._construct` does for Inception).
+    """
+    with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
+        if state_dict is None:
+            return FeatureExtractorVGG16(EXTRACTOR_NAME, [FEATURE], verbose=True)
+
+        def load_pretrained(**kwargs):  # noqa: ARG001 - torch-fidelity's signature
+            with torch.device("meta"):
+                model = torchvision.models.vgg16()
+            model.load_state_dict(state_dict, assign=True)
+            return model
+
+        saved = _tf_vgg16.torchvision_load_pretrained_vgg16
+        _tf_vgg16.torchvision_load_pretrained_vgg16 = load_pretrained
+        try:
+            return FeatureExtractorVGG16(EXTRACTOR_NAME, [FEATURE])
+        finally:
+            _tf_vgg16.torchvision_load_pretrained_vgg16 = saved
+
+
+def load_vgg16(weights: str | None = None) -> torch.nn.Module:
+    """torch-fidelity's ``vgg16`` extractor of ``fc2_relu``, eval mode, no grad, on CPU, cached per weights choice.
+
+    ``weights``: None fetches torchvision's ImageNet weights once into torch
+    hub's cache (torch-fidelity's default; a file already there is vetted); a
+    path loads that file (vetted); ``"random"`` / ``"random:SEED"`` is
+    :func:`random_state_dict`, for offline smoke runs and tests only.
+    """
+    if weights is not None:
+        weights = os.fspath(weights)
+    seed = _random_seed(weights) if weights is not None else None
+    key: object = weights if weights is None or seed is not None else weights_id(weights)
+    if key in _EXTRACTORS:
+        return _EXTRACTORS[key]
+    if weights is None and os.path.exists(hub_weights_path()):
+        extractor = _construct(_vetted_state_dict(hub_weights_path()))
+    elif weights is None:
+        try:
+            extractor = _construct(None)
+        except (OSError, http.client.HTTPException) as e:
+            raise UserError(
+                f"Could not download the VGG16 weights for precision/recall from {URL_VGG16} ({type(e).__name__}: "
+                f"{e}). Pass metrics.vgg16_weights=PATH pointing at a copy of that file, put the file at "
+                f"{hub_weights_path()}, use metrics.vgg16_weights=random for an offline smoke run, or turn the "
+                f"metric off with metrics.prc=false."
+            ) from None
+    elif seed is not None:
+        log.warning("VGG16 for precision/recall uses random weights (%s): the scores are only good for smoke tests "
+                    "and are not comparable with published numbers.", weights)
+        extractor = _construct(random_state_dict(seed))
+    else:
+        extractor = _construct(_vetted_state_dict(weights))
+    extractor.eval().requires_grad_(False)
+    _EXTRACTORS[key] = extractor
+    return extractor
+
+
+@torch.no_grad()
+def vgg16_features(extractor: torch.nn.Module, images_uint8: Tensor, batch_size: int = 50,
+                   progress: bool = False) -> Tensor:
+    """``fc2_relu`` features (N, 4096) of uint8 (N, 3, H, W) images, float32 (the network's own) on CPU.
+
+    Single-channel images are replicated to RGB, as for Inception.
+    """
+    fid._check_uint8_images(images_uint8, "vgg16_features", channels=(1, 3))
+    device = next(extractor.parameters()).device
+    out = []
+    n = images_uint8.shape[0]
+    with tqdm(total=n, disable=not progress, unit="img", desc="VGG16 features", leave=False) as bar:
+        for start in range(0, n, batch_size):
+            batch = images_uint8[start : start + batch_size].to(device, non_blocking=True)
+            if batch.shape[1] == 1:
+                batch = batch.expand(-1, 3, -1, -1)
+            (features,) = extractor(batch)
+            out.append(features.to("cpu", torch.float32))
+            bar.update(batch.shape[0])
+    return torch.cat(out) if out else torch.empty(0, 4096)
+
+
+def precision_recall(generated: Tensor, real: Tensor, neighborhood: int = 3,
+                     batch_size: int = PRC_BATCH_SIZE) -> tuple[float, float, float]:
+    """(precision, recall, F-score) of (N, D) generated against (M, D) real features: ``prc_features_to_metric``.
+
+    Computed on the features' device in blocks of ``batch_size`` rows
+    (torch-fidelity's ``save_cpu_ram`` route: the same distances and
+    comparisons as its default route without holding the M x M matrix).
+    """
+    if neighborhood < 1 or neighborhood >= min(len(generated), len(real)):
+        raise UserError(
+            f"metrics.prc_neighborhood={neighborhood} must be at least 1 and below the number of images on each side "
+            f"({len(generated)} generated, {len(real)} real): the radius of a sample is the distance to its k-th "
+            f"nearest other sample. Lower it or use more samples (the paper's k is 3)."
+        )
+    out = prc_features_to_metric(generated, real.to(generated.device), prc_neighborhood=neighborhood,
+                                 prc_batch_size=batch_size, save_cpu_ram=True, verbose=False)
+    return float(out[KEY_METRIC_PRECISION]), float(out[KEY_METRIC_RECALL]), float(out[KEY_METRIC_F_SCORE])
+
+
+def reference_features(
+    extractor: torch.nn.Module, images_uint8: Tensor | Callable[[], Tensor], dataset_key: str,
+    weights: str | None, cache_dir: str | Path | None, batch_size: int = 50,
+) -> Tensor:
+    """VGG16 features of the real images, cached as ``<cache_dir>/prc_ref_<dataset_key>_<weights_id>.npz``.
+
+    The same keys and atomic writes as :func:`tasks.metrics.fid.reference_statistics`.
+    """
+    path = None
+    if cache_dir is not None:
+        safe_key = re.sub(r"[^A-Za-z0-9._-]", "-", dataset_key)
+        path = Path(cache_dir) / f"prc_ref_{safe_key}_{weights_id(weights)}.npz"
+        if path.is_file():
+            try:
+                with np.load(path, allow_pickle=False) as f:
+                    features = torch.from_numpy(np.asarray(f["features"], dtype=np.float32))
+                if features.ndim != 2:
+                    raise ValueError(f"features of shape {tuple(features.shape)}")
+                log.info("PRC reference features: cache hit, loaded %s", path)
+                return features
+            except Exception as e:
+                log.warning("PRC reference features: ignoring unreadable cache file %s (%s); recomputing", path, e)
+        log.info("PRC reference features: cache miss, computing %s", path)
+    images = images_uint8() if callable(images_uint8) else images_uint8
+    features = vgg16_features(extractor, images, batch_size=batch_size, progress=True)
+    if path is not None:
+        fid.save_npz_atomically(path, features=features.numpy())
+        log.info("PRC reference features: cached %s", path)
+    return features
