@@ -15,7 +15,9 @@ On point sets the k x k window becomes a dilated k-nearest neighbourhood:
 each point attends to every r-th of its K*r nearest points (K = kernel_size**2
 unless ``neighbours`` says otherwise; the nearest is the point itself). Where a
 set has fewer than K*r points, a point takes every r-th of all of them, so
-ceil(N / r) neighbours.
+ceil(N / r) neighbours. The K*r_max nearest come from one
+:func:`attention.pointops.knn` (exact, ties to the lower index; a grid search
+above 2**24 pairs), so memory is O(N K r_max), never the N x N matrix.
 
 Options:
     heads: heads in all; a multiple of the number of dilation rates, dividing dim.
