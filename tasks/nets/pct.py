@@ -174,8 +174,14 @@ class PCTPartSeg(nn.Module):
         head              [3136] -> conv 512 + BN + ReLU -> dropout -> conv 256 + BN + ReLU
                           -> conv parts
 
-    With ``attn=offset``, 16 categories and 50 parts: 2,446,130 trainable parameters.
+    With ``attn=offset``, 16 categories and 50 parts: 2,446,130 trainable parameters. Equal, in float64, to the
+    authors' Jittor ``Point_Transformer_partseg`` (MenghaoGuo/PCT@b7152d6, networks/seg/pct_partseg.py, xyz input)
+    in torch's key layout: tests/tasks/test_pct_partseg_official.py.
     """
+
+    official_weights: ClassVar[str] = ("the authors' Point_Transformer_partseg keys (MenghaoGuo/PCT, "
+                                       "networks/seg/pct_partseg.py, as a PyTorch state dict; no checkpoint is "
+                                       "released; attn=offset with its defaults, 16 categories, xyz input)")
 
     def __init__(self, num_parts: int, num_categories: int, attn: Mapping, in_channels: int = 3,
                  dropout: float = 0.5, layers: int = 4, width: int = 128):
@@ -190,6 +196,26 @@ class PCTPartSeg(nn.Module):
             nn.Conv1d(512, 256, 1), nn.BatchNorm1d(256), nn.ReLU(),
             nn.Conv1d(256, num_parts, 1),
         )
+
+    @staticmethod
+    def from_official(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``Point_Transformer_partseg``'s state dict (torch layout: Conv1d weights (O, I, 1)) in this network's keys.
+
+        As in ``PCT.from_official``, each SA_Layer's tied ``q_conv``/``k_conv`` weight is the offset mixer's ``qk``.
+        """
+        renames = [("conv1.", "embed.0.0."), ("bn1.", "embed.0.1."), ("conv2.", "embed.1.0."), ("bn2.", "embed.1.1."),
+                   ("conv_fuse.", "fuse."), ("label_conv.", "category."), ("convs1.", "head.0."),
+                   ("bns1.", "head.1."), ("convs2.", "head.4."), ("bns2.", "head.5."), ("convs3.", "head.7.")]
+        for j in range(4):
+            sa, block = f"sa{j + 1}.", f"blocks.{j}."
+            renames += [(sa + "q_conv.", block + "mixer.qk."), (sa + "v_conv.", block + "mixer.v."),
+                        (sa + "trans_conv.", block + "conv."), (sa + "after_norm.", block + "norm.")]
+        tied = {k for k in state if ".k_conv." in k and k.replace("k_conv", "q_conv") in state
+                and torch.equal(state[k], state[k.replace("k_conv", "q_conv")])}
+        out = take({k: v for k, v in state.items() if k not in tied}, renames)  # an untied k_conv stays unexpected
+        for key in [k for k in out if ".mixer." in k and out[k].dim() == 3]:
+            out[key] = out[key].squeeze(-1)  # Conv1d (O, I, 1) -> Linear (O, I)
+        return out
 
     def forward(self, points: torch.Tensor, category: torch.Tensor) -> torch.Tensor:
         # points (B, N, 3 or 6) with xyz first, category (B,) -> part logits (B, parts, N)
