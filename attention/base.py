@@ -55,8 +55,9 @@ class Mixer(nn.Module):
     feature map, a fixed window). The benchmark holds a linear variant's
     measured time to an exponent of 1 and the tests its FLOPs to N, so a new
     variant says which it is here rather than in a list elsewhere. (On point
-    sets the local variants' k-nearest-neighbour search adds an O(N^2) distance
-    computation: their mixing stays O(N).)
+    sets the local variants' exact k-nearest-neighbour search, ``pointops.knn``,
+    takes O(N k) memory and, on a grid of cells for large sets, about O(N k)
+    time.)
     """
 
     name: ClassVar[str] = "?"  # set by @register
