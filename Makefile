@@ -4,6 +4,8 @@
 # make test    - same set-up, then the test suite
 # make bench   - same set-up, then what every attention variant costs here (tables and plots into benchmarks/);
 #                more overrides with ARGS, e.g. make bench ARGS='bench.dtypes=[float32,bfloat16]'
+# make results - same set-up, then the comparison in docs/recipes.md#results: every variant x seeds 0, 1, 2 on
+#                generated shapes (experiment=compare, one thread a run), then mode=report into docs/results/compare
 # make lock    - resolve pyproject.toml (+ requirements/tools.in, under requirements/pins.txt) into
 #                requirements/lock.txt again, keeping every pin that still fits; make lock UPGRADE=1 moves every
 #                package to the newest release the constraints admit
@@ -13,7 +15,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 LOCK   := requirements/lock.txt
 
-.PHONY: install demo test bench lock clean
+.PHONY: install demo test bench results lock clean
 
 # The lock is made for CPython 3.11 on x86_64 Linux; another Python may need other wheels than it names.
 $(STAMP): $(LOCK) pyproject.toml
@@ -36,6 +38,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) run.py mode=bench bench.tasks=true bench.table_dir=benchmarks 'hydra.run.dir=outputs/bench/$${run_stamp:}' $(ARGS)
+
+results: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) run.py -m experiment=compare 'attn=glob(*)' seed=0,1,2 hydra.sweep.dir=multirun/compare
+	$(PY) run.py mode=report report.runs=multirun/compare report.out=docs/results/compare
 
 lock: $(STAMP)
 	$(PY) -m piptools compile --quiet $(if $(UPGRADE),--upgrade) --extra dev --allow-unsafe --strip-extras \
