@@ -115,13 +115,23 @@ class OfficialPct(nn.Module):
 
 
 def released_state(seed=0):
-    """A model.t7 as PCT_Pytorch's main.py writes it: DataParallel keys, random weights and BN statistics."""
+    """A model.t7 as PCT_Pytorch's main.py writes it: DataParallel keys, random weights and BN statistics.
+
+    At scales that keep the signal alive through the network (weights of variance 2 / fan-in, BN scales and
+    variances in [0.5, 1.5]): with weights near 0.1 the logits are ~0.1 and the attention nearly uniform, so that
+    leaving out offset attention's column normalisation would move them by less than the tolerance."""
     g = torch.Generator().manual_seed(seed)
     state = OfficialPct().double().state_dict()
     for key, value in state.items():
-        if value.is_floating_point():
-            value.copy_(torch.rand(value.shape, generator=g, dtype=value.dtype) * 0.2 + (0.9 if "running_var" in key
-                                                                                      else -0.1))
+        if not value.is_floating_point():
+            continue
+        u = torch.rand(value.shape, generator=g, dtype=value.dtype)
+        if value.dim() >= 2:  # Conv1d (O, I, 1) and Linear (O, I): fan-in I
+            value.copy_((u * 2 - 1) * (6 / value[0].numel()) ** 0.5)
+        elif key.endswith(("running_var", ".weight")):  # BN scales and variances
+            value.copy_(u + 0.5)
+        else:  # biases, BN shifts and means
+            value.copy_(u * 0.2 - 0.1)
     return {f"module.{k}": v for k, v in state.items()}
 
 
