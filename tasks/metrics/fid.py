@@ -26,17 +26,13 @@ are not comparable with published numbers.
 
 from __future__ import annotations
 
-import hashlib
-import http.client
 import logging
 import os
-import pickle
 import re
 import tempfile
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from urllib.parse import urlparse
 
 import numpy as np
 import torch
@@ -52,6 +48,8 @@ from tqdm import tqdm
 
 from attention.errors import UserError
 
+from .extractor_weights import ExtractorWeights
+
 log = logging.getLogger(__name__)
 
 EXTRACTOR_NAME = "inception-v3-compat"
@@ -61,7 +59,6 @@ ISC_RNG_SEED = 2020                      # torch-fidelity's default ``rng_seed``
 KID_SUBSET_SIZE = DEFAULTS["kid_subset_size"]   # 1000, used when metrics.kid_subset_size is null
 
 _EXTRACTORS: dict[object, FeatureExtractorInceptionV3] = {}   # load_inception's per-process cache
-_FILE_SHA1: dict[tuple, str] = {}                              # weights_id's cache, keyed by path + stat
 _BUILD_LOCK = threading.Lock()                                 # guards the temporary patch in _construct
 
 
@@ -114,66 +111,9 @@ def _check_uint8_images(images: Tensor, where: str, channels: tuple[int, ...]) -
 # The Inception network
 
 
-def hub_weights_path() -> str:
-    """Where torch-fidelity's default download lands: ``torch.hub.get_dir()/checkpoints/<file name of the URL>``."""
-    return os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(urlparse(URL_INCEPTION_V3).path))
-
-
-def _random_seed(weights: str) -> int | None:
-    """The seed of a ``"random"`` / ``"random:SEED"`` weights string, None for anything else."""
-    if weights == "random":
-        return 0
-    if not weights.startswith("random:"):
-        return None
-    try:
-        return int(weights.split(":", 1)[1])
-    except ValueError:
-        raise UserError(
-            f"metrics.inception_weights={weights!r} is not understood: random weights are written 'random' or "
-            f"'random:SEED' with an integer SEED (e.g. random:0). Use a path to an Inception weights file, or leave "
-            f"the option unset (null) for the official weights."
-        ) from None
-
-
-def weights_id(weights: str | None) -> str:
-    """Short identifier of a weights choice, for cache keys.
-
-    ``"tf-2015-12-05"`` for the official weights (None), ``"random-<seed>"``
-    for random ones, and the first 12 hex digits of the SHA-1 of the file's
-    bytes for a path (so a renamed copy shares its cache entries and a changed
-    file does not).
-    """
-    if weights is None:
-        return OFFICIAL_WEIGHTS_ID
-    weights = os.fspath(weights)
-    seed = _random_seed(weights)
-    if seed is not None:
-        return f"random-{seed}"
-    return file_id(_existing_weights_file(weights))
-
-
-def file_id(path: Path) -> str:
-    """The first 12 hex digits of the SHA-1 of a file's bytes (cached per path, size and mtime)."""
-    st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    if key not in _FILE_SHA1:
-        sha1 = hashlib.sha1()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                sha1.update(block)
-        _FILE_SHA1[key] = sha1.hexdigest()[:12]
-    return _FILE_SHA1[key]
-
-
-def _existing_weights_file(weights: str) -> Path:
-    path = Path(weights).expanduser()
-    if not path.is_file():
-        raise UserError(
-            f"metrics.inception_weights={weights!r}: no such file ({path.resolve()}). Expected torch-fidelity's "
-            f"Inception weights (the file at {URL_INCEPTION_V3}); fix the path, leave the option unset (null) to "
-            f"download them, or use metrics.inception_weights=random for an offline smoke run."
-        )
-    return path
+INCEPTION = ExtractorWeights("metrics.inception_weights", URL_INCEPTION_V3, OFFICIAL_WEIGHTS_ID,
+                             "torch-fidelity's Inception weights", "FID/IS/KID")
+hub_weights_path, weights_id = INCEPTION.hub_path, INCEPTION.id
 
 
 class _Skeleton(FeatureExtractorInceptionV3):
@@ -252,105 +192,18 @@ def _random_state_dict(seed: int) -> dict[str, Tensor]:
     return out
 
 
-def _load_error_reason(error: Exception) -> str:
-    """The informative line of a torch.load error (weights-only refusals open with advice to unpickle anyway)."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    specific = [line for line in lines if "GLOBAL" in line or "Unsupported" in line]
-    return (specific or lines or ["no details"])[0]
-
-
-def _vetted_state_dict(weights: str) -> dict[str, Tensor]:
-    """Load a weights file without executing anything and check it is the extractor's state dict."""
-    path = _existing_weights_file(weights)
-    what = (
-        f"metrics.inception_weights={weights!r} ({path.resolve()}) must be torch-fidelity's Inception weights: a plain "
-        f"state dict saved with torch.save, as the file at {URL_INCEPTION_V3}"
-    )
-    try:
-        state_dict = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # UnpicklingError for pickled code, RuntimeError/EOFError for corrupt or non-torch files
-        raise UserError(
-            f"{what}; it could not be loaded safely (torch.load with weights_only=True refused it: "
-            f"{type(e).__name__}: {_load_error_reason(e)}). Files that need arbitrary code to unpickle are refused on "
-            f"purpose; re-download the weights or re-save them as a state dict of tensors."
-        ) from None
-    if not isinstance(state_dict, Mapping) or not all(torch.is_tensor(v) for v in state_dict.values()):
-        raise UserError(f"{what}; this file holds a {type(state_dict).__name__}, not a dict of tensors. "
-                        f"Re-download the weights or save model.state_dict() instead.")
-    expected = _template()
-    missing = [k for k in expected if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in expected]
-    wrong = [f"{k} {tuple(state_dict[k].shape)} (expected {expected[k][0]})"
-             for k in expected if k in state_dict and tuple(state_dict[k].shape) != expected[k][0]]
-    if missing or unexpected or wrong:
-        details = "; ".join(
-            f"{label}: {', '.join(items[:3])}{' ...' if len(items) > 3 else ''} ({len(items)} in all)"
-            for label, items in (("missing keys", missing), ("unexpected keys", unexpected), ("wrong shapes", wrong))
-            if items
-        )
-        raise UserError(
-            f"{what}; its state dict does not match the inception-v3-compat architecture ({details}). Weights of "
-            f"other Inception ports (e.g. torchvision's) must be converted with torch-fidelity's "
-            f"util_convert_inception_weights first."
-        )
-    return dict(state_dict)
-
-
 def load_inception(weights: str | None = None) -> torch.nn.Module:
     """torch-fidelity's ``inception-v3-compat`` extractor of ("2048", "logits_unbiased"), eval mode, no grad, on CPU.
 
-    ``weights``: None downloads the official weights once into torch hub's
-    cache (torch-fidelity's default); a path loads that file (vetted first,
-    see :func:`_vetted_state_dict`); ``"random"`` / ``"random:SEED"`` uses a
-    seeded random initialisation, for offline smoke runs and tests only.
-    Extractors are cached per weights choice for the life of the process;
-    callers may move the returned module to another device (the cached
-    instance moves with it).
+    ``weights``: None downloads the official weights once into torch hub's cache (torch-fidelity's default); a
+    path loads that file, vetted; ``"random"`` / ``"random:SEED"`` uses :func:`_random_state_dict`, for offline
+    smoke runs and tests only (:mod:`.extractor_weights`). Extractors are cached per weights choice for the life
+    of the process; callers may move the returned module to another device (the cached instance moves with it).
     """
-    if weights is not None:
-        weights = os.fspath(weights)
-    seed = _random_seed(weights) if weights is not None else None
-    if weights is None or seed is not None:
-        key: object = weights
-    else:
-        path = _existing_weights_file(weights)
-        st = path.stat()
-        key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    if key in _EXTRACTORS:
-        return _EXTRACTORS[key]
-
-    if weights is None and os.path.exists(hub_weights_path()):
-        # Already fetched: vet the cached file like a user's (torch-fidelity would unpickle it unrestricted).
-        extractor = _construct(_vetted_state_dict(hub_weights_path()))
-    elif weights is None:
-        try:
-            extractor = _construct(None)
-        except (OSError, http.client.HTTPException) as e:   # URLError, timeouts, refused connections are OSErrors
-            raise UserError(
-                f"Could not download the Inception weights for FID/IS from {URL_INCEPTION_V3} ({type(e).__name__}: "
-                f"{e}). Either pass metrics.inception_weights=PATH pointing at a copy of that file, or put the file "
-                f"at {hub_weights_path()} (where torch-fidelity looks for it first); for an offline smoke run with "
-                f"meaningless scores use metrics.inception_weights=random."
-            ) from None
-        except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
-            if not os.path.exists(hub_weights_path()):
-                raise
-            raise UserError(
-                f"The cached Inception weights {hub_weights_path()} cannot be loaded ({type(e).__name__}: {e}); the "
-                f"file is probably truncated or corrupt. Delete it so that it is downloaded again from "
-                f"{URL_INCEPTION_V3}, or pass metrics.inception_weights=PATH pointing at a good copy."
-            ) from None
-    elif seed is not None:
-        log.warning(
-            "Inception for FID/IS uses random weights (%s, seed %d): the scores are only good for smoke tests and are "
-            "not comparable with published numbers.", weights, seed,
-        )
-        extractor = _construct(_random_state_dict(seed))
-    else:
-        extractor = _construct(_vetted_state_dict(weights))
-    extractor.eval().requires_grad_(False)
-    _EXTRACTORS[key] = extractor
-    return extractor
+    return INCEPTION.load(weights, _EXTRACTORS, _construct, _random_state_dict,
+                          lambda: {k: shape for k, (shape, _) in _template().items()},
+                          hint=" Weights of other Inception ports (e.g. torchvision's) must be converted with "
+                               "torch-fidelity's util_convert_inception_weights first.")
 
 
 # ---------------------------------------------------------------------------

@@ -19,14 +19,11 @@ Numbers from random weights or few samples are not comparable with published one
 
 from __future__ import annotations
 
-import http.client
 import logging
-import os
 import re
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from urllib.parse import urlparse
 
 import numpy as np
 import torch
@@ -42,6 +39,7 @@ from tqdm import tqdm
 from attention.errors import UserError
 
 from . import fid
+from .extractor_weights import ExtractorWeights
 
 log = logging.getLogger(__name__)
 
@@ -55,46 +53,9 @@ _EXTRACTORS: dict[object, FeatureExtractorVGG16] = {}
 _BUILD_LOCK = threading.Lock()
 
 
-def hub_weights_path() -> str:
-    """Where torchvision's download lands: ``torch.hub.get_dir()/checkpoints/<file name of the URL>``."""
-    return os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(urlparse(URL_VGG16).path))
-
-
-def _random_seed(weights: str) -> int | None:
-    if weights == "random":
-        return 0
-    if not weights.startswith("random:"):
-        return None
-    try:
-        return int(weights.split(":", 1)[1])
-    except ValueError:
-        raise UserError(
-            f"metrics.vgg16_weights={weights!r} is not understood: random weights are written 'random' or "
-            f"'random:SEED' with an integer SEED. Use a path to torchvision's VGG16 weights file, or leave the option "
-            f"unset (null) to fetch them."
-        ) from None
-
-
-def _existing_file(weights: str) -> Path:
-    path = Path(weights).expanduser()
-    if not path.is_file():
-        raise UserError(
-            f"metrics.vgg16_weights={weights!r}: no such file ({path.resolve()}). Expected torchvision's VGG16 "
-            f"ImageNet weights (the file at {URL_VGG16}); fix the path, leave the option unset (null) to download "
-            f"them, or use metrics.vgg16_weights=random for an offline smoke run (or metrics.prc=false)."
-        )
-    return path
-
-
-def weights_id(weights: str | None) -> str:
-    """Cache-key identifier of a weights choice, as :func:`tasks.metrics.fid.weights_id`."""
-    if weights is None:
-        return OFFICIAL_WEIGHTS_ID
-    weights = os.fspath(weights)
-    seed = _random_seed(weights)
-    if seed is not None:
-        return f"random-{seed}"
-    return fid.file_id(_existing_file(weights))
+VGG16 = ExtractorWeights("metrics.vgg16_weights", URL_VGG16, OFFICIAL_WEIGHTS_ID, "torchvision's VGG16 weights",
+                         "precision/recall", off="metrics.prc=false")
+hub_weights_path, weights_id = VGG16.hub_path, VGG16.id
 
 
 def random_state_dict(seed: int) -> dict[str, Tensor]:
@@ -102,29 +63,6 @@ def random_state_dict(seed: int) -> dict[str, Tensor]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return torchvision.models.vgg16().state_dict()
-
-
-def _vetted_state_dict(weights: str) -> dict[str, Tensor]:
-    """Load a weights file without executing anything and check it is torchvision's VGG16 state dict."""
-    path = _existing_file(weights)
-    what = f"metrics.vgg16_weights={weights!r} ({path.resolve()}) must be torchvision's VGG16 state dict ({URL_VGG16})"
-    try:
-        state_dict = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise UserError(f"{what}; torch.load with weights_only=True refused it ({type(e).__name__}: "
-                        f"{fid._load_error_reason(e)}). Re-download the weights or re-save them as a state dict.") \
-            from None
-    if not isinstance(state_dict, Mapping) or not all(torch.is_tensor(v) for v in state_dict.values()):
-        raise UserError(f"{what}; this file holds a {type(state_dict).__name__}, not a dict of tensors.")
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in torchvision.models.vgg16().state_dict().items()}
-    found = {k: tuple(v.shape) for k, v in state_dict.items()}
-    if found != expected:
-        wrong = sorted(set(found) ^ set(expected)) + sorted(k for k in expected if k in found
-                                                            and found[k] != expected[k])
-        raise UserError(f"{what}; its keys or shapes differ ({', '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}"
-                        f"). Use the torchvision file, not another VGG port.")
-    return dict(state_dict)
 
 
 def _construct(state_dict: Mapping[str, Tensor] | None) -> FeatureExtractorVGG16:
@@ -153,41 +91,20 @@ def _construct(state_dict: Mapping[str, Tensor] | None) -> FeatureExtractorVGG16
             _tf_vgg16.torchvision_load_pretrained_vgg16 = saved
 
 
+def _expected() -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in torchvision.models.vgg16().state_dict().items()}
+
+
 def load_vgg16(weights: str | None = None) -> torch.nn.Module:
     """torch-fidelity's ``vgg16`` extractor of ``fc2_relu``, eval mode, no grad, on CPU, cached per weights choice.
 
-    ``weights``: None fetches torchvision's ImageNet weights once into torch
-    hub's cache (torch-fidelity's default; a file already there is vetted); a
-    path loads that file (vetted); ``"random"`` / ``"random:SEED"`` is
-    :func:`random_state_dict`, for offline smoke runs and tests only.
+    ``weights``: None fetches torchvision's ImageNet weights once into torch hub's cache (torch-fidelity's
+    default); a path loads that file, vetted; ``"random"`` / ``"random:SEED"`` is :func:`random_state_dict`, for
+    offline smoke runs and tests only (:mod:`.extractor_weights`).
     """
-    if weights is not None:
-        weights = os.fspath(weights)
-    seed = _random_seed(weights) if weights is not None else None
-    key: object = weights if weights is None or seed is not None else weights_id(weights)
-    if key in _EXTRACTORS:
-        return _EXTRACTORS[key]
-    if weights is None and os.path.exists(hub_weights_path()):
-        extractor = _construct(_vetted_state_dict(hub_weights_path()))
-    elif weights is None:
-        try:
-            extractor = _construct(None)
-        except (OSError, http.client.HTTPException) as e:
-            raise UserError(
-                f"Could not download the VGG16 weights for precision/recall from {URL_VGG16} ({type(e).__name__}: "
-                f"{e}). Pass metrics.vgg16_weights=PATH pointing at a copy of that file, put the file at "
-                f"{hub_weights_path()}, use metrics.vgg16_weights=random for an offline smoke run, or turn the "
-                f"metric off with metrics.prc=false."
-            ) from None
-    elif seed is not None:
-        log.warning("VGG16 for precision/recall uses random weights (%s): the scores are only good for smoke tests "
-                    "and are not comparable with published numbers.", weights)
-        extractor = _construct(random_state_dict(seed))
-    else:
-        extractor = _construct(_vetted_state_dict(weights))
-    extractor.eval().requires_grad_(False)
-    _EXTRACTORS[key] = extractor
-    return extractor
+    return VGG16.load(weights, _EXTRACTORS, _construct, random_state_dict, _expected,
+                      hint=" Use the torchvision file, not another VGG port.")
 
 
 @torch.no_grad()
