@@ -267,9 +267,10 @@ def test_sigusr1_checkpoints_requeues_and_the_job_resumes(env, tmp_path):
     saved = torch.load(out / "hpc_ckpt_1.ckpt", map_location="cpu", weights_only=False)
 
     # The requeued job: same command and directory. (Here with fewer epochs, so that it ends soon: the cosine
-    # schedule's T_max, set from max_epochs, shows that the schedule continued from the checkpoint's.)
-    run([*args, f"trainer.max_epochs={saved['epoch'] + 1}"], slurm_env)
+    # schedule's T_max, set from max_epochs, shows that the schedule continued from the checkpoint's. One more epoch
+    # than the saved one: a signal that lands after an epoch's last batch leaves nothing of that epoch to train.)
+    run([*args, f"trainer.max_epochs={saved['epoch'] + 2}"], slurm_env)
     final = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
-    assert [s["T_max"] for s in final["lr_schedulers"]] == [200]  # from the first run, not max_epochs=epoch+1
+    assert [s["T_max"] for s in final["lr_schedulers"]] == [200]  # from the first run, not max_epochs=epoch+2
     assert final["global_step"] > saved["global_step"]
     assert 0.0 <= json.loads((out / "metrics.json").read_text())["test/oa"] <= 1.0

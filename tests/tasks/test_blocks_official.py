@@ -86,7 +86,8 @@ def randomise(module, seed):
 
 def test_eanet_block_is_the_segmentation_head_for_attn_external():
     attn = segmentation_attn("external")
-    assert attn == {"name": "external", "heads": 1, "memory": 64, "expand": 1, "in_proj": False, "out_proj": False}
+    assert attn == {"name": "external", "heads": 1, "memory": 64, "expand": 1, "in_proj": False, "out_proj": False,
+                    "attn_drop": 0.0, "proj_drop": 0.0}
     official = randomise(ExternalAttention(512).double(), 0)
     ours = EANetResidual(512, attn).double().eval()
     assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in official.parameters()) == 591_360
