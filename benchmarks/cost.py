@@ -207,13 +207,14 @@ class Measured:
     times: list = field(default_factory=list)  # seconds
     peaks: list = field(default_factory=list)  # bytes
     fakes: list = field(default_factory=list)  # fake_count of each, or None
+    first_slope: float = 2.0  # before two sizes are measured: the declared complexity's exponent (N^1 or N^2)
 
     def add(self, n, seconds, peak, fake):
         self.ns.append(n), self.times.append(seconds), self.peaks.append(peak), self.fakes.append(fake)
 
     def slope(self, values, floor):
         if len(self.ns) < 2:
-            return 2.0  # one size measured: assume the worst the suite has, O(N^2)
+            return self.first_slope  # one size measured: what the variant's class declares
         return max(floor, measure.fit_exponent(self.ns[-2:], values[-2:]))
 
     def estimate(self, n: int, fake: dict | None) -> tuple[float | None, float | None]:
@@ -276,7 +277,7 @@ def sweep(s: dict, device, max_bytes: float) -> list[dict]:
 
 
 def sweep_sizes(mixer, name, role, kind, c, dtype_name, dtype, s, device, max_bytes) -> list[dict]:
-    rows, seen = [], Measured()
+    rows, seen = [], Measured(first_slope=1.0 if type(mixer).complexity == "linear" else 2.0)
     for n in sorted(s["sizes"]):
         side = math.isqrt(n)
         row = {"variant": name, "kind": role, "layout": kind, "channels": c, "heads": mixer.heads, "n": n,
