@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from omegaconf import OmegaConf
-from timm.layers import DropPath, Mlp
+from timm.layers import DropPath, Mlp, trunc_normal_
 from torch import nn
 
 import attention
@@ -116,6 +116,18 @@ def drop_path_rates(rate: float, depths: Sequence[int]) -> list[list[float]]:
         out.append(rates[start:start + d])
         start += d
     return out
+
+
+def init_linears(module: nn.Module, skip=lambda m: False) -> None:
+    """The papers' (timm's ViT/Swin) initialisation of every ``nn.Linear`` in ``module`` but those ``skip`` names:
+    weights from a normal truncated at +-2 with std 0.02, biases zero. Modules are visited in ``modules()`` order;
+    a Linear has no children, so that is also the order ``apply`` reaches them in, and seeded weights do not change
+    with the way a backbone walks its tree."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear) and not skip(m):
+            trunc_normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
 
 
 class Block(nn.Module):

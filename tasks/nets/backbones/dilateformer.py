@@ -37,13 +37,12 @@ from typing import ClassVar
 
 import torch
 from einops import rearrange
-from timm.layers import trunc_normal_
 from torch import nn
 
 import attention
 from attention.errors import UserError
 
-from .common import Backbone, Block, attn_defaults, drop_path_rates, make_mixer, per_stage
+from .common import Backbone, Block, attn_defaults, drop_path_rates, init_linears, make_mixer, per_stage
 from .registry import register
 
 PRESETS = {"kernel_size": 3, "dilations": [1, 2, 3]}  # the paper's MSDA
@@ -112,14 +111,7 @@ class DilateFormer(Backbone):
             self.downsamples.append(nn.Sequential(nn.Conv2d(dim, 2 * dim, 3, 2, 1), nn.BatchNorm2d(2 * dim))
                                     if i < n - 1 else nn.Identity())
         self._add_head(widths, [4 * 2 ** i for i in range(n)], num_classes, eps=1e-6)
-        self.apply(self._init_weights)
-
-    @staticmethod
-    def _init_weights(m):
-        if isinstance(m, nn.Linear):
-            trunc_normal_(m.weight, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
+        init_linears(self)
 
     @staticmethod
     def from_official(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

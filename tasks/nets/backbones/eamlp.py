@@ -43,7 +43,7 @@ from torch import nn
 import attention
 from attention.errors import UserError
 
-from .common import Backbone, Block, attn_options, drop_path_rates, make_mixer
+from .common import Backbone, Block, attn_options, drop_path_rates, init_linears, make_mixer
 from .registry import register
 
 PRESETS = {"memory": 64}  # the official k = 256 // coef
@@ -140,11 +140,7 @@ class EAMLP(Backbone):
         self._add_head([embed_dim], [16], num_classes)
         if self.cls_token is not None:
             trunc_normal_(self.cls_token, std=0.02)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
+        init_linears(self)
 
     @staticmethod
     def from_official(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -37,12 +37,11 @@ from typing import ClassVar
 
 import torch
 from einops import rearrange
-from timm.layers import trunc_normal_
 from torch import nn
 
 import attention
 
-from .common import Backbone, Block, attn_options, drop_path_rates, make_mixer, per_stage
+from .common import Backbone, Block, attn_options, drop_path_rates, init_linears, make_mixer, per_stage
 from .registry import register
 
 
@@ -115,14 +114,7 @@ class FocalTransformer(Backbone):
             else:
                 self.downsamples.append(ConvEmbed(dim, 2 * dim, 2, 2))
         self._add_head(widths, [4 * 2 ** i for i in range(n)], num_classes)
-        self.apply(self._init_weights)
-
-    @staticmethod
-    def _init_weights(m):
-        if isinstance(m, nn.Linear) and m.out_features > 1:  # the focal mixer's 'fc' pools keep their mean init
-            trunc_normal_(m.weight, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
+        init_linears(self, skip=lambda m: m.out_features == 1)  # the focal mixer's 'fc' pools keep their mean init
 
     def _forward(self, x):
         return self._stages_forward(x)

@@ -37,7 +37,7 @@ from torch import nn
 from attention.errors import UserError
 
 from ..weights import take
-from .common import Backbone, Block, drop_path_rates, make_mixer
+from .common import Backbone, Block, drop_path_rates, init_linears, make_mixer
 from .registry import register
 
 
@@ -79,11 +79,8 @@ class VisionTransformer(Backbone):
         trunc_normal_(self.pos_embed, std=0.02)
         if self.cls_token is not None:
             trunc_normal_(self.cls_token, std=0.02)
-        for m in self.modules():
-            if isinstance(m, nn.Linear) and m not in set(self.patch_embed.modules()):
-                trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
+        embed = set(self.patch_embed.modules())
+        init_linears(self, skip=lambda m: m in embed)
 
     @staticmethod
     def from_official(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
