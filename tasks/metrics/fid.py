@@ -354,31 +354,23 @@ def reference_statistics(
     and read back with ``allow_pickle=False``; an unreadable cache file is
     recomputed and replaced.
     """
-    path = None
-    if cache_dir is not None:
-        safe_key = re.sub(r"[^A-Za-z0-9._-]", "-", dataset_key)
-        path = Path(cache_dir) / f"fid_ref_{safe_key}_{weights_id(weights)}.npz"
-        if path.is_file():
-            try:
-                with np.load(path, allow_pickle=False) as f:
-                    stats = {k: np.asarray(f[k], dtype=np.float64) for k in ("mu", "sigma")}
-                    if keep_features and "features" not in f.files:
-                        raise ValueError("written without the pool features that KID needs")
-                    if keep_features:
-                        stats["features"] = np.asarray(f["features"])
-                d = stats["mu"].shape[0] if stats["mu"].ndim == 1 else -1
-                if stats["sigma"].shape != (d, d):
-                    raise ValueError(f"mu {stats['mu'].shape} and sigma {stats['sigma'].shape} do not match")
-                if keep_features and (stats["features"].ndim != 2 or stats["features"].shape[1] != d):
-                    raise ValueError(f"features {stats['features'].shape} do not match mu {stats['mu'].shape}")
-                log.info("FID reference statistics: cache hit, loaded %s", path)
-                return stats
-            except Exception as e:  # corrupt / foreign / older file: recompute rather than fail the run
-                log.warning("FID reference statistics: ignoring unreadable cache file %s (%s); recomputing", path, e)
-        log.info("FID reference statistics: cache miss, computing %s", path)
-    else:
-        log.info("FID reference statistics: no cache directory, computing for %s", dataset_key)
+    def read(f) -> dict[str, np.ndarray]:
+        stats = {k: np.asarray(f[k], dtype=np.float64) for k in ("mu", "sigma")}
+        if keep_features and "features" not in f.files:
+            raise ValueError("written without the pool features that KID needs")
+        if keep_features:
+            stats["features"] = np.asarray(f["features"])
+        d = stats["mu"].shape[0] if stats["mu"].ndim == 1 else -1
+        if stats["sigma"].shape != (d, d):
+            raise ValueError(f"mu {stats['mu'].shape} and sigma {stats['sigma'].shape} do not match")
+        if keep_features and (stats["features"].ndim != 2 or stats["features"].shape[1] != d):
+            raise ValueError(f"features {stats['features'].shape} do not match mu {stats['mu'].shape}")
+        return stats
 
+    path = reference_cache_path(cache_dir, "fid", dataset_key, weights_id(weights))
+    stats = read_reference_cache(path, read, "FID reference statistics", dataset_key)
+    if stats is not None:
+        return stats
     images = images_uint8() if callable(images_uint8) else images_uint8
     features, _ = inception_features(extractor, images, batch_size=batch_size, progress=True)
     stats = fid_statistics(features)
@@ -389,6 +381,35 @@ def reference_statistics(
     if keep_features:
         stats["features"] = features32
     return stats
+
+
+def reference_cache_path(cache_dir: str | Path | None, prefix: str, dataset_key: str, weights: str) -> Path | None:
+    """``<cache_dir>/<prefix>_ref_<dataset_key>_<weights>.npz`` (None without a cache directory), ``weights`` the
+    extractor's weights id; characters other than letters, digits, ``.``, ``_`` and ``-`` in the key become ``-``."""
+    if cache_dir is None:
+        return None
+    safe_key = re.sub(r"[^A-Za-z0-9._-]", "-", dataset_key)
+    return Path(cache_dir) / f"{prefix}_ref_{safe_key}_{weights}.npz"
+
+
+def read_reference_cache(path: Path | None, read: Callable, what: str, dataset_key: str,
+                         logger: logging.Logger = log):
+    """``read(npz)`` of the cache file at ``path``, or None on a miss. ``read`` raises for a file it cannot use
+    (corrupt, foreign, older layout): that file is logged (to ``logger``) and recomputed rather than failing
+    the run."""
+    if path is None:
+        logger.info("%s: no cache directory, computing for %s", what, dataset_key)
+        return None
+    if path.is_file():
+        try:
+            with np.load(path, allow_pickle=False) as f:
+                value = read(f)
+            logger.info("%s: cache hit, loaded %s", what, path)
+            return value
+        except Exception as e:  # corrupt / foreign / older file: recompute rather than fail the run
+            logger.warning("%s: ignoring unreadable cache file %s (%s); recomputing", what, path, e)
+    logger.info("%s: cache miss, computing %s", what, path)
+    return None
 
 
 def save_npz_atomically(path: Path, **arrays: np.ndarray) -> None:

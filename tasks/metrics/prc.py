@@ -20,7 +20,6 @@ Numbers from random weights or few samples are not comparable with published one
 from __future__ import annotations
 
 import logging
-import re
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -156,21 +155,16 @@ def reference_features(
 
     The same keys and atomic writes as :func:`tasks.metrics.fid.reference_statistics`.
     """
-    path = None
-    if cache_dir is not None:
-        safe_key = re.sub(r"[^A-Za-z0-9._-]", "-", dataset_key)
-        path = Path(cache_dir) / f"prc_ref_{safe_key}_{weights_id(weights)}.npz"
-        if path.is_file():
-            try:
-                with np.load(path, allow_pickle=False) as f:
-                    features = torch.from_numpy(np.asarray(f["features"], dtype=np.float32))
-                if features.ndim != 2:
-                    raise ValueError(f"features of shape {tuple(features.shape)}")
-                log.info("PRC reference features: cache hit, loaded %s", path)
-                return features
-            except Exception as e:
-                log.warning("PRC reference features: ignoring unreadable cache file %s (%s); recomputing", path, e)
-        log.info("PRC reference features: cache miss, computing %s", path)
+    def read(f) -> Tensor:
+        features = torch.from_numpy(np.asarray(f["features"], dtype=np.float32))
+        if features.ndim != 2:
+            raise ValueError(f"features of shape {tuple(features.shape)}")
+        return features
+
+    path = fid.reference_cache_path(cache_dir, "prc", dataset_key, weights_id(weights))
+    features = fid.read_reference_cache(path, read, "PRC reference features", dataset_key, log)
+    if features is not None:
+        return features
     images = images_uint8() if callable(images_uint8) else images_uint8
     features = vgg16_features(extractor, images, batch_size=batch_size, progress=True)
     if path is not None:
