@@ -162,9 +162,13 @@ def dilated_attention(q, k, v, grid: tuple[int, int], kernel_size: int = 3, dila
 
     Unlike the reference's ``nn.Unfold``, which copies K and V k*k times, the
     kernel multiplies shifted views of K and V; its custom backward saves only
-    q, k, v and the (k*k)-wide attention map. It is a ``torch.library`` op with
-    a FLOP formula, so ``torch.utils.flop_counter`` counts it (2 FLOPs per
-    multiply-add over all k*k window positions, as the unfold form computes them).
+    q, k, v and the (k*k)-wide attention map. Forward and backward allocate what
+    they return (the output, the attention map; dq, dk, dv) and buffers for one
+    chunk of (sample, head) pairs (``DILATED_CHUNK_BYTES``), never a temporary
+    of q's size, and never copy strided q, k, v or upstream gradients (issue 20).
+    It is a ``torch.library`` op with a FLOP formula, so ``torch.utils.flop_counter``
+    counts it (2 FLOPs per multiply-add over all k*k window positions, as the
+    unfold form computes them).
     """
     if border not in DILATED_BORDERS:
         raise ValueError(f"dilated_attention: border={border!r}, expected one of {DILATED_BORDERS}.")
@@ -196,14 +200,17 @@ def dilated_point_attention(q, k, v, scale: float | None = None):
 
 
 def _dilated_windows(h: int, w: int, kernel_size: int, dilation: int):
-    """The k*k window offsets of a dilated window, as (o, query slices, key slices).
+    """The k*k window offsets of a dilated window, as a list of (o, query slices, key slices), the centre first.
 
     Offset o = (p + k//2) * k + (q + k//2) pairs the query at (i, j) with the
     key at (i + p*r, j + q*r). The query slices select the queries whose key
     lies inside the grid, the key slices those keys: two same-shaped views, no
-    copy. Offsets with no key inside the grid are skipped.
+    copy. Offsets with no key inside the grid are left out. The centre (every
+    query with its own key) covers the whole grid: a sum over the offsets
+    writes it first and needs no zero-filled buffer (:func:`_dilated_weighted_sum`).
     """
     half = kernel_size // 2
+    windows = []
     for a in range(kernel_size):
         dy = (a - half) * dilation
         rows = slice(max(0, -dy), min(h, h - dy))
@@ -214,60 +221,159 @@ def _dilated_windows(h: int, w: int, kernel_size: int, dilation: int):
             cols = slice(max(0, -dx), min(w, w - dx))
             if cols.start >= cols.stop:
                 continue
-            yield (a * kernel_size + b, (rows, cols),
-                   (slice(rows.start + dy, rows.stop + dy), slice(cols.start + dx, cols.stop + dx)))
+            windows.append((a * kernel_size + b, (rows, cols),
+                            (slice(rows.start + dy, rows.stop + dy), slice(cols.start + dx, cols.stop + dx))))
+    return sorted(windows, key=lambda window: window[0] != half * kernel_size + half)  # stable: the centre first
 
 
-@torch.library.custom_op("attention_suite::dilated_attention", mutates_args=())
-def _dilated_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: int, w: int, kernel_size: int,
-                dilation: int, mask: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward of :func:`dilated_attention`: the output and the attention map (k*k, B, heads, h, w)."""
+DILATED_CHUNK_BYTES = 2 ** 20
+"""On the CPU, the most bytes one chunk's slice of q (or k, v, the upstream gradient) holds in the dilated kernels,
+at least one (sample, head): about a core's L2 cache. On the 2-core CPU machine (one thread; 56 x 56 and 64 x 64
+grids, d = 24 and 32) 1-2 MiB chunks ran forward + backward fastest, ~1.2-1.4x faster than one chunk of everything
+or than chunks of one (sample, head); each chunk adds its buffers, ~1.2 chunks' bytes, to the peak memory."""
+DILATED_CHUNK_BYTES_ACCELERATOR = 2 ** 26
+"""The same on other devices (CUDA): each op of a chunk is one kernel launch, so chunks are large enough to fill the
+device, and still bound the temporaries for large inputs. Not tuned: no GPU was available."""
+
+
+def _dilated_chunks(batch: int, heads: int, pair_bytes: int, device: torch.device):
+    """Chunks of (sample, head) pairs, as (batch slice, head slice), of at most DILATED_CHUNK_BYTES each on the CPU
+    (DILATED_CHUNK_BYTES_ACCELERATOR elsewhere), counting one pair as ``pair_bytes``.
+
+    A query attends only to keys of its own sample and head, so the kernels run chunk by chunk: every
+    intermediate (a product q * k, the gradient of the attention map) then has one chunk's size, not the whole
+    tensor's, and a chunk's q, k, v are re-read from cache by the k*k window offsets instead of from memory.
+    Whole samples where one fits (contiguous slices of the attention map), else heads of one sample.
+    """
+    budget = DILATED_CHUNK_BYTES if device.type == "cpu" else DILATED_CHUNK_BYTES_ACCELERATOR
+    pairs = max(1, budget // max(1, pair_bytes))
+    if pairs >= heads:
+        step = pairs // max(1, heads)
+        for b in range(0, batch, step):
+            yield slice(b, min(batch, b + step)), slice(0, heads)
+    else:
+        for b in range(batch):
+            for h0 in range(0, heads, pairs):
+                yield slice(b, b + 1), slice(h0, min(heads, h0 + pairs))
+
+
+def _dilated_dots(x, y, windows, out, buf):
+    """out[:, :, o, i, j] = x[:, :, i, j] . y[:, :, i + p*r, j + q*r] for each window offset o.
+
+    x, y (b, H', h, w, d) are views of one chunk, out (b, H', k*k, h, w); the products go into ``buf``, a flat
+    buffer of at least x.numel() elements, and are summed straight into ``out``'s slice: no allocation.
+    (``torch.linalg.vecdot`` would allocate the whole product, as large as x, for every offset.)
+    """
+    for o, (qi, qj), (ki, kj) in windows:
+        xs = x[:, :, qi, qj]  # (b, H', rows, cols, d): the queries whose key at offset o is inside the grid
+        prod = buf[:xs.numel()].view(xs.shape)
+        torch.mul(xs, y[:, :, ki, kj], out=prod)
+        torch.sum(prod, dim=-1, out=out[:, :, o, qi, qj])
+
+
+def _dilated_weighted_sum(dst, weights, src, windows, to_keys: bool = False):
+    """dst = the sum over window offsets o of weights[:, :, o] * src shifted by o, written into ``dst``.
+
+    weights (b, H', k*k, h, w) hold one weight per query and offset; dst and src are (b, H', h, w, .) views of
+    one chunk. to_keys=False: dst at the queries, src at their keys (the output from v, dq from k);
+    to_keys=True: dst at the keys, src at the queries (dv from the upstream gradient, dk from q). The first
+    window, the centre, covers every position and writes dst: no zero fill, no temporary.
+    """
+    for n, (o, (qi, qj), (ki, kj)) in enumerate(windows):
+        (di, dj), (si, sj) = ((ki, kj), (qi, qj)) if to_keys else ((qi, qj), (ki, kj))
+        weight = weights[:, :, o, qi, qj].unsqueeze(-1)  # (b, H', rows, cols, 1): each query's weight
+        if n == 0:
+            torch.mul(weight, src[:, :, si, sj], out=dst[:, :, di, dj])
+        else:
+            dst[:, :, di, dj].addcmul_(weight, src[:, :, si, sj])
+
+
+_LIB = torch.library.Library("attention_suite", "FRAGMENT")
+# torch.library.define + impl rather than torch.library.custom_op: a custom_op's kernel is wrapped in
+# torch._dynamo.disable, whose first call imports torch._dynamo (and sympy), ~70 MiB of resident memory and
+# ~0.5 s that a process without torch.compile would pay for its first dilated attention. A kernel registered
+# with impl runs as it is; under torch.compile the op is a leaf of the graph either way (register_fake).
+_LIB.define("dilated_attention(Tensor q, Tensor k, Tensor v, SymInt h, SymInt w, SymInt kernel_size, "
+            "SymInt dilation, bool mask, float scale) -> (Tensor, Tensor)", tags=(torch.Tag.pt2_compliant_tag,))
+_LIB.define("dilated_attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor attn, SymInt h, "
+            "SymInt w, SymInt kernel_size, SymInt dilation, float scale) -> (Tensor, Tensor, Tensor)",
+            tags=(torch.Tag.pt2_compliant_tag,))
+
+
+def _dilated_forward(q, k, v, h, w, kernel_size, dilation, mask, scale):
+    """Forward of :func:`dilated_attention`: the output and the attention map (B, heads, k*k, h, w).
+
+    Allocates only what it returns, and one chunk's product buffer (:func:`_dilated_chunks`): the logits are
+    computed in the attention map's memory and turned into weights there (softmax in place).
+    """
     B, H = q.shape[:2]
-    qg, kg, vg = (t.reshape(B, H, h, w, t.shape[-1]) for t in (q, k, v))  # (B, H, h, w, d): views
-    logits = q.new_zeros(kernel_size ** 2, B, H, h, w)  # a key outside the grid is a zero vector: logit 0
-    inside = torch.zeros(kernel_size ** 2, 1, 1, h, w, dtype=torch.bool, device=q.device)
-    for o, (qi, qj), (ki, kj) in _dilated_windows(h, w, kernel_size, dilation):
-        logits[o, :, :, qi, qj] = torch.linalg.vecdot(qg[:, :, qi, qj], kg[:, :, ki, kj])  # (B, H, rows, cols)
-        inside[o, :, :, qi, qj] = True
-    logits.mul_(scale)
-    if mask:  # keys outside the grid leave the softmax; the centre key is always inside
-        logits.masked_fill_(~inside, float("-inf"))
-    attn = torch.softmax(logits, dim=0)  # (k*k, B, H, h, w)
-    out = v.new_zeros(B, H, h, w, v.shape[-1])  # (B, H, h, w, d_v); zero values outside add nothing
-    for o, (qi, qj), (ki, kj) in _dilated_windows(h, w, kernel_size, dilation):
-        out[:, :, qi, qj].addcmul_(attn[o, :, :, qi, qj].unsqueeze(-1), vg[:, :, ki, kj])
-    return out.view(B, H, h * w, v.shape[-1]), attn
+    d, d_v = q.shape[-1], v.shape[-1]
+    qg, kg, vg = (t.reshape(B, H, h, w, t.shape[-1]) for t in (q, k, v))  # (B, H, h, w, .): views (one dim split)
+    windows = _dilated_windows(h, w, kernel_size, dilation)
+    attn = q.new_empty(B, H, kernel_size ** 2, h, w)  # the logits, then the weights
+    out = v.new_empty(B, H, h, w, d_v)
+    if mask:  # (k*k, h, w): keys inside the grid; the centre key always is
+        inside = torch.zeros(kernel_size ** 2, h, w, dtype=torch.bool, device=q.device)
+        for o, (qi, qj), _ in windows:
+            inside[o, qi, qj] = True
+        outside = ~inside
+    chunks = list(_dilated_chunks(B, H, h * w * max(d, d_v) * q.element_size(), q.device))
+    pairs = max(((bs.stop - bs.start) * (hs.stop - hs.start) for bs, hs in chunks), default=0)  # 0: no tensor
+    buf = q.new_empty(pairs * h * w * d)  # one chunk's products q * k
+    for bs, hs in chunks:
+        a = attn[bs, hs]  # (b, H', k*k, h, w)
+        a.zero_()  # a key outside the grid is a zero vector: logit 0
+        _dilated_dots(qg[bs, hs], kg[bs, hs], windows, a, buf)
+        a.mul_(scale)
+        if mask:  # keys outside the grid leave the softmax
+            a.masked_fill_(outside, float("-inf"))
+        a.sub_(a.amax(dim=2, keepdim=True)).exp_()  # softmax over the k*k keys, in place
+        a.div_(a.sum(dim=2, keepdim=True))
+        _dilated_weighted_sum(out[bs, hs], a, vg[bs, hs], windows)  # zero values outside the grid add nothing
+    return out.view(B, H, h * w, d_v), attn
 
 
-@_dilated_op.register_fake
-def _(q, k, v, h, w, kernel_size, dilation, mask, scale):
-    B, H, N, _ = q.shape
-    return v.new_empty(B, H, N, v.shape[-1]), q.new_empty(kernel_size ** 2, B, H, h, w)
+def _dilated_backward(grad, q, k, v, attn, h, w, kernel_size, dilation, scale):
+    """Gradients of :func:`dilated_attention` w.r.t. q, k, v, recomputing the shifted products.
 
-
-@torch.library.custom_op("attention_suite::dilated_attention_backward", mutates_args=())
-def _dilated_backward_op(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         attn: torch.Tensor, h: int, w: int, kernel_size: int, dilation: int,
-                         scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of :func:`dilated_attention` w.r.t. q, k, v, recomputing the shifted products."""
+    Allocates only dq, dk, dv and one chunk's buffers (the products grad * v, the attention map's gradient):
+    the whole (B, heads, k*k, h, w) gradient of the attention map never exists at once.
+    """
     B, H = q.shape[:2]
-    qg, kg, vg, gg = (t.reshape(B, H, h, w, t.shape[-1]) for t in (q, k, v, grad))  # (B, H, h, w, .)
-    dattn = torch.zeros_like(attn)  # (k*k, B, H, h, w); keys outside the grid have zero values
-    dv = torch.zeros_like(vg)
-    for o, (qi, qj), (ki, kj) in _dilated_windows(h, w, kernel_size, dilation):
-        dattn[o, :, :, qi, qj] = torch.linalg.vecdot(gg[:, :, qi, qj], vg[:, :, ki, kj])
-        dv[:, :, ki, kj].addcmul_(attn[o, :, :, qi, qj].unsqueeze(-1), gg[:, :, qi, qj])
-    # softmax backward in place: dlogits = attn * (dattn - sum_o attn * dattn), times the scale
-    dlogits = dattn.sub_((attn * dattn).sum(0, keepdim=True)).mul_(attn).mul_(scale)  # (k*k, B, H, h, w)
-    dq, dk = torch.zeros_like(qg), torch.zeros_like(kg)
-    for o, (qi, qj), (ki, kj) in _dilated_windows(h, w, kernel_size, dilation):
-        g = dlogits[o, :, :, qi, qj].unsqueeze(-1)  # (B, H, rows, cols, 1)
-        dq[:, :, qi, qj].addcmul_(g, kg[:, :, ki, kj])
-        dk[:, :, ki, kj].addcmul_(g, qg[:, :, qi, qj])
+    d, d_v = q.shape[-1], v.shape[-1]
+    qg, kg, vg, gg = (t.reshape(B, H, h, w, t.shape[-1]) for t in (q, k, v, grad))  # (B, H, h, w, .): views
+    windows = _dilated_windows(h, w, kernel_size, dilation)
+    dq, dk, dv = qg.new_empty(qg.shape), kg.new_empty(kg.shape), vg.new_empty(vg.shape)  # (B, H, h, w, .)
+    chunks = list(_dilated_chunks(B, H, h * w * max(d, d_v) * q.element_size(), q.device))
+    pairs = max(((bs.stop - bs.start) * (hs.stop - hs.start) for bs, hs in chunks), default=0)  # 0: no tensor
+    buf = q.new_empty(pairs * h * w * d_v)  # one chunk's products grad * v
+    dattn_buf = q.new_empty(pairs * kernel_size ** 2 * h * w)  # one chunk's gradient of the attention map
+    for bs, hs in chunks:
+        a, g_c, q_c, k_c = attn[bs, hs], gg[bs, hs], qg[bs, hs], kg[bs, hs]  # a: (b, H', k*k, h, w)
+        da = dattn_buf[:a.numel()].view(a.shape).zero_()  # keys outside the grid have zero values: dattn 0
+        _dilated_dots(g_c, vg[bs, hs], windows, da, buf)
+        _dilated_weighted_sum(dv[bs, hs], a, g_c, windows, to_keys=True)
+        # softmax backward in place: dlogits = attn * dattn - attn * sum_o(attn * dattn), times the scale
+        da.mul_(a)
+        da.addcmul_(a, da.sum(dim=2, keepdim=True), value=-1).mul_(scale)
+        _dilated_weighted_sum(dq[bs, hs], da, k_c, windows)
+        _dilated_weighted_sum(dk[bs, hs], da, q_c, windows, to_keys=True)
     return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
 
 
-@_dilated_backward_op.register_fake
+_LIB.impl("dilated_attention", _dilated_forward, "CompositeExplicitAutograd")
+_LIB.impl("dilated_attention_backward", _dilated_backward, "CompositeExplicitAutograd")
+_dilated_op = torch.ops.attention_suite.dilated_attention.default
+_dilated_backward_op = torch.ops.attention_suite.dilated_attention_backward.default
+
+
+@torch.library.register_fake("attention_suite::dilated_attention", lib=_LIB)
+def _(q, k, v, h, w, kernel_size, dilation, mask, scale):
+    B, H, N, _ = q.shape
+    return v.new_empty(B, H, N, v.shape[-1]), q.new_empty(B, H, kernel_size ** 2, h, w)
+
+
+@torch.library.register_fake("attention_suite::dilated_attention_backward", lib=_LIB)
 def _(grad, q, k, v, attn, h, w, kernel_size, dilation, scale):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
@@ -289,7 +395,15 @@ def _dilated_grad(ctx, grad, grad_attn):
     return dq, dk, dv, None, None, None, None, None, None
 
 
-_dilated_op.register_autograd(_dilated_grad, setup_context=_dilated_setup_context)
+def _dilated_double_grad(ctx, *grads):
+    raise RuntimeError("dilated_attention: a gradient of its gradients (double backward) is not implemented.")
+
+
+torch.library.register_autograd("attention_suite::dilated_attention", _dilated_grad,
+                                setup_context=_dilated_setup_context, lib=_LIB)
+# The backward op's own autograd kernel: with create_graph=True its kernel runs below autograd (its in-place and
+# out= ops would refuse inputs that require grad) and the gradients it returns fail only if differentiated again.
+torch.library.register_autograd("attention_suite::dilated_attention_backward", _dilated_double_grad, lib=_LIB)
 
 
 @register_flop_formula(torch.ops.attention_suite.dilated_attention)

@@ -6,6 +6,8 @@ softmax by hand, independently of ``attention.functional``.
 """
 
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -157,12 +159,96 @@ def test_kernel_gradients_match_autograd_of_brute_force():
         assert rel_err(a, b) < 1e-12
 
 
+def test_kernel_create_graph_gives_gradients_and_refuses_double_backward():
+    """create_graph=True (e.g. a gradient penalty's first pass) gives the same gradients; differentiating them
+    again raises a clear error instead of a wrong result."""
+    gen = torch.Generator().manual_seed(25)
+    q, k, v = (randn(gen, 1, 2, 12, 3).requires_grad_() for _ in range(3))
+    g = randn(gen, 1, 2, 12, 3)
+    plain = torch.autograd.grad(AF.dilated_attention(q, k, v, (3, 4), 3, 1), (q, k, v), g)
+    graph = torch.autograd.grad(AF.dilated_attention(q, k, v, (3, 4), 3, 1), (q, k, v), g, create_graph=True)
+    for a, b in zip(graph, plain):
+        assert torch.equal(a.detach(), b)
+    with pytest.raises(RuntimeError, match="double backward"):
+        graph[0].sum().backward()
+
+
 def test_kernel_op_registration():
     """The torch.library op's schema, fake (meta) kernel and autograd registration are consistent."""
     gen = torch.Generator().manual_seed(15)
     q, k, v = (randn(gen, 1, 2, 6, 3) for _ in range(3))
     torch.library.opcheck(torch.ops.attention_suite.dilated_attention.default, (q, k, v, 2, 3, 3, 1, True, 0.5),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def test_kernel_under_torch_compile():
+    """The op is one node of a compiled graph (fake kernels, autograd registration): torch.compile (aot_eager,
+    fullgraph) gives eager's output and gradients."""
+    gen = torch.Generator().manual_seed(23)
+    q, k, v = (randn(gen, 2, 3, 20, 4).requires_grad_() for _ in range(3))
+    g = randn(gen, 2, 3, 20, 4)
+
+    def f(q, k, v):
+        return AF.dilated_attention(q, k, v, (4, 5), 3, 2, "mask")
+
+    eager = f(q, k, v)
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
+    assert rel_err(compiled, eager) < 1e-12
+    for a, b in zip(torch.autograd.grad(compiled, (q, k, v), g), torch.autograd.grad(eager, (q, k, v), g)):
+        assert rel_err(a, b) < 1e-12
+
+
+@pytest.mark.parametrize("border", ["zeros", "mask"])
+def test_kernel_allocates_its_outputs_and_one_chunk(border, monkeypatch):
+    """Issue 20: the kernel holds no temporary as large as q.
+
+    The peak of the CPU allocator's events over one forward + backward (torch.profiler; exact byte counts of
+    every allocation and free, the same on any machine) is at most what must exist -- the output, the attention
+    map saved for the backward, dq, dk, dv -- plus one chunk's buffers. Chunks of one (sample, head) here, so a
+    full-size temporary (a product q * k over all samples, the whole attention map's gradient, a copy of a
+    strided q, k, v or upstream gradient) exceeds the bound: the kernel before issue 20 went 3.4x over it.
+    """
+    from benchmarks.measure import profiler_peak_bytes
+
+    monkeypatch.setattr(AF, "DILATED_CHUNK_BYTES", 1)  # one (sample, head) pair per chunk
+    gen = torch.Generator().manual_seed(24)
+    B, H, h, w, d, d_v, ks = 2, 3, 12, 10, 8, 6, 3
+    n = h * w
+    qk = randn(gen, B, n, 2, H, d, dtype=torch.float32)
+    q, k = (t.requires_grad_() for t in qk.permute(2, 0, 3, 1, 4))  # (B, H, N, d) each, strided as the module's
+    v = randn(gen, B, n, H, d_v, dtype=torch.float32).transpose(1, 2).requires_grad_()  # (B, H, N, d_v), strided
+    g = randn(gen, B, H, 1, d_v, dtype=torch.float32).expand(B, H, n, d_v)  # a stride-0 upstream gradient
+    assert q.is_leaf and not (q.is_contiguous() or v.is_contiguous() or g.is_contiguous())
+
+    def step():
+        torch.autograd.grad(AF.dilated_attention(q, k, v, (h, w), ks, 2, border), (q, k, v), g)
+
+    step()  # the measured step allocates exactly what any later one does
+    peak = profiler_peak_bytes(step)
+    floor = 4 * B * H * n * (d_v + ks * ks + d + d + d_v)  # float32: out, attention map, dq, dk, dv
+    chunk = 4 * n * (max(d, d_v) + ks * ks + 1)  # one (sample, head): products, attention map gradient, row sums
+    assert floor <= peak <= floor + chunk, (peak - floor, chunk)
+
+
+FIRST_CALL = """
+import sys
+import torch
+from attention import functional as AF
+q, k, v = (torch.randn(1, 2, 20, 4, requires_grad=True) for _ in range(3))
+before = set(sys.modules)
+AF.dilated_attention(q, k, v, (4, 5), 3, 2).sum().backward()
+print(sorted(set(sys.modules) - before))
+"""
+
+
+def test_kernel_first_call_imports_nothing():
+    """A process's first dilated attention imports no module. Issue 20: as a torch.library.custom_op, whose kernel
+    runs under torch._dynamo.disable, its first call imported torch._dynamo and sympy (~70 MiB of resident memory,
+    most of what the issue measured for one forward + backward in a fresh process)."""
+    done = subprocess.run([sys.executable, "-c", FIRST_CALL], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize("grid,dilation", [((6, 6), 1), ((5, 8), 2), ((7, 4), 3), ((2, 3), 3)])
