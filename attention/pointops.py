@@ -3,19 +3,25 @@
 torch-geometric's ``fps``/``knn`` need pyg-lib or torch-cluster, which have no
 wheels for every torch build (none for the one we install), so the two
 operations PCT and the local variants need are written here; both run under
-``no_grad`` because indices carry no gradient.
+``no_grad`` because indices carry no gradient. On a GPU, farthest point sampling
+runs as one Triton kernel (attention/fps_triton.py) instead of m steps of torch ops.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
 
+# Not traced by torch.compile: dynamo would unroll the m steps into the graph (about 20 ms of tracing a step, so
+# seconds for PCT's 512) and hand the Triton launch to inductor, which need not keep enable_fp_fusion=False; run
+# eagerly, it is one kernel launch on a GPU and indices (no gradient) either way.
+@torch.compiler.disable
 @torch.no_grad()
 def farthest_point_sample(xyz: torch.Tensor, m: int, start: int | torch.Tensor = 0,
-                          like_kernel: bool = False) -> torch.Tensor:
+                          like_kernel: bool = False, backend: str = "auto") -> torch.Tensor:
     """Indices (B, m) of m points picked by farthest point sampling, from point ``start``.
 
     ``start`` is one index for every sample, or a (B,) LongTensor of one start
@@ -28,20 +34,28 @@ def farthest_point_sample(xyz: torch.Tensor, m: int, start: int | torch.Tensor =
     updates a point whose squared norm is <= 1e-3 (such points are skipped; if
     only they remain, it picks point 0 again), and breaks ties as its block
     reduction does (see :func:`kernel_order`). ``start`` must then be 0.
+
+    ``backend``: ``"torch"`` runs m steps of a few torch ops each (:func:`fps_loop`); ``"triton"`` runs one
+    Triton kernel that loops over the m steps itself (:mod:`attention.fps_triton`: one launch instead of
+    about 7 m, which on a GPU cost more than the network FPS feeds); ``"auto"`` takes the kernel for float32
+    and float64 CUDA tensors where Triton works, the torch loop otherwise (CPU, half precision, no Triton).
+    Both compute every squared distance as ``(dx*dx + dy*dy) + dz*dz`` with each operation rounded, so they
+    return the same indices, ties included.
     """
     b, n, _ = xyz.shape
     if not 1 <= m <= n:
         raise ValueError(f"farthest_point_sample: cannot pick {m} of {n} points.")
-    idx = torch.empty(b, m, dtype=torch.long, device=xyz.device)
-    dist = torch.full((b, n), float("inf"), dtype=xyz.dtype, device=xyz.device)
-    batch = torch.arange(b, device=xyz.device)
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"farthest_point_sample: backend must be 'auto', 'torch' or 'triton', got {backend!r}.")
     if isinstance(start, torch.Tensor):
         if start.shape != (b,) or start.dtype != torch.long:
             raise ValueError(f"farthest_point_sample: start must be an int or a ({b},) LongTensor, "
                              f"got {start.dtype} of shape {tuple(start.shape)}.")
-        farthest = start.to(xyz.device)
+        farthest = start.to(xyz.device)  # (B,)
     else:
-        farthest = torch.full((b,), start, dtype=torch.long, device=xyz.device)
+        if not 0 <= start < n:
+            raise ValueError(f"farthest_point_sample: start {start} is not a point index (N = {n}).")
+        farthest = torch.full((b,), start, dtype=torch.long, device=xyz.device)  # (B,)
     if like_kernel:
         if not (isinstance(start, int) and start == 0):
             raise ValueError("farthest_point_sample: like_kernel=True starts at point 0, as the CUDA kernel does.")
@@ -51,12 +65,87 @@ def farthest_point_sample(xyz: torch.Tensor, m: int, start: int | torch.Tensor =
         order = kernel_order(n, xyz.device)  # (N,), order[0] == 0
         xyz = xyz[:, order]  # (B, N, 3)
         dist = torch.where(xyz.square().sum(-1) > KERNEL_MIN_SQUARED_NORM, 1e10, -1.0).to(xyz.dtype)  # (B, N)
-    for i in range(m):
-        idx[:, i] = farthest
-        centre = xyz[batch, farthest].unsqueeze(1)  # (B, 1, 3)
-        dist = torch.minimum(dist, (xyz - centre).square().sum(-1))  # (B, N); skipped stay -1
-        farthest = dist.argmax(-1)
+    else:
+        dist = torch.full((b, n), math.inf, dtype=xyz.dtype, device=xyz.device)  # (B, N)
+    idx = None
+    if backend == "triton" or backend == "auto" and xyz.is_cuda and xyz.dtype in TRITON_DTYPES and triton_usable():
+        idx = fps_triton(xyz, m, farthest, dist, fallback=backend == "auto")  # (B, m), None if it failed
+    if idx is None:
+        idx = fps_loop(xyz, m, farthest, dist)  # (B, m)
     return order[idx] if like_kernel else idx
+
+
+def fps_loop(xyz: torch.Tensor, m: int, start: torch.Tensor, dist: torch.Tensor) -> torch.Tensor:
+    """:func:`farthest_point_sample`'s steps in torch: indices (B, m) from xyz (B, N, 3), start (B,), dist (B, N).
+
+    dist holds each point's initial distance (inf, or the kernel's 1e10 / -1) and is updated in place. The
+    points are laid out as coordinate planes (3, B, N) so that every op runs over contiguous rows, and each step
+    writes into buffers allocated once: about 4 times fewer CPU cycles than indexing xyz[batch, farthest] and
+    summing (B, N, 3) over its last dimension of 3 (benchmarks/fps.md). The squared distance is summed in a
+    fixed order, (dx^2 + dy^2) + dz^2, as the Triton kernel does; on the CPU ``sum(-1)`` gave exactly that, so
+    the indices are those of before (a CUDA reduction may sum 3 numbers in another order). Half precision keeps
+    ``sum``, which accumulates in float32 and rounds once, as before.
+    """
+    b, n, _ = xyz.shape
+    planes = xyz.permute(2, 0, 1).contiguous()  # (3, B, N)
+    idx = torch.empty(m, b, dtype=torch.long, device=xyz.device)  # (m, B): step i writes a contiguous row
+    idx[0] = start
+    diff = torch.empty_like(planes)  # (3, B, N)
+    dx, dy, dz = diff.unbind(0)  # (B, N) each
+    d = torch.empty_like(dist)  # (B, N)
+    reduced = xyz.dtype in (torch.float16, torch.bfloat16)
+    for i in range(m - 1):
+        centre = torch.gather(planes, 2, idx[i].view(1, b, 1).expand(3, b, 1))  # (3, B, 1)
+        torch.sub(planes, centre, out=diff).square_()
+        if reduced:
+            torch.sum(diff, 0, out=d)
+        else:
+            torch.add(dx, dy, out=d).add_(dz)
+        torch.minimum(dist, d, out=dist)  # skipped points stay -1
+        torch.argmax(dist, 1, out=idx[i + 1])  # the first maximum
+    return idx.t()
+
+
+# Dtypes the Triton kernel takes; half precision stays on the torch loop (its sum accumulates in float32).
+TRITON_DTYPES = (torch.float32, torch.float64)
+
+
+# Whether backend="auto" may use the Triton kernel: None until :func:`triton_usable` first looks.
+TRITON_USABLE: bool | None = None
+
+
+def triton_usable() -> bool:
+    """Whether Triton imports and finds a GPU driver (looked up once): ``backend="auto"`` uses the kernel only
+    then, and not after it once failed (:func:`fps_triton`)."""
+    global TRITON_USABLE
+    if TRITON_USABLE is None:
+        try:
+            import triton
+
+            triton.runtime.driver.active.get_current_target()
+            TRITON_USABLE = True
+        except Exception:  # not installed, no driver, no GPU: the torch loop does the work
+            TRITON_USABLE = False
+    return TRITON_USABLE
+
+
+def fps_triton(xyz: torch.Tensor, m: int, start: torch.Tensor, dist: torch.Tensor,
+               fallback: bool = False) -> torch.Tensor | None:
+    """:func:`attention.fps_triton.farthest_point_sample`, imported here only, so that attention imports and
+    runs without Triton. With ``fallback`` (backend="auto"), a kernel that fails to compile or launch warns,
+    turns the kernel off for the process and returns None: the torch loop then does the work."""
+    global TRITON_USABLE
+    try:
+        from . import fps_triton as kernel
+
+        return kernel.farthest_point_sample(xyz, m, start, dist)
+    except Exception as error:
+        if not fallback or isinstance(error, torch.cuda.OutOfMemoryError):  # out of memory: not the kernel's fault
+            raise
+        warnings.warn(f"farthest_point_sample: the Triton kernel failed ({error!r}); the torch loop takes over.",
+                      stacklevel=3)
+        TRITON_USABLE = False
+        return None
 
 
 # pointnet2_ops' FPS kernel: points with squared norm <= this are never sampled (``if (mag <= 1e-3) continue``).

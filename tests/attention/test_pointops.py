@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from attention.pointops import farthest_point_sample, gather, knn, knn_blocks, knn_grid, square_distance
+from attention.pointops import (KERNEL_MIN_SQUARED_NORM, farthest_point_sample, gather, kernel_order, knn, knn_blocks,
+                                knn_grid, square_distance)
 
 
 def fps_reference(xyz: np.ndarray, m: int, start: int = 0) -> list[int]:
@@ -145,6 +146,70 @@ def test_fps_like_kernel_with_only_near_origin_points_left_repeats_point_0():
     assert farthest_point_sample(torch.zeros(1, 5, 3), 3, like_kernel=True).tolist() == [[0, 0, 0]]
     with pytest.raises(ValueError, match="starts at point 0"):
         farthest_point_sample(xyz, 2, start=1, like_kernel=True)
+
+
+@torch.no_grad()
+def fps_before(xyz, m, start=0, like_kernel=False):
+    """farthest_point_sample as it was before issue #20 §2 (one indexing and a sum over (B, N, 3) a step)."""
+    b, n, _ = xyz.shape
+    idx = torch.empty(b, m, dtype=torch.long)
+    dist = torch.full((b, n), float("inf"), dtype=xyz.dtype)
+    batch = torch.arange(b)
+    farthest = start if isinstance(start, torch.Tensor) else torch.full((b,), start, dtype=torch.long)
+    if like_kernel:
+        order = kernel_order(n)
+        xyz = xyz[:, order]
+        dist = torch.where(xyz.square().sum(-1) > KERNEL_MIN_SQUARED_NORM, 1e10, -1.0).to(xyz.dtype)
+    for i in range(m):
+        idx[:, i] = farthest
+        dist = torch.minimum(dist, (xyz - xyz[batch, farthest].unsqueeze(1)).square().sum(-1))
+        farthest = dist.argmax(-1)
+    return order[idx] if like_kernel else idx
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_fps_torch_loop_gives_the_indices_of_before(dtype):
+    # the loop now sums (dx^2 + dy^2) + dz^2 itself over coordinate planes (half precision: sum, as before); on
+    # the CPU sum(-1) over (B, N, 3) rounded the same, so nothing moves: near ties on a shell of radius 1 around
+    # point 0 (the picks depend on the last bits), the integer grid with a duplicate (exact ties), random points
+    g = torch.Generator().manual_seed(5)
+    u = torch.randn(3, 200, 3, generator=g, dtype=torch.float64)
+    shell = torch.tensor([3.0, -2.0, 5.0], dtype=torch.float64) + u / u.norm(dim=-1, keepdim=True)
+    shell[:, 0] = torch.tensor([3.0, -2.0, 5.0])
+    grid = torch.cartesian_prod(*[torch.arange(5)] * 3)[None].repeat(3, 1, 1)
+    grid[:, 10] = grid[:, 11]
+    spread = torch.rand(3, 300, 3, generator=g, dtype=torch.float64) * 4 - 2
+    for xyz in (shell, grid, spread):
+        xyz = xyz.to(dtype)
+        m = 60
+        start = torch.randint(0, xyz.shape[1], (3,), generator=g)
+        assert torch.equal(farthest_point_sample(xyz, m), fps_before(xyz, m))
+        assert torch.equal(farthest_point_sample(xyz, m, start), fps_before(xyz, m, start))
+        assert torch.equal(farthest_point_sample(xyz, m, like_kernel=True), fps_before(xyz, m, like_kernel=True))
+
+
+def test_fps_stays_out_of_compiled_graphs():
+    # torch.compile runs it eagerly (a graph break) instead of unrolling its m steps into the graph
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    xyz = torch.rand(2, 40, 3, generator=torch.Generator().manual_seed(2))
+    compiled = torch.compile(lambda x: farthest_point_sample(x * 2, 12) + 1, backend=backend)
+    assert torch.equal(compiled(xyz), farthest_point_sample(xyz * 2, 12) + 1)
+    ops = [str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
+    assert graphs and not any("argmax" in op or "minimum" in op for op in ops), ops
+
+
+def test_fps_rejects_bad_backend_and_start():
+    xyz = torch.rand(2, 5, 3)
+    with pytest.raises(ValueError, match="backend"):
+        farthest_point_sample(xyz, 2, backend="cuda")
+    for start in (5, -1):
+        with pytest.raises(ValueError, match="not a point index"):
+            farthest_point_sample(xyz, 2, start)
 
 
 def knn_reference(query: torch.Tensor, points: torch.Tensor, k: int) -> list:

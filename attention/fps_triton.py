@@ -1,0 +1,114 @@
+"""Farthest point sampling as one Triton kernel: one program per sample loops over the m steps itself.
+
+:func:`attention.pointops.fps_loop` launches about 7 torch ops a step, so a GPU spends PCT's 512 + 256 steps
+a forward waiting on launches (each step is a few microseconds of work over 1024 points). Here one launch does
+every step of every sample: program b keeps sample b's running distances in registers (N up to
+``MAX_ONE_BLOCK``) or sweeps them in chunks of ``CHUNK`` through a scratch row in global memory (larger N), and
+picks the next point with an argmax whose ties go to the lowest position, as ``torch.argmax`` does.
+
+The arithmetic is the torch loop's, operation for operation, so that the indices are the same, ties included:
+``dx = x - cx`` (each coordinate), ``d = (dx*dx + dy*dy) + dz*dz`` with every product and sum rounded on its own
+(the kernel is compiled with ``enable_fp_fusion=False``: a fused multiply-add would round once where torch
+rounds twice), ``dist = min(dist, d)``. pointnet2_ops' tie order (``like_kernel``) needs nothing here:
+:func:`attention.pointops.farthest_point_sample` permutes the points by ``kernel_order`` and sets the initial
+distances (1e10, or -1 for the points the CUDA kernel skips) before it calls this, and maps positions back.
+
+This module imports Triton at its top; :mod:`attention.pointops` imports it only when the kernel is wanted.
+The tests run the kernel on CPU tensors under ``TRITON_INTERPRET=1`` (tests/attention/test_fps_triton.py).
+Points with NaN coordinates are not supported: ``torch.argmax`` takes a NaN as the maximum, the kernel does not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+# Up to this many points a sample (half as many in float64), its coordinates and distances stay in registers for
+# all m steps: at 8 to 16 points a thread, compiled for sm_90, about 106 registers and no spills (float64 spills
+# at 8192).
+MAX_ONE_BLOCK = 8192
+# Above, each step sweeps the points in chunks of this many, its distances kept in a (B, N) scratch tensor.
+CHUNK = 4096
+
+
+@triton.jit
+def _fps_kernel(planes_ptr, dist_ptr, start_ptr, out_ptr, n, m, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
+    """Program b: out[b, :m] from planes (B, 3, N) contiguous, dist (B, N) (initial distances; with
+    ``ONE_BLOCK`` False also the scratch row, overwritten) and start (B,) int64."""
+    b = tl.program_id(0).to(tl.int64)
+    x_ptr = planes_ptr + b * 3 * n  # the sample's x (N,), then y, then z
+    y_ptr = x_ptr + n
+    z_ptr = y_ptr + n
+    dist_row = dist_ptr + b * n
+    out_row = out_ptr + b * m
+    far = tl.load(start_ptr + b)  # int64 scalar
+    offs = tl.arange(0, BLOCK)  # (BLOCK,)
+    if ONE_BLOCK:
+        mask = offs < n
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)  # (BLOCK,)
+        y = tl.load(y_ptr + offs, mask=mask, other=0.0)
+        z = tl.load(z_ptr + offs, mask=mask, other=0.0)
+        dist = tl.load(dist_row + offs, mask=mask, other=float("-inf"))  # lanes past N: never the maximum
+        for i in range(m - 1):
+            tl.store(out_row + i, far)
+            dx = x - tl.load(x_ptr + far)
+            dy = y - tl.load(y_ptr + far)
+            dz = z - tl.load(z_ptr + far)
+            dist = tl.minimum(dist, dx * dx + dy * dy + dz * dz)  # (dx^2 + dy^2) + dz^2; -inf and -1 stay
+            far = tl.argmax(dist, 0, tie_break_left=True).to(tl.int64)  # the first maximum
+    else:
+        for i in range(m - 1):
+            tl.store(out_row + i, far)
+            cx = tl.load(x_ptr + far)
+            cy = tl.load(y_ptr + far)
+            cz = tl.load(z_ptr + far)
+            # per lane, the first maximum over the chunks (they go by increasing index, so only a strictly
+            # larger value moves it); one reduction a step, after the sweep, not one a chunk
+            best = tl.full((BLOCK,), float("-inf"), dist_ptr.dtype.element_ty)  # (BLOCK,)
+            best_at = tl.zeros((BLOCK,), tl.int32)  # (BLOCK,)
+            for lo in range(0, n, BLOCK):
+                at = lo + offs  # (BLOCK,)
+                mask = at < n
+                dx = tl.load(x_ptr + at, mask=mask, other=0.0) - cx
+                dy = tl.load(y_ptr + at, mask=mask, other=0.0) - cy
+                dz = tl.load(z_ptr + at, mask=mask, other=0.0) - cz
+                dist = tl.load(dist_row + at, mask=mask, other=float("-inf"))
+                dist = tl.minimum(dist, dx * dx + dy * dy + dz * dz)
+                tl.store(dist_row + at, dist, mask=mask)
+                better = dist > best
+                best_at = tl.where(better, at, best_at)
+                best = tl.where(better, dist, best)
+            # lanes hold indices out of lane order: the lowest index among the lanes at the maximum
+            top = tl.max(best, 0)
+            far = tl.min(tl.where(best == top, best_at, n), 0).to(tl.int64)
+            # each thread reads back what it stored, but make the next step's reads of dist_row safe anyway
+            tl.debug_barrier()
+    tl.store(out_row + m - 1, far)  # the last pick: no distances to update after it
+
+
+def farthest_point_sample(xyz: torch.Tensor, m: int, start: torch.Tensor, dist: torch.Tensor) -> torch.Tensor:
+    """Indices (B, m) for xyz (B, N, 3) float32/float64, start (B,) int64, dist (B, N) initial distances.
+
+    What :func:`attention.pointops.fps_loop` returns for the same arguments; start must hold indices in [0, N)
+    (unchecked: checking would wait for the GPU). The inputs are left as they are.
+    """
+    b, n, _ = xyz.shape
+    if xyz.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"fps_triton: float32 or float64 points only, got {xyz.dtype} (the torch loop takes it).")
+    planes = xyz.transpose(1, 2).contiguous()  # (B, 3, N)
+    one_block = n <= MAX_ONE_BLOCK * 4 // xyz.element_size()
+    # one block: the kernel only reads dist; chunks: it writes its running distances there, so a copy
+    dist = dist.to(xyz.dtype).contiguous() if one_block else dist.to(xyz.dtype, copy=True).contiguous()  # (B, N)
+    start = start.to(device=xyz.device, dtype=torch.long).contiguous()  # (B,)
+    out = torch.empty(b, m, dtype=torch.long, device=xyz.device)
+    block = triton.next_power_of_2(n) if one_block else CHUNK
+    warps = min(16, max(4, block // 256))  # 8 points a thread (16 at 8192), 4 to 16 warps
+    # Triton launches on the current CUDA device: make it the points' one
+    with torch.cuda.device(xyz.device) if xyz.is_cuda else contextlib.nullcontext():
+        _fps_kernel[(b,)](planes, dist, start, out, n, m, BLOCK=block, ONE_BLOCK=one_block, num_warps=warps,
+                          enable_fp_fusion=False)
+    return out
+
