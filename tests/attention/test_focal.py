@@ -17,6 +17,7 @@ import attention
 from attention import Grid, Points, UserError
 from attention import functional as AF
 from attention.pointops import gather
+from attention.variants import focal as focal_module
 
 DIM = 16
 
@@ -469,6 +470,90 @@ def test_points_permutation_equivariance():
         y = mixer(x, Points(xyz))
         y_perm = mixer(x[:, perm], Points(xyz[:, perm]))
     assert rel_err(y_perm, y[:, perm]) < 1e-5
+
+
+def concatenated_keys(mixer, x, xyz):
+    """The point-set path as it was before gathered_attention: every point's (M, 2C) keys and values gathered
+    and concatenated into one (B, N, M, 2C) tensor, then functional.focal_attention, autograd through it all."""
+    b, n, c = x.shape
+    fine, regions, seen = mixer.point_regions(xyz)
+    qkv = mixer.qkv(x)  # (B, N, 3C)
+    keys = [gather(qkv[..., c:], fine)]  # (B, N, K, 2C)
+    for region, near in zip(regions, seen):
+        keys.append(gather(mixer._kv(gather(x, region).mean(dim=2)), near))  # (B, N, min(t, m), 2C)
+    k, v = torch.cat(keys, dim=2).view(b, n, -1, 2, mixer.heads, c // mixer.heads).permute(3, 0, 4, 1, 2, 5)
+    q = qkv[..., :c].view(b, n, mixer.heads, 1, c // mixer.heads).transpose(1, 2)  # (B, heads, N, 1, d)
+    out = AF.focal_attention(q, k, v)  # (B, heads, N, 1, d)
+    return mixer.proj(out.transpose(1, 2).reshape(b, n, c))
+
+
+@pytest.mark.parametrize("rows", [1, 7, None])  # queries per chunk of gathered_attention; None: the default
+def test_points_match_the_concatenated_formulation_with_gradients(rows, monkeypatch):
+    """Chunked attention over indexed keys, run in Morton order: the same outputs and gradients (x and every
+    parameter) as the concatenated keys, in float64, whatever the chunks (7 divides neither 300 nor 600 rows)."""
+    if rows is not None:
+        monkeypatch.setitem(focal_module.GATHER_CHUNK_ELEMENTS, "cpu", rows * (8 + 5 + 5) * DIM)  # M = 18 keys
+    # levels of 19 and 75 regions: each point sees its 5 nearest of both
+    mixer = build(heads=2, window_size=4, expand_size=1, focal_level=3, neighbours=8, coarse_neighbours=5).double()
+    gen = torch.Generator().manual_seed(3)
+    xyz = torch.rand(2, 300, 3, generator=gen, dtype=torch.float64)
+    x = torch.randn(2, 300, DIM, generator=gen, dtype=torch.float64)
+    upstream = torch.randn(2, 300, DIM, generator=gen, dtype=torch.float64)
+    results = []
+    for f in (lambda t: mixer(t, Points(xyz)), lambda t: concatenated_keys(mixer, t, xyz)):
+        mixer.zero_grad()
+        xg = x.clone().requires_grad_()
+        y = f(xg)
+        y.backward(upstream)
+        results.append([y, xg.grad] + [p.grad.clone() for p in mixer.parameters() if p.grad is not None])
+    assert len(results[0]) == len(results[1]) == 2 + 4  # qkv and proj weights and biases; the grid tables get none
+    for got, expected in zip(*results):
+        assert rel_err(got, expected) < 1e-12
+
+
+def test_gathered_attention_against_loops_and_its_gradients(monkeypatch):
+    """out[i] = softmax_j(q_i . k_j * scale) v_j over the rows index[i] names, per head, repeated rows included;
+    first and second derivatives by finite differences, in chunks of 2 rows."""
+    monkeypatch.setitem(focal_module.GATHER_CHUNK_ELEMENTS, "cpu", 2 * 5 * 6)
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(7, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(4, 6, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    index = torch.randint(0, 4, (7, 5), generator=gen)
+    index[0] = torch.tensor([2, 2, 2, 0, 2])  # one key five times over and one once
+    out = focal_module.gathered_attention(q, k, v, index, 3, scale=0.7)
+    expected = torch.empty(7, 6, dtype=torch.float64)
+    for i in range(7):
+        for head in range(3):
+            sl = slice(2 * head, 2 * head + 2)
+            logits = torch.stack([(q[i, sl] * k[j, sl]).sum() * 0.7 for j in index[i].tolist()])
+            expected[i, sl] = sum(a * v[j, sl] for a, j in zip(torch.softmax(logits, 0), index[i].tolist()))
+    assert rel_err(out, expected) < 1e-13
+    assert torch.autograd.gradcheck(lambda *t: focal_module.gathered_attention(*t, index, 3), (q, k, v))
+    assert torch.autograd.gradgradcheck(lambda *t: focal_module.gathered_attention(*t, index, 3), (q, k, v))
+
+
+def test_morton_order_is_a_permutation_that_keeps_neighbours_close():
+    gen = torch.Generator().manual_seed(6)
+    xyz = torch.rand(2, 4096, 3, generator=gen)
+    order = focal_module.morton_order(xyz)
+    assert torch.equal(order.sort(dim=1).values, torch.arange(4096).expand(2, -1))
+    # consecutive points in the order are about 8 times closer than consecutive points of the set
+    step = xyz.gather(1, order[..., None].expand(-1, -1, 3)).diff(dim=1).norm(dim=-1).mean()
+    assert step < xyz.diff(dim=1).norm(dim=-1).mean() / 5
+    same = torch.zeros(1, 5, 3)  # one point five times: the order of the set
+    assert focal_module.morton_order(same).tolist() == [[0, 1, 2, 3, 4]]
+
+
+def test_points_under_bfloat16_autocast():
+    """Half projections, attention in float32 (as functional.focal_attention): close to the float32 result."""
+    mixer = build(heads=2, window_size=4, expand_size=1, focal_level=3, neighbours=8, coarse_neighbours=5)
+    gen = torch.Generator().manual_seed(8)
+    xyz, x = torch.rand(1, 300, 3, generator=gen), torch.randn(1, 300, DIM, generator=gen)
+    with torch.no_grad():
+        expected = mixer(x, Points(xyz))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = mixer(x, Points(xyz))
+    assert y.dtype == torch.bfloat16 and rel_err(y, expected) < 3e-2
 
 
 # --------------------------------------------------------------------------------------------
