@@ -31,7 +31,7 @@ import numpy as np
 import yaml
 
 from attention.errors import UserError
-from suite.run_record import data_name, protocol as derive_protocol
+from suite.run_record import RECORD_KEYS, data_name, protocol as derive_protocol
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,8 @@ def numbers(mapping: dict) -> dict[str, float]:
 
 
 def split_record(values: dict[str, float]) -> tuple[dict, dict]:
-    return ({k: v for k, v in values.items() if k not in COST_KEYS},
+    """(metrics, cost): the run record's other numbers (compile time and graphs) are neither."""
+    return ({k: v for k, v in values.items() if k not in COST_KEYS and k not in RECORD_KEYS},
             {k: v for k, v in values.items() if k in COST_KEYS})
 
 

@@ -8,18 +8,23 @@
   multirun, where the jobs share one process, the peak so far);
 - ``params`` and ``flops``: trainable parameters and forward FLOPs for one sample, counted as ``mode=summary``
   counts them (``suite/summary.py``), after testing;
-- ``train_samples_per_sec``: training samples per second of one process (data loading included, validation and
-  the first batch excluded), when the run trained;
-- ``protocol``: how the test metrics were obtained (:func:`protocol`).
+- ``train_samples_per_sec``: training samples per second of one process (data loading included, validation, the
+  first batch and batches that ``torch.compile`` compiled for excluded), when the run trained;
+- ``protocol``: how the test metrics were obtained (:func:`protocol`);
+- ``compile_time_s`` and ``compile_graphs``, with ``trainer.compile=true``: seconds spent compiling the networks
+  (torch.compile's tracing and code generation, forward and backward, evaluation and test included) and the graphs
+  compiled (``suite/compile.py``).
 
 Nothing here may lose a run: a count or measurement that fails is left out with a warning.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import resource
+import sys
 import time
 from pathlib import Path
 
@@ -27,7 +32,7 @@ log = logging.getLogger(__name__)
 
 # What :func:`record` adds to metrics.json beside the metrics (these differ between two runs of one seed).
 RECORD_KEYS = ("wall_time_s", "peak_memory_bytes", "peak_memory_source", "train_samples_per_sec", "params", "flops",
-               "protocol")
+               "protocol", "compile_time_s", "compile_graphs")
 
 
 def quality_metrics(metrics_json: dict) -> dict:
@@ -170,7 +175,8 @@ def count_cost(module) -> dict:
 
 def throughput_meter():
     """A Lightning callback measuring training samples per second of this process: the time from each training
-    batch's start to the next one's (data loading included), validation and each epoch's first batch excluded."""
+    batch's start to the next one's (data loading included), validation, each epoch's first batch and batches
+    during which ``torch.compile`` compiled (``trainer.compile``: a first call, a new batch size) excluded."""
     import lightning as L
 
     from suite.callbacks import batch_size
@@ -178,6 +184,7 @@ def throughput_meter():
     class TrainThroughput(L.pytorch.callbacks.Callback):
         def __init__(self):
             self.samples, self.seconds, self._start, self._first = 0, 0.0, None, True
+            self._loading, self._compiled = 0.0, 0.0
 
         def on_train_epoch_start(self, trainer, pl_module):
             self._start, self._first = None, True
@@ -185,17 +192,16 @@ def throughput_meter():
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             now = time.perf_counter()
             self._pending = batch_size(batch)
-            if self._start is not None and not self._first:
-                self.seconds += now - self._start
+            self._loading = now - self._start if self._start is not None and not self._first else 0.0
+            self._compiled = compile_clock()
             self._start = now
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if self._first:  # warm-up: allocations, lazy initialisation
-                self._first = False
-                self._start = time.perf_counter()
-                return
-            self.samples += self._pending
-            self.seconds += time.perf_counter() - self._start
+            # warm-up (allocations, lazy initialisation), or a compilation: not the steady state
+            if not self._first and compile_clock() == self._compiled:
+                self.samples += self._pending
+                self.seconds += self._loading + time.perf_counter() - self._start
+            self._first = False
             self._start = time.perf_counter()
 
         def on_validation_start(self, trainer, pl_module):
@@ -210,8 +216,29 @@ def throughput_meter():
     return TrainThroughput()
 
 
-def record(module, config: dict, tested: str | None, device_type: str, started: float, meter=None) -> dict:
-    """The fields above for ``metrics.json`` (``started``: ``time.perf_counter()`` at the run's start)."""
+def compile_clock() -> float:
+    """Seconds torch.compile has spent compiling in this process (``suite.compile.compile_seconds``); 0 while dynamo
+    was never imported, so that an uncompiled run does not import it."""
+    if "torch._dynamo.utils" not in sys.modules:
+        return 0.0
+    from suite.compile import compile_seconds
+
+    return compile_seconds()
+
+
+def eager_networks(compiled: bool):
+    """Inside, compiled networks run eagerly (``suite.compile.eager``); nothing happens when none was compiled."""
+    if not compiled:
+        return contextlib.nullcontext()
+    from suite.compile import eager
+
+    return eager()
+
+
+def record(module, config: dict, tested: str | None, device_type: str, started: float, meter=None,
+           compiler=None) -> dict:
+    """The fields above for ``metrics.json`` (``started``: ``time.perf_counter()`` at the run's start; ``compiler``:
+    the run's ``suite.compile.CompileNetworks``, or None when it compiled nothing)."""
     out: dict = {"wall_time_s": time.perf_counter() - started}
     try:
         out["peak_memory_bytes"], out["peak_memory_source"] = peak_memory(device_type)
@@ -221,8 +248,11 @@ def record(module, config: dict, tested: str | None, device_type: str, started: 
     if rate:
         out["train_samples_per_sec"] = rate
     try:
-        out.update(count_cost(module))
+        with eager_networks(compiler is not None):  # counted as mode=summary counts, not compiled for one sample
+            out.update(count_cost(module))
     except Exception as err:  # noqa: BLE001
         log.warning("params/FLOPs not recorded in metrics.json: %s", err)
     out["protocol"] = protocol(config, tested)
+    if compiler is not None:
+        out.update(compiler.record())
     return out

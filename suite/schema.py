@@ -1,4 +1,5 @@
-"""Types and ranges of the options every run shares: ``trainer``, ``optim`` and the data modules' common options.
+"""Types and ranges of the options every run shares: ``trainer`` (Lightning's and the suite's own ``compile*``),
+``optim`` and the data modules' common options.
 
 Each group is a dataclass whose fields are the options it knows, annotated with the type the consumer accepts
 (Lightning's ``Trainer`` signature, torch's optimiser and scheduler constructors, the data modules) and, in
@@ -77,6 +78,21 @@ class TrainerOptions:
     barebones: bool = option("true")
     sync_batchnorm: bool = option("true")
     reload_dataloaders_every_n_epochs: int = option(1, ge=0)
+
+
+@dataclass
+class CompileOptions:
+    """The suite's own trainer options for ``torch.compile`` (``suite/compile.py``), taken out of the trainer group
+    before it reaches Lightning; the backend's name is checked against torch's list by ``suite.compile``."""
+
+    WHERE = TrainerOptions.WHERE
+
+    compile: bool = option("true", note="the task's networks under torch.compile")
+    compile_backend: str = option("inductor")
+    compile_mode: Optional[Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]] = \
+        option("max-autotune", note="inductor's; null is its default")
+    compile_dynamic: Optional[bool] = option(
+        "true", note="null: static, then dynamic sizes where they change; true: dynamic from the start")
 
 
 @dataclass

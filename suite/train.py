@@ -125,20 +125,24 @@ def fit_and_test(cfg: DictConfig, composed, out_dir: Path, started: float) -> di
     log.info("rank %d metrics: %s", trainer.global_rank, json.dumps(metrics))  # each process logs what it saw
     if trainer.is_global_zero:
         write_metrics(metrics, module, config, tested, trainer, started,
-                      parts["meter"] if cfg.mode == "train" else None, out_dir, loggers)
+                      parts["meter"] if cfg.mode == "train" else None, out_dir, loggers, parts["compiler"])
     close_loggers(loggers)
     return metrics
 
 
 def build_trainer(config: dict, module, out_dir: Path, loggers: list, identity: dict):
     """The Trainer of ``config["trainer"]`` with the suite's callbacks: the config's own (``callbacks``), the
-    checkpoints, random-state saving, the non-finite loss guard, the throughput meter and, with a logger, the
-    learning rate monitor. Returns the trainer and ``{"best", "guard", "meter"}``, read after the run."""
+    checkpoints, random-state saving, the non-finite loss guard, the throughput meter, with ``trainer.compile`` the
+    networks' compilation (``suite/compile.py``) and, with a logger, the learning rate monitor. The suite's own
+    trainer options (``on_nan``, ``compile*``) are taken out before the rest reaches Lightning's Trainer. Returns the
+    trainer and ``{"best", "guard", "meter", "compiler"}``, read after the run (``compiler`` None when not
+    compiling)."""
     import lightning as L
     from hydra.utils import instantiate
 
     from suite.checkpoint_io import SafeCheckpointIO
     from suite.checkpoints import checkpoint_callbacks
+    from suite.compile import CompileNetworks, take_options
     from suite.distributed import adjust_trainer_kwargs, check_launch
     from suite.guard import NonFiniteGuard
     from suite.resume import RandomState
@@ -150,6 +154,11 @@ def build_trainer(config: dict, module, out_dir: Path, loggers: list, identity: 
     guard = NonFiniteGuard(trainer_kwargs.pop("on_nan", "stop"))
     meter = throughput_meter()
     callbacks += [best, last, run_identity, RandomState(), guard, meter]
+    compiling = take_options(trainer_kwargs)
+    compiler = CompileNetworks(compiling["backend"], compiling["mode"], compiling["dynamic"]) \
+        if compiling["compile"] else None
+    if compiler is not None:
+        callbacks.append(compiler)
     if loggers:
         callbacks.append(L.pytorch.callbacks.LearningRateMonitor(logging_interval="epoch"))
     adjust_trainer_kwargs(trainer_kwargs, module)
@@ -158,7 +167,7 @@ def build_trainer(config: dict, module, out_dir: Path, loggers: list, identity: 
     trainer = L.Trainer(**trainer_kwargs, callbacks=callbacks, logger=loggers or False, plugins=plugins,
                         default_root_dir=str(out_dir))
     check_launch(trainer)
-    return trainer, {"best": best, "guard": guard, "meter": meter}
+    return trainer, {"best": best, "guard": guard, "meter": meter, "compiler": compiler}
 
 
 def finish_metrics(metrics: dict[str, float], guard, datamodule) -> dict[str, float]:
@@ -175,12 +184,13 @@ def finish_metrics(metrics: dict[str, float], guard, datamodule) -> dict[str, fl
 
 
 def write_metrics(metrics: dict, module, config: dict, tested: str | None, trainer, started: float, meter,
-                  out_dir: Path, loggers: list) -> None:
+                  out_dir: Path, loggers: list, compiler=None) -> None:
     """``metrics.json`` (the metrics and, beside them, what mode=report needs: wall time, peak memory,
-    params/FLOPs, throughput, protocol), printed too, and the run record sent to W&B."""
+    params/FLOPs, throughput, protocol; with ``trainer.compile``, the compile time), printed too, and the run
+    record sent to W&B."""
     from suite.run_record import record
 
-    extra = record(module, config, tested, trainer.strategy.root_device.type, started, meter)
+    extra = record(module, config, tested, trainer.strategy.root_device.type, started, meter, compiler)
     (out_dir / "metrics.json").write_text(json.dumps({**metrics, **extra}, indent=2) + "\n")
     print("\n".join(f"{k:>24} {v:.4f}" for k, v in metrics.items()))
     print("\n".join(f"{k:>24} {v:.6g}" for k, v in extra.items() if isinstance(v, (int, float))))

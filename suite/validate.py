@@ -11,6 +11,8 @@ its own checks as a ``check_config(cfg)`` classmethod of ``tasks.base.Task`` (ca
 - more processes than evaluation samples (``data.num_test=1 trainer=ddp``): a
   rank would get no sample;
 - ``trainer.on_nan`` not one of stop | skip | off;
+- ``trainer.compile_backend`` not a torch.compile backend, or ``trainer.compile_mode`` given to another backend
+  than inductor (``suite/compile.py``);
 - a trainer, optim or data option of the wrong type or out of range (``trainer.max_epochs=abc``,
   ``optim.optimizer.lr=-1``, ``data.num_workers=-1``), against the schemas of ``suite.schema``;
 - ``ckpt_path`` a file that is no torch checkpoint at all (``ckpt_path=/etc/passwd``);
@@ -33,6 +35,7 @@ EVAL_SIZE_KEYS = ("num_val", "num_test", "val_samples", "test_samples")
 
 
 def validate_config(cfg: DictConfig, overrides: Iterable[str]) -> None:
+    from suite.compile import check_options as check_compile_options
     from suite.guard import MODES
 
     on_nan = cfg.trainer.get("on_nan", "stop")
@@ -40,6 +43,7 @@ def validate_config(cfg: DictConfig, overrides: Iterable[str]) -> None:
         raise UserError(f"trainer.on_nan={on_nan!r} is not known: use stop (end the run at the first NaN/inf "
                         "loss), skip (drop such batches and count them) or off (no check).")
     check_option_types(cfg)
+    check_compile_options(OmegaConf.to_container(cfg.trainer, resolve=True))
     check_checkpoint_format(cfg.get("ckpt_path"))
     task_cls = get_class(cfg.task._target_)
     check_weights_files(cfg, task_cls.weights_options)
@@ -57,6 +61,7 @@ def check_option_types(cfg: DictConfig) -> None:
                      given=OmegaConf.to_container(node, resolve=False))
 
     group(cfg.trainer, schema.TrainerOptions, "trainer")
+    group(cfg.trainer, schema.CompileOptions, "trainer")
     optim = cfg.get("optim") or {}
     for name, factory in optim.items():  # optim.optimizer, optim.scheduler; the GAN's generator, discriminator
         if isinstance(factory, DictConfig) and "_target_" in factory:

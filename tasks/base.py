@@ -7,6 +7,8 @@ subclass that fills these in (nothing is looked up with ``getattr``):
   point set); the start-up checks refuse attention options that act on the other layout;
 - ``check_config(cfg)``: the task's own start-up checks of the composed config, before any data is read;
 - ``summaries()``: the networks that ``mode=summary`` and the run record count, with one example input each;
+- ``networks()``: the networks that do the work, which ``trainer.compile=true`` compiles (``suite/compile.py``);
+  by default those of ``summaries()``;
 - ``ddp_find_unused_parameters``: whether DDP must look for parameters without gradients (a GAN's D update
   leaves G out);
 - ``weights_options``: which ``model.<option>=PATH`` loads published weights into which of its networks
@@ -95,6 +97,12 @@ class Task(L.LightningModule):
         """(name, network, example input for one sample) of each network counted by ``mode=summary``; a task
         with one network returns it unnamed."""
         return [("", self.net, self.example_input_array)]
+
+    def networks(self) -> list[tuple[str, torch.nn.Module]]:
+        """(name, network) of each network that ``trainer.compile=true`` compiles in place (``suite/compile.py``):
+        by default those :meth:`summaries` counts, the ones a training step runs. A network only evaluated (an EMA
+        copy) may be added by a task whose evaluation is worth compiling."""
+        return [(name, net) for name, net, _ in self.summaries()]
 
     def log_best(self, values: Mapping[str, float | torch.Tensor]) -> None:
         """Update the best so far of every tracked metric in ``values`` (this validation's epoch values) and log

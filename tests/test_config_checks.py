@@ -99,6 +99,13 @@ def test_checkpoint_that_is_no_torch_file_is_named(env, absent_data, tmp_path): 
     (["data.num_workers=abc"], ["data.num_workers='abc'", "an integer >= 0"]),
     (["data.on_bad_file=sometimes"], ["data.on_bad_file='sometimes'", "'error', 'skip'"]),
     (["task=gan", "data.val_samples=0"], ["data.val_samples=0"]),
+    (["trainer.compile=maybe"], ["trainer.compile='maybe'", "true or false"]),
+    (["trainer.compile_mode=fast"], ["trainer.compile_mode='fast'", "'reduce-overhead', 'max-autotune'"]),
+    (["trainer.compile_dynamic=sometimes"], ["trainer.compile_dynamic='sometimes'", "true, false or null"]),
+    (["trainer.compile=true", "trainer.compile_backend=nonsense"], ["trainer.compile_backend='nonsense'",
+                                                                   "aot_eager", "inductor"]),
+    (["trainer.compile=true", "trainer.compile_backend=aot_eager", "trainer.compile_mode=max-autotune"],
+     ["trainer.compile_mode='max-autotune'", "trainer.compile_backend='aot_eager'", "trainer.compile_mode=null"]),
 ])
 def test_wrong_type_or_range_is_refused_naming_the_option(overrides, needles):
     message = refused(overrides)
@@ -116,6 +123,8 @@ def test_wrong_type_or_range_is_refused_naming_the_option(overrides, needles):
     ["++trainer.val_check_interval=0.25"], ["++trainer.some_future_lightning_argument=anything"],
     ["optim.optimizer.lr=1"], ["+optim.optimizer.nesterov=true"], ["++optim.optimizer.foo=bar"],
     ["data.eval_batch_size=null"], ["data.on_bad_file=skip"], ["task=gan", "trainer=ddp"],
+    ["trainer.compile=true"], ["trainer.compile=true", "trainer.compile_mode=max-autotune-no-cudagraphs"],
+    ["trainer.compile=true", "trainer.compile_backend=aot_eager", "trainer.compile_dynamic=true"],
 ])
 def test_valid_and_unknown_options_pass(overrides):
     validate_config(compose_run(overrides), overrides)

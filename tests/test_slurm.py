@@ -181,7 +181,8 @@ def trainer():
         cfg = compose("config", overrides=["trainer.accelerator=cpu", "trainer.devices=4", "++trainer.num_nodes=2",
                                            "logger=none"])
     kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
-    kwargs.pop("on_nan")  # run.py's own option, a callback
+    for key in ("on_nan", "compile", "compile_backend", "compile_mode", "compile_dynamic"):
+        kwargs.pop(key)  # run.py's own options, never Lightning's (suite/guard.py, suite/compile.py)
     return L.Trainer(**kwargs, logger=False, default_root_dir=root)
 
 # submitit's job process installs its handlers before it calls the Hydra job (submitit/core/submission.py).

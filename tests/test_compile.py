@@ -1,0 +1,157 @@
+"""``trainer.compile=true`` (suite/compile.py): the networks under torch.compile give the eager outputs and
+gradients, compile a bounded number of graphs (a partial batch, evaluation and test do not recompile every step),
+keep checkpoints interchangeable with uncompiled runs, and log what compiling cost.
+
+Compiling costs seconds of CPU per graph even for a tiny network, so everything here uses SPCT (``embedding=point``,
+no sampling or kNN) with one block on 32 points, and the tracing backends (``aot_eager``: dynamo + AOTAutograd, the
+graphs and guards inductor gets, without code generation) except for one inductor forward.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+
+import pytest
+import torch
+
+from suite.compile import compiled_graphs
+from test_run import env, run  # noqa: F401 - env is a fixture
+
+OPTIM = {"optimizer": {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.01}}
+SMALL = {"embedding": "point", "layers": 1, "samples": [16, 8], "neighbours": 8, "dropout": 0.5}
+# 10 classes x 4 training shapes in batches of 16 (the last partial one is dropped for BatchNorm, as PCT does), 20
+# validation and 20 test shapes in batches of 8: 8, 8 and a partial 4. Lightning's model summary stays on (it runs a
+# one-sample forward at fit start, before the networks are compiled).
+TINY = ["task=modelnet", "data=shapes", "attn=offset", "data.npoints=32", "model.embedding=point", "++model.layers=1",
+        "model.samples=[16,8]", "model.neighbours=8", "data.train_per_class=4", "data.val_per_class=2",
+        "data.test_per_class=2", "data.batch_size=16", "data.eval_batch_size=8", "trainer.enable_progress_bar=false"]
+EPOCHS = 3
+
+
+def tiny_task(classes: int = 4):
+    from tasks.modelnet import PointCloudClassification
+
+    torch.manual_seed(0)
+    return PointCloudClassification(classes, [str(i) for i in range(classes)], model=SMALL, attn={"name": "offset"},
+                                    optim=OPTIM, input_points=32)
+
+
+def test_compiled_network_matches_eager_and_stops_recompiling(one_thread):
+    """Through the task's own hook (``networks()``) and in place: outputs and gradients equal the eager network's
+    (dropout too: aot_eager draws from torch's generator), over full and partial batches in training and evaluation;
+    once each (mode, grad) has been seen with two batch sizes, no step compiles anything."""
+    task = tiny_task()
+    eager = copy.deepcopy(task.net)
+    [(name, net)] = task.networks()
+    assert net is task.net
+    keys = list(net.state_dict())
+    net.compile(backend="aot_eager", isolate_recompiles=True)
+    assert list(net.state_dict()) == keys  # in place: checkpoints keep their keys
+    steps = [(True, 8), (True, 5), (False, 8), (False, 3)]  # (training, batch size): full and last partial batch
+
+    def step(training: bool, size: int, seed: int) -> None:
+        x = torch.randn(size, 32, 3, generator=torch.Generator().manual_seed(seed))
+        outs = []
+        for model in (net, eager):
+            model.train(training)
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(seed)
+            with torch.set_grad_enabled(training):
+                out = model(x)
+                if training:
+                    out.square().sum().backward()
+            outs.append((out.detach(), [p.grad for p in model.parameters()] if training else []))
+        (out, grads), (ref, ref_grads) = outs
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+    before = compiled_graphs()
+    for seed, (training, size) in enumerate(steps):
+        step(training, size, seed)
+    first = compiled_graphs() - before
+    assert 0 < first <= len(steps)
+    for seed, (training, size) in enumerate(steps * 2 + [(True, 6), (False, 5)], start=10):  # new sizes too
+        step(training, size, seed)
+    assert compiled_graphs() - before == first  # nothing compiled after the first pass
+    for p, r in zip(net.parameters(), eager.parameters()):  # BatchNorm statistics moved alike
+        torch.testing.assert_close(p, r)
+    for b, r in zip(net.buffers(), eager.buffers()):
+        torch.testing.assert_close(b, r, rtol=1e-5, atol=1e-6)
+
+
+def test_the_gan_compiles_both_of_its_networks():
+    """A task with two networks (manual optimisation) names both; each is compiled in place, state keys unchanged."""
+    from tasks.gan import GAN
+
+    gan = GAN(num_classes=2, class_names=["a", "b"], resolution=32, attn={"name": "self"}, optim={},
+              model={"z_dim": 16, "g_channels": 16, "d_channels": 16})
+    assert gan.networks() == [("G", gan.G), ("D", gan.D)]
+    keys = list(gan.state_dict())
+    for _, net in gan.networks():
+        net.compile(backend="aot_eager", isolate_recompiles=True)
+    assert list(gan.state_dict()) == keys
+
+
+def test_inductor_forward_matches_eager(one_thread):
+    """The one inductor test (it generates and compiles C++; tens of seconds of CPU for any graph): the evaluation
+    forward of the generated code equals the eager one to float32 tolerance."""
+    task = tiny_task().eval()
+    eager = copy.deepcopy(task.net)
+    task.net.compile(backend="inductor", isolate_recompiles=True)
+    x = torch.randn(4, 32, 3, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(task.net(x), eager(x), rtol=1e-4, atol=1e-5)
+
+
+# --- python run.py trainer.compile=true ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def compiled_run(env, tmp_path_factory):  # noqa: F811 - env is a fixture
+    out = tmp_path_factory.mktemp("compiled")
+    run([*TINY, f"trainer.max_epochs={EPOCHS}", "trainer.compile=true", "trainer.compile_backend=aot_eager",
+         "logger=csv", f"hydra.run.dir={out}"], env)
+    return out
+
+
+def logged(out, key: str) -> list[float]:
+    with (out / "csv" / "metrics.csv").open() as f:
+        return [float(row[key]) for row in csv.DictReader(f) if row.get(key)]
+
+
+def test_compiled_run_logs_compile_time_and_stops_recompiling(compiled_run):
+    """Graphs are compiled in the first epoch (sanity check, validation with its partial batch, training) and never
+    again while training; the test stage (inference mode, its own partial batch) adds at most as many again, not one
+    per batch. The cost is in the CSV log after every epoch and in metrics.json."""
+    graphs, seconds = logged(compiled_run, "train/compile_graphs"), logged(compiled_run, "train/compile_seconds")
+    assert len(graphs) == len(seconds) == EPOCHS
+    assert graphs[0] >= 2 and graphs == [graphs[0]] * EPOCHS  # validation's partial batch compiled once, then none
+    assert seconds[0] > 0 and seconds == [seconds[0]] * EPOCHS
+    metrics = json.loads((compiled_run / "metrics.json").read_text())
+    assert graphs[0] <= metrics["compile_graphs"] <= 2 * graphs[0]
+    assert metrics["compile_time_s"] >= seconds[0]
+    assert 0 <= metrics["test/oa"] <= 1 and metrics["flops"] > 0 and metrics["train_samples_per_sec"] > 0
+
+
+def test_compiled_checkpoint_is_an_uncompiled_one(compiled_run, env, tmp_path):  # noqa: F811 - env is a fixture
+    """A compiled run's checkpoint has the uncompiled network's keys (no ``_orig_mod.``), so it loads into an
+    uncompiled network and an uncompiled network's state loads into a compiled one; tested without compiling, it
+    gives the compiled run's test metrics."""
+    metrics = json.loads((compiled_run / "metrics.json").read_text())
+    [best] = (compiled_run / "checkpoints").glob("best-*.ckpt")
+    state = torch.load(best, map_location="cpu", weights_only=True)["state_dict"]
+    net = {k.removeprefix("net."): v for k, v in state.items() if k.startswith("net.")}
+    task = tiny_task(classes=10)  # data=shapes' classes
+    fresh = copy.deepcopy(task.net)
+    task.net.compile(backend="aot_eager")
+    for target in (fresh, task.net):  # uncompiled <- compiled run's weights; compiled <- uncompiled state
+        assert list(target.state_dict()) == list(net)
+    fresh.load_state_dict(net)
+    task.net.load_state_dict(fresh.state_dict())
+
+    run([*TINY, "mode=test", f"ckpt_path={best}", "logger=none", f"hydra.run.dir={tmp_path}"], env)
+    eager = json.loads((tmp_path / "metrics.json").read_text())
+    assert "compile_time_s" not in eager
+    for key in ("test/oa", "test/macc", "test/loss"):
+        assert eager[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-6), key
