@@ -222,23 +222,28 @@ def inception_features(
     reads grayscale files.
     """
     _check_uint8_images(images_uint8, "inception_features", channels=(1, 3))
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    device = next(extractor.parameters()).device
     pools, logits = [], []
-    n = images_uint8.shape[0]
-    with tqdm(total=n, disable=not progress, unit="img", desc="Inception features", leave=False) as bar:
-        for start in range(0, n, batch_size):
-            batch = images_uint8[start : start + batch_size].to(device, non_blocking=True)
-            if batch.shape[1] == 1:
-                batch = batch.expand(-1, 3, -1, -1)
-            out = extractor.convert_features_tuple_to_dict(extractor(batch))
-            pools.append(out["2048"].to("cpu", torch.float64))
-            logits.append(out["logits_unbiased"].to("cpu", torch.float64))
-            bar.update(batch.shape[0])
+    for batch in rgb_batches(extractor, images_uint8, batch_size, progress, "Inception features"):
+        out = extractor.convert_features_tuple_to_dict(extractor(batch))
+        pools.append(out["2048"].to("cpu", torch.float64))
+        logits.append(out["logits_unbiased"].to("cpu", torch.float64))
     if not pools:
         return torch.empty(0, 2048, dtype=torch.float64), torch.empty(0, 1008, dtype=torch.float64)
     return torch.cat(pools), torch.cat(logits)
+
+
+def rgb_batches(extractor: torch.nn.Module, images_uint8: Tensor, batch_size: int, progress: bool, desc: str):
+    """Batches of ``batch_size`` uint8 images on the extractor's device, single-channel ones replicated to RGB (as
+    PIL's ``convert("RGB")`` does when torch-fidelity reads grayscale files), with a progress bar."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    device = next(extractor.parameters()).device
+    n = images_uint8.shape[0]
+    with tqdm(total=n, disable=not progress, unit="img", desc=desc, leave=False) as bar:
+        for start in range(0, n, batch_size):
+            batch = images_uint8[start : start + batch_size].to(device, non_blocking=True)  # (b, 1|3, H, W)
+            yield batch.expand(-1, 3, -1, -1) if batch.shape[1] == 1 else batch
+            bar.update(batch.shape[0])
 
 
 def fid_statistics(features: Tensor) -> dict[str, np.ndarray]:

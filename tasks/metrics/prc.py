@@ -33,7 +33,6 @@ from torch_fidelity.defaults import DEFAULTS
 from torch_fidelity.feature_extractor_vgg16 import FeatureExtractorVGG16
 from torch_fidelity.metric_prc import KEY_METRIC_F_SCORE, KEY_METRIC_PRECISION, KEY_METRIC_RECALL, \
     prc_features_to_metric
-from tqdm import tqdm
 
 from attention.errors import UserError
 
@@ -114,17 +113,10 @@ def vgg16_features(extractor: torch.nn.Module, images_uint8: Tensor, batch_size:
     Single-channel images are replicated to RGB, as for Inception.
     """
     fid._check_uint8_images(images_uint8, "vgg16_features", channels=(1, 3))
-    device = next(extractor.parameters()).device
     out = []
-    n = images_uint8.shape[0]
-    with tqdm(total=n, disable=not progress, unit="img", desc="VGG16 features", leave=False) as bar:
-        for start in range(0, n, batch_size):
-            batch = images_uint8[start : start + batch_size].to(device, non_blocking=True)
-            if batch.shape[1] == 1:
-                batch = batch.expand(-1, 3, -1, -1)
-            (features,) = extractor(batch)
-            out.append(features.to("cpu", torch.float32))
-            bar.update(batch.shape[0])
+    for batch in fid.rgb_batches(extractor, images_uint8, batch_size, progress, "VGG16 features"):
+        (features,) = extractor(batch)
+        out.append(features.to("cpu", torch.float32))
     return torch.cat(out) if out else torch.empty(0, 4096)
 
 
