@@ -580,7 +580,7 @@ def _cell(r, column, digits):
     return short + (f" ~{est / 1024:.1f} GiB" if r["status"] == "skipped: memory" and est else "")
 
 
-def markdown(rows, exps, roof, tgts, dil, limits, info, s, tasks, plot_paths, command, max_bytes) -> str:
+def markdown(rows, exps, roof, tgts, dil, limits, info, s, tasks, plot_paths, command, max_bytes, pct=()) -> str:
     device = info["device"]
     machine = f"{info['cpu']}, {info['cores']} cores, {info['threads']} torch thread(s)"
     if info.get("gpu"):
@@ -656,10 +656,24 @@ def markdown(rows, exps, roof, tgts, dil, limits, info, s, tasks, plot_paths, co
         lines += _table(["task", "attn", "recipe", "batches", "samples/s", "step ms", "attention share", "status"],
                         [[t["task"], t["attn"], t["recipe"], t["batches"], f"{t['samples_per_s']:.1f}",
                           f"{t['step_ms']:.1f}", f"{100 * t['attention_share']:.0f}%", t["status"]] for t in tasks])
+    if pct:
+        lines += ["", "## PCT against its channel-first formulation", "",
+                  "The task's network (`attn=offset`, `bench.task_pct_overrides`) and the channel-first formulation it "
+                  "replaces (`benchmarks.baselines.channel_first`: 1x1 `Conv1d` + `BatchNorm1d` on (B, C, N), the same "
+                  "weights), training steps on one batch of the task's data (forward, the task's loss, backward, SGD "
+                  "with momentum 0.9), alternating; speed-up = median over rounds of channel-first time / suite time. "
+                  "Compiled (`bench.task_compile=true`): both under `torch.compile`, steady steps; compile time = "
+                  "first step - median step. `python -m benchmarks.pct` has the full comparison (`benchmarks/pct.md`).", ""]
+        lines += _table(["task", "batch", "points", "form", "channel-first samples/s", "suite samples/s", "speed-up",
+                         "of minima", "compile s (channel-first / suite)", "status"],
+                        [[p["task"], p["batch"], p["points"], p["form"], f"{p['reference_samples_per_s']:.2f}",
+                          f"{p['suite_samples_per_s']:.2f}", f"{p['speedup']:.2f}x", f"{p['speedup_of_minima']:.2f}x",
+                          f"{p['compile_s_reference']:.0f} / {p['compile_s_suite']:.0f}"
+                          if p["compile_s_suite"] is not None else "", p["status"]] for p in pct])
     return "\n".join(lines) + "\n"
 
 
-def log_wandb(loggers, rows, exps, tgts, tasks, plot_paths) -> None:
+def log_wandb(loggers, rows, exps, tgts, tasks, plot_paths, pct=()) -> None:
     from lightning.pytorch.loggers import WandbLogger
 
     for logger in loggers:
@@ -674,6 +688,9 @@ def log_wandb(loggers, rows, exps, tgts, tasks, plot_paths) -> None:
         if tasks:
             cols = list(tasks[0])
             logger.log_table(key="bench/tasks", columns=cols, data=[[t[k] for k in cols] for t in tasks])
+        if pct:
+            cols = list(pct[0])
+            logger.log_table(key="bench/pct", columns=cols, data=[[p[k] for k in cols] for p in pct])
         logger.log_image(key="bench/plots", images=[str(p) for p in plot_paths], caption=[p.stem for p in plot_paths])
 
 
@@ -714,15 +731,21 @@ def bench(cfg: DictConfig) -> dict:
         from benchmarks.throughput import task_throughput
 
         task_rows = task_throughput(s, device)
+    pct_rows = []
+    if s["tasks"] and s.get("task_pct"):
+        from benchmarks.throughput import pct_throughput
+
+        pct_rows = pct_throughput(s, device)
 
     stem = f"{s['name']}-{device.type}"
     write_csv(out_dir / f"{stem}.csv", rows, COLUMNS)
     plot_paths = plots(rows, exps, s, out_dir, stem)
     command = " ".join(["python run.py", *(a for a in overrides if not a.startswith("hydra."))])
     (out_dir / f"{stem}.md").write_text(markdown(rows, exps, roof, tgts, dil, limits, info, s, task_rows,
-                                                 plot_paths, command, max_bytes))
+                                                 plot_paths, command, max_bytes, pct_rows))
     summary = {"machine": info, "settings": s, "limits": limits, "exponents": exps, "roofline": roof,
-               "targets": tgts, "dilated": dil, "tasks": task_rows, "seconds": time.perf_counter() - started}
+               "targets": tgts, "dilated": dil, "tasks": task_rows, "pct": pct_rows,
+               "seconds": time.perf_counter() - started}
     (out_dir / f"{stem}.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     written = [out_dir / f"{stem}.{ext}" for ext in ("md", "csv", "json")] + plot_paths
     if s["table_dir"]:
@@ -738,7 +761,7 @@ def bench(cfg: DictConfig) -> dict:
     if logger_cfg.get("name") == "wandb":
         logger_cfg.update(run_name=f"bench-{device.type}", group="bench", tags=["mode:bench", f"device:{device.type}"])
     loggers = build_loggers(logger_cfg, out_dir, {"bench": s, "machine": info})
-    log_wandb(loggers, rows, exps, tgts, task_rows, plot_paths)
+    log_wandb(loggers, rows, exps, tgts, task_rows, plot_paths, pct_rows)
     close_loggers(loggers)
 
     print("\nscaling exponents (time ~ N^k, memory ~ N^m):")

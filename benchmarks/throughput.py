@@ -6,6 +6,13 @@ after ``bench.task_warmup`` batches: samples/s counts the samples of the later b
 of the last warm-up batch to the end of the last batch (loading included). Every attention mixer of the
 network carries module hooks timing its forward and its backward (from the gradient reaching its output to
 the gradient reaching its input); their sum over the measured steps' time is attention's share.
+
+With ``bench.task_pct`` (on by default), PCT's two tasks among ``bench.task_names`` (modelnet, shapenet) also
+compare their network with the channel-first formulation it replaces (``benchmarks.baselines.channel_first``,
+the same weights; ``benchmarks/pct.py`` has the method): the task built from the real configs with
+``attn=offset`` and ``bench.task_pct_overrides``, one training batch of its data, training steps (forward, the
+task's loss, backward, SGD with momentum 0.9) of the two networks alternating, ``bench.task_pct_rounds`` rounds.
+``bench.task_compile=true`` measures both under ``torch.compile`` too (steady step and compile time; minutes).
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ import logging
 import statistics
 import time
 
+import torch
+import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 import attention
@@ -130,4 +139,74 @@ def task_throughput(s: dict, device) -> list[dict]:
     finally:
         for q, level in zip(quiet, levels):
             q.setLevel(level)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# PCT's networks against their channel-first formulation (bench.task_pct)
+# --------------------------------------------------------------------------------------------
+
+PCT_TASKS = ("modelnet", "shapenet")
+
+
+def _pct_step_inputs(task: str, module, batch):
+    """(network inputs, target, loss(logits, target)) as the task's training step computes its loss."""
+    if task == "modelnet":
+        smoothing = module.smoothing
+        return (batch["points"],), batch["label"], lambda logits, y: F.cross_entropy(logits, y,
+                                                                                      label_smoothing=smoothing)
+    smoothing = module.hparams.label_smoothing
+    return ((module._inputs(batch), batch["category"]), batch["parts"],
+            lambda logits, y: F.cross_entropy(logits, y, label_smoothing=smoothing))
+
+
+def measure_pct(task: str, overrides: list[str], s: dict, device) -> list[dict]:
+    """Training steps of ``task``'s network and of its channel-first formulation, alternating on one batch."""
+    import lightning as L
+    from hydra import compose
+
+    from benchmarks.baselines import channel_first
+    from benchmarks.pct import compare
+    from suite.compose import apply_attn_preset, build_datamodule, build_task
+
+    overrides = [f"task={task}", *overrides, "attn=offset", "logger=none"]
+    cfg = compose(config_name="config", overrides=overrides)
+    apply_attn_preset(cfg, overrides)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    datamodule = build_datamodule(cfg, "fit")
+    module = build_task(OmegaConf.to_container(cfg, resolve=True), datamodule)
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+             for k, v in next(iter(datamodule.train_dataloader())).items()}
+    inputs, target, loss = _pct_step_inputs(task, module, batch)
+    ours = module.net.to(device)
+    rows = compare(ours, channel_first(ours), inputs, target, loss, s["task_pct_rounds"], device,
+                   compile_too=bool(s.get("task_compile")), modes=("train",))
+    size, points = target.shape[0], inputs[0].shape[1]
+    return [{"task": task, "batch": size, "points": points, "form": r["form"],
+             "reference_samples_per_s": size / r["reference_s"], "suite_samples_per_s": size / r["suite_s"],
+             "reference_step_ms": 1e3 * r["reference_s"], "suite_step_ms": 1e3 * r["suite_s"],
+             "speedup": r["ratio"], "speedup_of_minima": r["ratio_min"], "rounds": r["rounds"],
+             "compile_s_reference": r.get("compile_s_reference"), "compile_s_suite": r.get("compile_s_suite"),
+             "status": "ok"} for r in rows]
+
+
+def pct_throughput(s: dict, device) -> list[dict]:
+    """:func:`measure_pct` for each PCT task in ``bench.task_names``; a failure is a row with its status."""
+    rows = []
+    for task in [t for t in s["task_names"] if t in PCT_TASKS]:
+        started = time.perf_counter()
+        try:
+            measured = measure_pct(task, list((s.get("task_pct_overrides") or {}).get(task) or []), s, device)
+        except Exception as err:  # noqa: BLE001 - one task failing must not lose the benchmark
+            log.exception("bench: PCT comparison for task=%s failed", task)
+            measured = [{"task": task, "batch": 0, "points": 0, "form": "eager",
+                         "reference_samples_per_s": float("nan"), "suite_samples_per_s": float("nan"), "reference_step_ms": float("nan"),
+                         "suite_step_ms": float("nan"), "speedup": float("nan"), "speedup_of_minima": float("nan"),
+                         "rounds": 0, "compile_s_reference": None, "compile_s_suite": None,
+                         "status": f"failed: {type(err).__name__}: {str(err).splitlines()[0][:100]}"}]
+        for row in measured:
+            log.info("PCT %-9s %-8s channel-first %.1f samples/s, suite %.1f samples/s: %.2fx (%.0f s)", task,
+                     row["form"], row["reference_samples_per_s"], row["suite_samples_per_s"], row["speedup"],
+                     time.perf_counter() - started)
+        rows += measured
     return rows

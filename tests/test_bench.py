@@ -102,6 +102,58 @@ def test_baselines_compute_what_their_variants_compute():
         torch.testing.assert_close(base(x, grid), ours(x, grid), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["pct", "spct", "partseg"])
+def test_channel_first_pct_computes_what_the_suite_networks_compute(kind, one_thread):
+    """The channel-first baselines of benchmarks/pct.py and bench.task_pct, given the suite network's weights, in
+    float64: the same logits in training and eval mode, the same gradients and running statistics."""
+    from benchmarks.baselines import ChannelFirstPCT, ChannelFirstPCTPartSeg, channel_first
+    from tasks.nets.pct import PCT, PCTPartSeg
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    xyz = torch.rand(3, 256, 3, generator=g, dtype=torch.float64) * 2 - 1
+    if kind == "partseg":  # its dropout acts on (B, N, C) in one and (B, C, N) in the other: masks differ
+        ours, inputs = PCTPartSeg(7, 4, {"name": "offset"}, dropout=0.0), (xyz, torch.tensor([0, 3, 1]))
+    else:
+        ours = PCT(10, {"name": "offset"}, samples=[64, 32], neighbours=16, fps="plain",
+                   embedding="neighbor" if kind == "pct" else "point")
+        inputs = (xyz,)
+    ours = ours.double()
+    base = channel_first(ours)
+    assert isinstance(base, ChannelFirstPCTPartSeg if kind == "partseg" else ChannelFirstPCT)
+    torch.manual_seed(5)  # the same dropout masks: the head's dropout sees (B, C) in both
+    expected = base(*inputs)
+    torch.manual_seed(5)
+    logits = ours(*inputs)
+    torch.testing.assert_close(logits, expected, rtol=1e-9, atol=1e-9)
+    weights = torch.randn(expected.shape, generator=g, dtype=torch.float64)
+    (expected * weights).sum().backward()
+    (logits * weights).sum().backward()
+    grads = dict(base.named_parameters())
+    top = max(p.grad.abs().max() for p in base.parameters())
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad.reshape(p.shape), rtol=1e-9, atol=1e-9 * top, msg=name)
+    buffers = dict(base.named_buffers())
+    for name, b in ours.named_buffers():
+        torch.testing.assert_close(b, buffers[name], rtol=1e-12, atol=1e-12, msg=name)
+    base.eval(), ours.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(*inputs), base(*inputs), rtol=1e-9, atol=1e-9)
+
+
+def test_pct_comparison_times_both_networks_alternately(one_thread):
+    """benchmarks.pct.compare: one row per mode, ratios of the alternating steps' times, finite and positive."""
+    from benchmarks import pct
+
+    ours, base, inputs, target, loss = pct.modelnet_pair(2, 64, classes=5, samples=(16, 8), neighbours=4)
+    rows = pct.compare(ours, base, inputs, target, loss, rounds=2, device="cpu")
+    assert [(r["mode"], r["form"]) for r in rows] == [("train", "eager"), ("eval", "eager")]
+    for r in rows:
+        assert r["rounds"] == 2 and r["reference_s"] > 0 and r["suite_s"] > 0
+        assert math.isfinite(r["ratio"]) and r["ratio"] > 0 and math.isfinite(r["ratio_min"])
+    assert ours.blocks[0].norm.num_batches_tracked == base.blocks[0].norm.num_batches_tracked > 0  # both trained
+
+
 # --------------------------------------------------------------------------------------------
 # End to end: python run.py mode=bench bench.quick=true
 # --------------------------------------------------------------------------------------------
@@ -174,6 +226,11 @@ def test_quick_bench_reports_exponents_targets_and_tasks(quick_run):
     assert set(tasks) == {"modelnet", "segmentation"}
     for t in tasks.values():
         assert t["status"] == "ok" and t["samples_per_s"] > 0 and 0 < t["attention_share"] < 1 and t["mixers"] > 0
+    # bench.task_pct: PCT's network against its channel-first formulation, for the PCT task among task_names
+    (pct,) = summary["pct"]
+    assert pct["task"] == "modelnet" and pct["form"] == "eager" and pct["status"] == "ok", pct
+    assert pct["batch"] == 4 and pct["points"] == 128 and pct["rounds"] == 2
+    assert pct["reference_samples_per_s"] > 0 and pct["suite_samples_per_s"] > 0 and pct["speedup"] > 0
 
 
 @pytest.mark.xdist_group("bench")  # one worker runs the quick bench, once
@@ -183,7 +240,8 @@ def test_quick_bench_markdown_and_plots(quick_run):
     out, _ = quick_run
     md = (out / "cost-cpu.md").read_text()
     for section in ("## Machine limits", "## Targets", "## Scaling exponents", "## Time, forward + backward (ms)",
-                    "## Peak memory (MiB)", "## Training throughput per task"):
+                    "## Peak memory (MiB)", "## Training throughput per task",
+                    "## PCT against its channel-first formulation"):
         assert section in md
     time_table = md.split("## Time, forward + backward (ms)")[1].split("\n## ")[0]
     lines = [line for line in time_table.splitlines() if line.startswith("| ") and "---" not in line]
@@ -218,11 +276,11 @@ def test_results_reach_wandb_as_tables_and_images(quick_run, tmp_path, monkeypat
     plots = [out / "cost-cpu-time.png", out / "cost-cpu-memory.png"]
     loggers = build_loggers({"name": "wandb", "mode": "offline", "project": "attention-suite", "run_name": "bench"},
                             tmp_path, {"bench": summary["settings"]})
-    cost.log_wandb(loggers, rows, summary["exponents"], summary["targets"], summary["tasks"], plots)
+    cost.log_wandb(loggers, rows, summary["exponents"], summary["targets"], summary["tasks"], plots, summary["pct"])
     close_loggers(loggers)
     media = next((tmp_path / "wandb").glob("offline-run-*")) / "files" / "media"
     tables = sorted(p.name.split("_")[0] for p in (media / "table" / "bench").glob("*.table.json"))
-    assert tables == ["exponents", "results", "targets", "tasks"]
+    assert tables == ["exponents", "pct", "results", "targets", "tasks"]
     results = json.loads(next((media / "table" / "bench").glob("results_*.table.json")).read_text())
     assert results["columns"] == cost.COLUMNS and len(results["data"]) == len(rows)
     assert len(list((media / "images" / "bench").glob("plots_*.png"))) == 2

@@ -21,6 +21,7 @@ parameters, the paper's 2.88M.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
@@ -36,14 +37,238 @@ from .weights import take
 
 FPS_RULES = ("kernel", "plain")
 
+# Layout. The parameters are PCT_Pytorch's (1x1 ``Conv1d`` weights (O, I, 1), ``BatchNorm1d`` buffers), so state dicts
+# and ``from_official`` are those of the reference; the computation is token-major: features are (..., C) rows, a 1x1
+# conv is ``F.linear`` with the weight's (O, I) view and batch norm normalises over the rows. On CPU that runs the
+# network's layers as plain GEMMs (mkldnn's 1x1 ``Conv1d`` forward and backward are slower than ``mm`` on the same
+# numbers), with no transposes between (B, C, N) and the mixers' (B, N, C). In eval mode each batch norm is folded
+# into the linear layer before it: one ``addmm`` and an in-place activation per layer. Max pooling is ``max`` with
+# indices, as the reference's ``adaptive_max_pool1d`` / ``max``: its backward scatters the gradient to the indices,
+# where ``amax``'s compares every input with the maximum again (several passes over the (B, S, K, C) groups).
 
-def conv_bn(cin: int, cout: int, act: nn.Module | None = None) -> nn.Sequential:
-    """1x1 conv (no bias) + BN + activation (ReLU by default), on (B, C, N)."""
-    return nn.Sequential(nn.Conv1d(cin, cout, 1, bias=False), nn.BatchNorm1d(cout), act or nn.ReLU())
+
+def conv_bn(cin: int, cout: int, act: nn.Module | None = None) -> ConvBN:
+    """1x1 conv (no bias) + BN + activation (ReLU by default), on token-major (..., C) features."""
+    return ConvBN(cin, cout, act)
+
+
+class ConvBN(nn.Sequential):
+    """``Conv1d(cin, cout, 1, bias=False)``, ``BatchNorm1d(cout)``, activation: the reference's layer and its keys
+    (``.0.weight``, ``.1.running_mean``, ...), computed on rows: (..., cin) -> (..., cout)."""
+
+    def __init__(self, cin: int, cout: int, act: nn.Module | None = None):
+        super().__init__(nn.Conv1d(cin, cout, 1, bias=False), nn.BatchNorm1d(cout), act or nn.ReLU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear_bn_act(x, self[0], self[1], self[2])
+
+
+class ConvBNMax(ConvBN):
+    """:class:`ConvBN` followed by the max over the second-to-last dim, (..., K, cin) -> (..., cout), by
+    :func:`conv_bn_act_max`: PCT's fuse layer before its max over the points (a module, so that ``mode=summary``
+    counts its FLOPs under its own name)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return conv_bn_act_max(x, self)
+
+
+def fold(conv: nn.Module, bn: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    """(weight (O, I), bias or None, normalised) of ``conv`` as a linear layer, with ``bn`` folded in when it uses
+    its running statistics (eval mode): then ``F.linear`` with them is the conv and the batch norm at once
+    (``normalised``). In training the batch statistics are needed, and the conv's own weight and bias come back."""
+    weight, bias = conv.weight.reshape(conv.weight.shape[0], -1), conv.bias  # (O, I, 1) -> (O, I)
+    if bn.training or bn.running_mean is None:
+        return weight, bias, False
+    scale = torch.rsqrt(bn.running_var + bn.eps)  # (O,)
+    scale = scale if bn.weight is None else bn.weight * scale
+    shift = -bn.running_mean * scale
+    shift = shift if bn.bias is None else shift + bn.bias
+    if bias is not None:
+        shift = shift + bias * scale
+    return weight * scale.unsqueeze(1), shift, True
+
+
+RELU = nn.ReLU()  # the offset block's activation (it holds no module for it, as the reference's SA_Layer)
+
+
+def act_(y: torch.Tensor, act: nn.Module) -> torch.Tensor:
+    """``act`` applied in place where it is ReLU or LeakyReLU (y is a fresh result, not a view: in place on a view
+    autograd would copy the base back in the backward; their own backward needs only their output)."""
+    if type(act) is nn.ReLU:
+        return F.relu_(y)
+    if type(act) is nn.LeakyReLU and act.negative_slope > 0:
+        return F.leaky_relu_(y, act.negative_slope)
+    return act(y)
+
+
+def bn_act(h: torch.Tensor, bn: nn.Module, act: nn.Module) -> torch.Tensor:
+    """act(bn(h)) over the rows of h (..., C). BatchNorm1d on (R, C) is BatchNorm1d on (B, C, N) with R = B N rows:
+    the same statistics and running-stat updates. The module itself runs, so SyncBatchNorm works too."""
+    return act_(bn(h.reshape(-1, h.shape[-1])), act).view(h.shape)  # (R, C) -> (..., C)
+
+
+def linear_bn_act(x: torch.Tensor, conv: nn.Module, bn: nn.Module, act: nn.Module) -> torch.Tensor:
+    """act(bn(conv(x))) on token-major x (..., I) -> (..., O)."""
+    weight, bias, normalised = fold(conv, bn)
+    y = F.linear(x, weight, bias)  # (..., O)
+    return act_(y, act) if normalised else bn_act(y, bn, act)
+
+
+def conv_bn_act_max(x: torch.Tensor, layer: nn.Sequential) -> torch.Tensor:
+    """max over the second-to-last dim of act(bn(conv(x))): x (..., K, I) -> (..., O), ``layer`` a (Conv1d,
+    BatchNorm1d, activation) triple; PCT's last grouping layer before the max over the K neighbours, and its fuse
+    layer before the max over the points.
+
+    ReLU and LeakyReLU after an affine map a h + c are monotone in h, increasing where a >= 0 and decreasing where
+    a < 0, so the max over K is act(a h* + c), h* the max (a >= 0) or the min (a < 0) of h over K: the normalised
+    (..., K, O) tensor is never formed. In training (:class:`NormActMax`) the batch statistics of h still take every
+    row, and so does their gradient; the rest of the gradient goes to the selected rows only.
+    """
+    conv, bn, act = layer
+    weight, bias, normalised = fold(conv, bn)
+    h = F.linear(x, weight, bias)  # (..., K, O)
+    monotone = type(act) is nn.ReLU or (type(act) is nn.LeakyReLU and act.negative_slope >= 0)
+    if normalised and monotone:
+        return act_(h.max(dim=-2).values, act)  # act(max) = max(act): the scale is folded in, h is a h + c
+    # Under torch.compile the plain form: the compiler fuses it itself, and batch_norm_update_stats (below) has no
+    # fake-tensor kernel, so the fused form would break the graph there.
+    fused = (monotone and type(bn) is nn.BatchNorm1d and bn.affine and h.dtype in (torch.float32, torch.float64)
+             and not torch.is_autocast_enabled(h.device.type) and not torch.compiler.is_compiling())
+    if not fused:
+        return (act_(h, act) if normalised else bn_act(h, bn, act)).max(dim=-2).values
+    *lead, k, c = h.shape
+    mean, invstd = batch_statistics(h.view(-1, c), bn)
+    slope = act.negative_slope if type(act) is nn.LeakyReLU else 0.0
+    return NormActMax.apply(h.view(-1, k, c), bn.weight, bn.bias, mean, invstd, slope).view(*lead, c)
+
+
+@torch.no_grad()
+def batch_statistics(h: torch.Tensor, bn: nn.BatchNorm1d) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, 1 / sqrt(biased variance + eps)) over the rows of h (R, C), and ``bn``'s running statistics
+    updated as its training forward updates them (unbiased variance, momentum or cumulative average)."""
+    if bn.track_running_stats and bn.running_mean is not None:
+        bn.num_batches_tracked.add_(1)
+        factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
+        mean, var = torch.batch_norm_update_stats(h, bn.running_mean, bn.running_var, factor)
+    else:
+        var, mean = torch.var_mean(h, dim=0, correction=0)
+    return mean, torch.rsqrt(var + bn.eps)
+
+
+class NormActMax(torch.autograd.Function):
+    """max over K of act(BN(h)) for h (P, K, C), BN with the batch statistics of h's P K rows (given, with their
+    dependence on h in the backward), act ReLU (slope 0) or LeakyReLU(slope).
+
+    Backward: with g the gradient at the selected rows after the activation, BN's gradient
+    dh = a (g - mean(g) - x^ mean(g x^)) over all rows (a = weight / std, x^ the normalised h) is
+    k2 h + k3 everywhere (the statistics' share, one pass) plus a g at the selected rows (a scatter):
+    one (P, K, C) tensor where max's, the activation's and batch norm's backward make four.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, mean, invstd, slope):
+        a = weight * invstd  # (C,)
+        top, top_idx = h.max(dim=1)  # (P, C)
+        low, low_idx = h.min(dim=1)
+        up = a >= 0
+        chosen, idx = torch.where(up, top, low), torch.where(up, top_idx, low_idx)  # (P, C)
+        pre = torch.addcmul(bias - mean * a, chosen, a)  # (P, C)
+        ctx.save_for_backward(h, weight, mean, invstd, chosen, idx, pre)
+        ctx.slope = slope
+        return F.leaky_relu(pre, slope) if slope else F.relu(pre)
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, weight, mean, invstd, chosen, idx, pre = ctx.saved_tensors
+        g = torch.where(pre > 0, grad, grad * ctx.slope)  # (P, C), after the activation
+        rows = h.shape[0] * h.shape[1]
+        d_bias = g.sum(0)
+        d_weight = ((chosen - mean) * invstd * g).sum(0)
+        k1 = weight * invstd
+        k2 = -k1 * invstd * d_weight / rows
+        k3 = -k1 * d_bias / rows - k2 * mean
+        dh = torch.addcmul(k3, h, k2)  # (P, K, C): through the batch statistics, every row
+        dh.scatter_add_(1, idx.unsqueeze(1), (g * k1).unsqueeze(1))  # the selected rows' own gradient
+        return dh, d_weight, d_bias, None, None, None
+
+
+class GroupRows(torch.autograd.Function):
+    """points (R, C) at the row indices idx (..., K), plus centre (..., C) added to each of the K rows -> (..., K, C):
+    one (..., K, C) tensor forward (a gather, then an add in place) and none backward (a scatter-add into the (R, C)
+    points, a sum over K). The output is a fresh tensor, not a view, so the activation after it may act in place."""
+
+    @staticmethod
+    def forward(ctx, points, centre, idx):
+        out = points[idx]  # (..., K, C): advanced indexing allocates it (index_select + view would return a view)
+        out += centre.unsqueeze(-2)
+        ctx.save_for_backward(idx)
+        ctx.n = points.shape[0]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (idx,) = ctx.saved_tensors
+        d_points = d_centre = None
+        if ctx.needs_input_grad[0]:
+            d_points = grad.new_zeros(ctx.n, grad.shape[-1]).index_add_(0, idx.reshape(-1),
+                                                                        grad.reshape(-1, grad.shape[-1]))
+        if ctx.needs_input_grad[1]:
+            d_centre = grad.sum(-2)
+        return d_points, d_centre, None
+
+
+@contextlib.contextmanager
+def one_cpu_thread(device: torch.device):
+    """torch's intra-op threads set to 1 inside (on CPU), restored after.
+
+    For FPS: each of its S steps is a few elementwise ops on (B, N, 3) and (B, N) tensors, above torch's grain
+    size (32,768 elements) at PCT's B = 16, N = 1024, so each runs on every thread, and each waits for all of them.
+    The work of one op is microseconds; on 2 cores shared with another busy process a thread can wait a scheduler
+    slice (milliseconds) per op: FPS of 16 x 1024 points to 512 took 0.4 to 8 s on 2 threads and 14 ms on one.
+    """
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@torch.compiler.disable
+def neighbourhoods(xyz: torch.Tensor, samples: int, neighbours: int, like_kernel: bool):
+    """FPS centres (B, S), their coordinates (B, S, 3) and their k nearest points (B, S, K) of xyz (B, N, 3).
+
+    Eager under ``torch.compile``: FPS is a loop of S data-dependent steps that dynamo would trace into one
+    graph of S steps (minutes of compilation for PCT's S = 512 on a CPU), and indices carry no gradient.
+    FPS runs on one CPU thread (:func:`one_cpu_thread`); kNN's larger distance blocks keep them all.
+    """
+    with one_cpu_thread(xyz.device):
+        centres = farthest_point_sample(xyz, samples, like_kernel=like_kernel)  # (B, S)
+    new_xyz = gather(xyz, centres)  # (B, S, 3)
+    return centres, new_xyz, knn(new_xyz, xyz, neighbours)
+
+
+def group_rows(points: torch.Tensor, centre: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """points (B, N, C) at groups (B, S, K), plus centre (B, S, C) -> (B, S, K, C), by :class:`GroupRows`: rows of
+    the (B N, C) matrix by indexing, a quarter faster, forward and backward, than ``torch.gather`` with an
+    index expanded over the channels (``attention.pointops.gather``)."""
+    b, n, c = points.shape
+    rows = groups + torch.arange(b, device=groups.device).view(b, 1, 1) * n  # (B, S, K) rows of (B N, C)
+    return GroupRows.apply(points.reshape(b * n, c), centre, rows)  # (B, S, K, C)
 
 
 class SampleAndGroup(nn.Module):
-    """PCT's ``sample_and_group`` + ``Local_op``: FPS centres, kNN groups, shared MLP, max over neighbours."""
+    """PCT's ``sample_and_group`` + ``Local_op``: FPS centres, kNN groups, shared MLP, max over neighbours.
+
+    The first layer maps each neighbour's [g - c, c] (2C) through W = [W_d | W_c]; that is W_d g + (W_c - W_d) c,
+    so W_d runs on the N points once and W_c - W_d on the S centres, and the (B, S, K, C_out) rows are a gather
+    plus a broadcast add: S K / N times fewer rows (16x in PCT's first group) at half the width, and no
+    (B, S, K, 2C) tensor. Equal in exact arithmetic; in floating point the rounding differs (about 1e-16 relative
+    in float64). Batch norm after it still takes its statistics over the S K grouped rows.
+    """
 
     def __init__(self, cin: int, cout: int, samples: int, neighbours: int, fps: str = "kernel"):
         super().__init__()
@@ -52,20 +277,20 @@ class SampleAndGroup(nn.Module):
 
     def forward(self, xyz: torch.Tensor, feats: torch.Tensor):
         # xyz (B, N, 3), feats (B, N, C) -> new_xyz (B, S, 3), out (B, S, C_out)
-        centres = farthest_point_sample(xyz, self.samples, like_kernel=self.like_kernel)  # (B, S)
-        new_xyz = gather(xyz, centres)  # (B, S, 3)
-        centre_feats = gather(feats, centres)  # (B, S, C)
-        groups = gather(feats, knn(new_xyz, xyz, self.neighbours))  # (B, S, K, C)
-        centre = centre_feats.unsqueeze(2).expand_as(groups)  # (B, S, K, C)
-        x = torch.cat([groups - centre, centre], dim=-1)  # (B, S, K, 2C)
-        b, s, k, c = x.shape
-        x = self.mlp(x.reshape(b * s, k, c).transpose(1, 2))  # (B*S, C_out, K)
-        x = x.amax(dim=-1).reshape(b, s, -1)  # (B, S, C_out)
-        return new_xyz, x
+        centres, new_xyz, groups = neighbourhoods(xyz, self.samples, self.neighbours, self.like_kernel)
+        first, second = self.mlp
+        c = feats.shape[-1]
+        weight, bias, normalised = fold(first[0], first[1])  # (C_out, 2C): [W_d | W_c] on [g - c, c]
+        w_d, w_c = weight[:, :c], weight[:, c:]
+        points = F.linear(feats, w_d)  # (B, N, C_out): W_d g for every point
+        centre = F.linear(gather(feats, centres), w_c - w_d, bias)  # (B, S, C_out): (W_c - W_d) c (+ BN's shift)
+        h = group_rows(points, centre, groups)  # (B, S, K, C_out)
+        x = act_(h, first[2]) if normalised else bn_act(h, first[1], first[2])
+        return new_xyz, conv_bn_act_max(x, second)  # (B, S, C_out)
 
 
 class OffsetBlock(nn.Module):
-    """PCT's offset-attention block ``x + ReLU(BN(conv(x - mixer(x))))`` around any mixer."""
+    """PCT's offset-attention block ``x + ReLU(BN(conv(x - mixer(x))))`` around any mixer, on x (B, N, C)."""
 
     def __init__(self, channels: int, attn: Mapping):
         super().__init__()
@@ -74,9 +299,8 @@ class OffsetBlock(nn.Module):
         self.norm = nn.BatchNorm1d(channels)
 
     def forward(self, x: torch.Tensor, layout) -> torch.Tensor:
-        # x (B, C, N)
-        mixed = self.mixer(x.transpose(1, 2), layout).transpose(1, 2)  # (B, C, N)
-        return x + F.relu(self.norm(self.conv(x - mixed)))
+        # x (B, N, C) -> (B, N, C)
+        return x + linear_bn_act(x - self.mixer(x, layout), self.conv, self.norm, RELU)
 
 
 class PCT(nn.Module):
@@ -107,7 +331,7 @@ class PCT(nn.Module):
             width = 128
         self.pre = nn.Sequential(conv_bn(width, width), conv_bn(width, width))
         self.blocks = nn.ModuleList([OffsetBlock(width, attn) for _ in range(layers)])
-        self.fuse = conv_bn(width * (layers + 1), 1024, nn.LeakyReLU(0.2))
+        self.fuse = ConvBNMax(width * (layers + 1), 1024, nn.LeakyReLU(0.2))  # then the max over the points
         self.head = nn.Sequential(
             nn.Linear(1024, 512, bias=False), nn.BatchNorm1d(512), nn.LeakyReLU(0.2), nn.Dropout(dropout),
             nn.Linear(512, 256), nn.BatchNorm1d(256), nn.LeakyReLU(0.2), nn.Dropout(dropout),
@@ -148,18 +372,16 @@ class PCT(nn.Module):
         if xyz.shape[1] < self.min_points or xyz.shape[1] < self.neighbours:
             raise UserError(f"PCT got {xyz.shape[1]} points per shape but samples {self.min_points} centres with "
                             f"{self.neighbours} neighbours; raise data.npoints or lower model.samples/model.neighbours.")
-        feats = self.embed(xyz.transpose(1, 2)).transpose(1, 2)  # (B, N, C)
+        feats = self.embed(xyz)  # (B, N, C)
         for group in self.groups:
             xyz, feats = group(xyz, feats)  # (B, S, 3), (B, S, C)
         layout = attention.Points(xyz)
-        skip = feats.transpose(1, 2)  # (B, C, S)
-        x = self.pre(skip)
+        x = self.pre(feats)  # (B, S, C)
         outs = []
         for block in self.blocks:
             x = block(x, layout)
             outs.append(x)
-        x = self.fuse(torch.cat(outs + [skip], dim=1))  # (B, 1024, S)
-        return self.head(x.amax(dim=-1))  # (B, classes)
+        return self.head(self.fuse(torch.cat(outs + [feats], dim=-1)))  # (B, 1024) -> (B, classes)
 
 
 class PCTPartSeg(nn.Module):
@@ -219,15 +441,21 @@ class PCTPartSeg(nn.Module):
 
     def forward(self, points: torch.Tensor, category: torch.Tensor) -> torch.Tensor:
         # points (B, N, 3 or 6) with xyz first, category (B,) -> part logits (B, parts, N)
-        n = points.shape[1]
         layout = attention.Points(points[..., :3])
-        x = self.embed(points.transpose(1, 2))  # (B, 128, N)
+        x = self.embed(points)  # (B, N, 128)
         outs = []
         for block in self.blocks:
             x = block(x, layout)
             outs.append(x)
-        x = self.fuse(torch.cat(outs, dim=1))  # (B, 1024, N)
-        one_hot = F.one_hot(category, self.num_categories).to(x.dtype).unsqueeze(-1)  # (B, categories, 1)
-        glob = torch.cat([x.amax(dim=-1, keepdim=True), x.mean(dim=-1, keepdim=True),
-                          self.category(one_hot)], dim=1)  # (B, 2048 + 64, 1)
-        return self.head(torch.cat([x, glob.expand(-1, -1, n)], dim=1))  # (B, parts, N)
+        x = self.fuse(torch.cat(outs, dim=-1))  # (B, N, 1024)
+        one_hot = F.one_hot(category, self.num_categories).to(x.dtype)  # (B, categories)
+        glob = torch.cat([x.max(dim=1).values, x.mean(dim=1), self.category(one_hot)], dim=-1)  # (B, 2048 + 64)
+        # The head's first conv sees [x, glob] at every point: W = [W_x | W_g] gives W_x x + W_g glob, W_g glob
+        # once per shape, instead of a (B, N, 3136) input (equal in exact arithmetic).
+        conv, bn, act, drop, *rest = self.head
+        weight, bias, normalised = fold(conv, bn)  # (512, 3136)
+        c = x.shape[-1]
+        h = F.linear(x, weight[:, :c]) + F.linear(glob, weight[:, c:], bias).unsqueeze(1)  # (B, N, 512)
+        x = drop(act_(h, act) if normalised else bn_act(h, bn, act))
+        x = linear_bn_act(x, *rest[:3])  # (B, N, 256)
+        return F.linear(x, rest[3].weight.squeeze(-1), rest[3].bias).transpose(1, 2)  # (B, parts, N)

@@ -91,3 +91,65 @@ def test_partseg_category_changes_the_prediction_and_normals_widen_the_input():
     assert not torch.allclose(a, b)  # the category one-hot feeds every point
     torch.testing.assert_close(net(x[:, torch.arange(31, -1, -1)], torch.tensor([0])), a.flip(-1),
                                rtol=1e-4, atol=1e-5)  # per-point outputs follow the points
+
+
+# --- the token-major layers: equal, in float64, to the channel-first modules whose parameters they hold ----------
+
+@pytest.mark.parametrize("act", [torch.nn.ReLU(), torch.nn.LeakyReLU(0.2)], ids=["relu", "leaky"])
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum", "cumulative"])
+def test_conv_bn_on_rows_is_conv1d_batchnorm1d(act, momentum):
+    """ConvBN on (B, N, C) rows computes Conv1d + BatchNorm1d + act on (B, C, N): outputs, gradients and the
+    running statistics (unbiased variance, momentum or cumulative average, batches counted) over two training
+    steps, then eval mode, where the batch norm is folded into the linear layer."""
+    from tasks.nets.pct import ConvBN
+
+    torch.manual_seed(0)
+    ours = ConvBN(5, 7, act).double()
+    ours[1].momentum = momentum
+    with torch.no_grad():
+        ours[1].weight.uniform_(-1.5, 1.5)  # negative scales too
+        ours[1].bias.uniform_(-0.5, 0.5)
+    ref = torch.nn.Sequential(torch.nn.Conv1d(5, 7, 1, bias=False), torch.nn.BatchNorm1d(7, momentum=momentum),
+                              act).double()
+    ref.load_state_dict(ours.state_dict())
+    for _ in range(2):
+        x = torch.randn(3, 11, 5, dtype=torch.float64, requires_grad=True)
+        g = torch.randn(3, 11, 7, dtype=torch.float64)
+        y = ours(x)
+        x_ref = x.detach().transpose(1, 2).requires_grad_()  # (B, C, N)
+        y_ref = ref(x_ref).transpose(1, 2)
+        torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+        y.backward(g)
+        y_ref.backward(g)
+        torch.testing.assert_close(x.grad, x_ref.grad.transpose(1, 2), rtol=1e-12, atol=1e-12)
+        for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
+    for (name, b), c in zip(ours.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(b, c, rtol=1e-14, atol=1e-14, msg=name)
+    assert int(ours[1].num_batches_tracked) == 2
+    x = torch.randn(3, 11, 5, dtype=torch.float64)
+    torch.testing.assert_close(ours.eval()(x), ref.eval()(x.transpose(1, 2)).transpose(1, 2), rtol=1e-12, atol=1e-12)
+
+
+def test_grouping_first_layer_is_the_concatenated_form():
+    """SampleAndGroup's first layer, W_d g + (W_c - W_d) c gathered from the points, is the conv of the
+    concatenated [g - c, c] rows (PCT's Local_op), before and after batch norm, in training and in eval."""
+    from attention.pointops import farthest_point_sample, gather, knn
+    from tasks.nets.pct import SampleAndGroup
+
+    torch.manual_seed(0)
+    group = SampleAndGroup(4, 6, samples=8, neighbours=5, fps="plain").double()
+    ref = torch.nn.Sequential(*[torch.nn.Sequential(*layer) for layer in group.mlp]).double()
+    ref.load_state_dict(group.mlp.state_dict())
+    xyz = torch.rand(2, 20, 3, dtype=torch.float64)
+    feats = torch.randn(2, 20, 4, dtype=torch.float64)
+    for mode in (True, False):
+        group.train(mode), ref.train(mode)
+        new_xyz, out = group(xyz, feats)
+        centres = farthest_point_sample(xyz, 8)
+        grouped = gather(feats, knn(gather(xyz, centres), xyz, 5))  # (B, S, K, C)
+        centre = gather(feats, centres).unsqueeze(2).expand_as(grouped)
+        x = torch.cat([grouped - centre, centre], dim=-1).reshape(16, 5, 8).transpose(1, 2)  # (B S, 2C, K)
+        expected = ref(x).amax(-1).reshape(2, 8, 6)
+        torch.testing.assert_close(new_xyz, gather(xyz, centres))
+        torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)

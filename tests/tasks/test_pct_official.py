@@ -158,6 +158,31 @@ def test_model_t7_loads_and_computes_the_official_function(tmp_path):
         torch.testing.assert_close(ours(xyz), official(xyz.transpose(1, 2)), rtol=1e-9, atol=1e-9)
 
 
+def test_training_step_is_the_official_one():
+    """In training mode too: the batch statistics, the running statistics they update and every gradient are
+    the official network's (the test above sees only the running statistics). The transliteration leaves out
+    the head's dropout, so ours runs without it."""
+    state = {k[len("module."):]: v for k, v in released_state().items()}
+    official = OfficialPct().double().train()
+    official.load_state_dict(state)
+    ours = PCT(40, {"name": "offset"}, dropout=0.0).double().train()
+    ours.load_state_dict(PCT.from_official(state))
+    g = torch.Generator().manual_seed(2)
+    xyz = torch.rand(2, 1024, 3, generator=g, dtype=torch.float64) * 2 - 1
+    weights = torch.randn(2, 40, generator=g, dtype=torch.float64)
+    expected, logits = official(xyz.transpose(1, 2)), ours(xyz)
+    torch.testing.assert_close(logits, expected, rtol=1e-9, atol=1e-9)
+    (logits * weights).sum().backward()
+    (expected * weights).sum().backward()
+    grads = PCT.from_official({k: p.grad for k, p in official.named_parameters()})  # q_conv: the tied q/k weight
+    top = max(v.abs().max() for v in grads.values())
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], rtol=1e-9, atol=1e-9 * top, msg=name)
+    buffers = PCT.from_official(official.state_dict())
+    for name, b in ours.named_buffers():
+        torch.testing.assert_close(b, buffers[name], rtol=1e-12, atol=1e-12, msg=name)
+
+
 # --- through run.py: mode=test with the published weights, and files that do not fit ---------------------------
 from test_run import TINY, env, run, user_error  # noqa: E402,F401 - env is a fixture
 
