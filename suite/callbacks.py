@@ -1,10 +1,88 @@
-"""Small helpers for Lightning callbacks configured in ``configs/config.yaml``."""
+"""The suite's training-throughput meter, a Lightning callback configured in ``configs/config.yaml``
+(``callbacks.throughput``), and the batch-size rule it counts samples with.
+
+One meter serves both readers of throughput: the logged history (``train/samples_per_sec``, a rate over the last
+``window`` batches, every ``trainer.log_every_n_steps``) and ``metrics.json``'s ``train_samples_per_sec`` (the
+whole run's rate, ``suite/run_record.py``). Written here rather than taken from Lightning's ``ThroughputMonitor``:
+that one times from the epoch's start, so a batch during which ``torch.compile`` compiled (``trainer.compile``: the
+first call, a new batch size) counts as training, and its whole-run rate is not kept.
+"""
 
 from __future__ import annotations
 
+import collections
+import sys
+import time
+
+import lightning as L
 import torch
+
+HISTORY_KEY = "train/samples_per_sec"
 
 
 def batch_size(batch) -> int:
-    """Samples in a dict batch (the leading size of its first tensor), for ThroughputMonitor."""
+    """Samples in a dict batch (the leading size of its first tensor)."""
     return next(v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor))
+
+
+def compile_clock() -> float:
+    """Seconds torch.compile has spent compiling in this process (``suite.compile.compile_seconds``); 0 while dynamo
+    was never imported, so that an uncompiled run does not import it."""
+    if "torch._dynamo.utils" not in sys.modules:
+        return 0.0
+    from suite.compile import compile_seconds
+
+    return compile_seconds()
+
+
+class TrainThroughput(L.pytorch.callbacks.Callback):
+    """Training samples per second of this process: the time from each training batch's start to the next one's
+    (data loading included); validation, each epoch's first batch and batches during which ``torch.compile``
+    compiled are left out.
+
+    ``window`` > 0: ``train/samples_per_sec`` is logged (per step, written every ``log_every_n_steps``) as the rate
+    over the last ``window`` counted batches; 0: nothing is logged, the whole-run :meth:`rate` is still kept.
+    """
+
+    def __init__(self, window: int = 10):
+        if window < 0:
+            raise ValueError(f"window must be >= 0, got {window}")
+        self.window = window
+        self.samples, self.seconds = 0, 0.0
+        self._recent: collections.deque[tuple[int, float]] = collections.deque(maxlen=max(window, 1))
+        self._start, self._first, self._loading, self._compiled, self._pending = None, True, 0.0, 0.0, 0
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self._start, self._first = None, True
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        now = time.perf_counter()
+        self._pending = batch_size(batch)
+        self._loading = now - self._start if self._start is not None and not self._first else 0.0
+        self._compiled = compile_clock()
+        self._start = now
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        # warm-up (allocations, lazy initialisation), or a compilation: not the steady state
+        if not self._first and compile_clock() == self._compiled:
+            seconds = self._loading + time.perf_counter() - self._start
+            self.samples += self._pending
+            self.seconds += seconds
+            self._recent.append((self._pending, seconds))
+            if self.window:
+                samples, spent = map(sum, zip(*self._recent))
+                if spent > 0:
+                    pl_module.log(HISTORY_KEY, samples / spent, on_step=True, on_epoch=False,
+                                  batch_size=self._pending)
+        self._first = False
+        self._start = time.perf_counter()
+
+    def on_validation_start(self, trainer, pl_module):
+        self._start = None  # validation inside an epoch does not count
+
+    def on_validation_end(self, trainer, pl_module):
+        self._start = time.perf_counter()
+
+    def rate(self) -> float | None:
+        """The whole run's samples per second, or None before any batch was counted."""
+        return self.samples / self.seconds if self.samples and self.seconds > 0 else None

@@ -37,7 +37,9 @@ log = logging.getLogger(__name__)
 
 NATIVE_BASELINE = {"modelnet": "offset", "shapenet": "offset"}  # PCT's own attention; every other task: self
 COST_KEYS = ("params", "flops", "train_samples_per_sec", "peak_memory_bytes", "wall_time_s")
-THROUGHPUT_HISTORY_KEY = "train/device/samples_per_sec"  # what ThroughputMonitor logs, when a logger was on
+# What suite.callbacks.TrainThroughput logs (when a logger was on); then the key of Lightning's ThroughputMonitor,
+# which runs logged before the suite had its own meter
+THROUGHPUT_HISTORY_KEYS = ("train/samples_per_sec", "train/device/samples_per_sec")
 TOO_FEW = 3  # fewer seeds than this on either side: flagged, not concluded
 # Config keys that never split groups: the seed (and anything equal to it), where files live, what is logged.
 IGNORED_KEYS = {"seed", "data_dir", "ckpt_path", "resume", "metrics.inception_weights", "eval.save_samples",
@@ -423,16 +425,33 @@ def mean_of(values: list[float]) -> float:
 
 def cost_of(group: Group) -> dict:
     """Cost per row: params and FLOPs per sample (recorded at train time, the mode=summary count), then the means
-    over the seeds of training throughput (metrics.json, else the logged ThroughputMonitor history), peak memory
+    over the seeds of training throughput (metrics.json, else the mean of the logged history), peak memory
     and wall time."""
     out = {}
     for key in COST_KEYS:
         values = [r.cost.get(key) for r in group.runs]
         if key == "train_samples_per_sec":
-            values = [v if v is not None else mean_of([y for _, y in learning_curve(r, THROUGHPUT_HISTORY_KEY)])
-                      for v, r in zip(values, group.runs)]
+            values = [v if v is not None else logged_throughput(r) for v, r in zip(values, group.runs)]
         out[key] = mean_of([v for v in values if v is not None])
     return out
+
+
+def logged_throughput(run) -> float | None:
+    """The mean of a run's logged training throughput (the first of THROUGHPUT_HISTORY_KEYS it has), or None."""
+    for key in THROUGHPUT_HISTORY_KEYS:
+        history = [y for _, y in learning_curve(run, key)]
+        if history:
+            return mean_of(history)
+    return None
+
+
+def logs_to_wandb(cfg) -> bool:
+    """``report.log_wandb``: true or false as set; null (the default) logs the report to W&B when W&B is on, i.e.
+    the runs were read from it (``report.wandb=``) and ``logger=wandb``."""
+    flag = cfg.report.get("log_wandb")
+    if flag is None:
+        return bool(cfg.report.get("wandb")) and (cfg.get("logger") or {}).get("name") == "wandb"
+    return bool(flag)
 
 
 def build_rows(groups: list[Group], baseline: str | None, metric: str | None, confidence: float) -> list[dict]:
@@ -774,7 +793,7 @@ def report(cfg, api=None) -> dict:
     write_csv(out / "metrics.csv", document["metrics"])
     text = markdown(rows, left_out, sources, plots, confidence)
     (out / "report.md").write_text(text)
-    if rc.get("log_wandb"):
+    if logs_to_wandb(cfg):
         log_to_wandb(cfg, rows, out, plots)
 
     print(text[text.index("## "):text.index("## Runs left out")] if "## " in text else text)

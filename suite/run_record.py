@@ -4,12 +4,13 @@
 
 - ``wall_time_s``: seconds from the start of the run (``suite/train.py``) to the end of testing (data set-up included);
 - ``peak_memory_bytes`` with ``peak_memory_source``: CUDA's ``torch.cuda.max_memory_allocated`` when the run
-  used a GPU (reset when the run starts), else the process's peak resident set size (``getrusage``; in a local
-  multirun, where the jobs share one process, the peak so far);
+  used a GPU, else the process's peak resident set size (``getrusage``), both reset when the run starts
+  (:func:`reset_peak_memory`), so that each job of a local multirun, where the jobs share one process, has its own;
 - ``params`` and ``flops``: trainable parameters and forward FLOPs for one sample, counted as ``mode=summary``
   counts them (``suite/summary.py``), after testing;
 - ``train_samples_per_sec``: training samples per second of one process (data loading included, validation, the
-  first batch and batches that ``torch.compile`` compiled for excluded), when the run trained;
+  first batch and batches that ``torch.compile`` compiled for excluded), when the run trained: the whole-run rate
+  of ``suite.callbacks.TrainThroughput``, the meter whose windowed rate the loggers receive;
 - ``protocol``: how the test metrics were obtained (:func:`protocol`);
 - ``compile_time_s`` and ``compile_graphs``, with ``trainer.compile=true``: seconds spent compiling the networks
   (torch.compile's tracing and code generation, forward and backward, evaluation and test included) and the graphs
@@ -137,10 +138,18 @@ def protocol(config: dict, tested: str | None = None) -> dict:
 
 
 def reset_peak_memory() -> None:
+    """Start a run's peak memory from what the process holds now: CUDA's peak statistics, and on Linux the peak
+    resident set size (``5`` into ``/proc/self/clear_refs`` resets the high-water mark that ``getrusage`` reads),
+    so that the jobs of a local ``-m`` multirun, which share one process, each record their own peak."""
     import torch
 
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:  # not Linux, or not allowed: the peak then counts from the process's start
+        pass
 
 
 def peak_memory(device_type: str) -> tuple[int, str]:
@@ -171,59 +180,6 @@ def count_cost(module) -> dict:
     random.setstate(state[0])
     np.random.set_state(state[1])
     return {"params": params, "flops": flops}
-
-
-def throughput_meter():
-    """A Lightning callback measuring training samples per second of this process: the time from each training
-    batch's start to the next one's (data loading included), validation, each epoch's first batch and batches
-    during which ``torch.compile`` compiled (``trainer.compile``: a first call, a new batch size) excluded."""
-    import lightning as L
-
-    from suite.callbacks import batch_size
-
-    class TrainThroughput(L.pytorch.callbacks.Callback):
-        def __init__(self):
-            self.samples, self.seconds, self._start, self._first = 0, 0.0, None, True
-            self._loading, self._compiled = 0.0, 0.0
-
-        def on_train_epoch_start(self, trainer, pl_module):
-            self._start, self._first = None, True
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            now = time.perf_counter()
-            self._pending = batch_size(batch)
-            self._loading = now - self._start if self._start is not None and not self._first else 0.0
-            self._compiled = compile_clock()
-            self._start = now
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            # warm-up (allocations, lazy initialisation), or a compilation: not the steady state
-            if not self._first and compile_clock() == self._compiled:
-                self.samples += self._pending
-                self.seconds += self._loading + time.perf_counter() - self._start
-            self._first = False
-            self._start = time.perf_counter()
-
-        def on_validation_start(self, trainer, pl_module):
-            self._start = None  # validation inside an epoch does not count
-
-        def on_validation_end(self, trainer, pl_module):
-            self._start = time.perf_counter()
-
-        def rate(self) -> float | None:
-            return self.samples / self.seconds if self.samples and self.seconds > 0 else None
-
-    return TrainThroughput()
-
-
-def compile_clock() -> float:
-    """Seconds torch.compile has spent compiling in this process (``suite.compile.compile_seconds``); 0 while dynamo
-    was never imported, so that an uncompiled run does not import it."""
-    if "torch._dynamo.utils" not in sys.modules:
-        return 0.0
-    from suite.compile import compile_seconds
-
-    return compile_seconds()
 
 
 def eager_networks(compiled: bool):

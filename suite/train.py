@@ -45,6 +45,9 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> dict:
 
         return bench(cfg)
     started = time.perf_counter()
+    from suite.run_record import reset_peak_memory
+
+    reset_peak_memory()  # before the data is read: a run's peak includes its data and network
     quiet_libraries()
     from suite.compose import compose
 
@@ -57,12 +60,10 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> dict:
 
 
 def quiet_libraries() -> None:
-    """Library chatter a user cannot act on: Lightning's own pytree deprecation, ThroughputMonitor's request for
-    a FLOP count (samples/s is what we log), and the litlogger advertisement. Lightning's messages (restored
-    checkpoints, SLURM requeues) go once each through Hydra's console and run.log handlers: any handler of
+    """Library chatter a user cannot act on: Lightning's own pytree deprecation and the litlogger advertisement.
+    Lightning's messages (restored checkpoints, SLURM requeues) go once each through Hydra's console and run.log handlers: any handler of
     Lightning's own, which would print every line twice, is dropped."""
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
-    warnings.filterwarnings("ignore", message=r".*you need to define a `flops_per_batch`.*")
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda r: "litlogger" not in r.getMessage())
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).handlers.clear()
@@ -76,10 +77,8 @@ def fit_and_test(cfg: DictConfig, composed, out_dir: Path, started: float) -> di
     from suite.distributed import is_rank_zero
     from suite.loggers import build_loggers, close_loggers
     from suite.resume import resume_checkpoint, save_wandb_run_id, wandb_run_id
-    from suite.run_record import reset_peak_memory
 
     config, datamodule, module = composed.config, composed.datamodule, composed.module
-    reset_peak_memory()
     ckpt = cfg.get("ckpt_path")
     if cfg.mode == "train" or ckpt == "last":
         ckpt = resume_checkpoint(ckpt, cfg.mode == "train" and bool(cfg.get("resume")), out_dir)
@@ -146,14 +145,19 @@ def build_trainer(config: dict, module, out_dir: Path, loggers: list, identity: 
     from suite.distributed import adjust_trainer_kwargs, check_launch
     from suite.guard import NonFiniteGuard
     from suite.resume import RandomState
-    from suite.run_record import throughput_meter
+    from suite.callbacks import TrainThroughput
 
     callbacks = [instantiate(c) for c in (config.get("callbacks") or {}).values() if c]
     best, last, run_identity = checkpoint_callbacks(out_dir, config["monitor"], identity)
     trainer_kwargs = dict(config["trainer"])
     guard = NonFiniteGuard(trainer_kwargs.pop("on_nan", "stop"))
-    meter = throughput_meter()
-    callbacks += [best, last, run_identity, RandomState(), guard, meter]
+    # metrics.json's throughput is the configured meter's whole-run rate (callbacks.throughput); without one, a
+    # meter that logs nothing still measures it
+    meter = next((c for c in callbacks if isinstance(c, TrainThroughput)), None)
+    if meter is None:
+        meter = TrainThroughput(window=0)
+        callbacks.append(meter)
+    callbacks += [best, last, run_identity, RandomState(), guard]
     compiling = take_options(trainer_kwargs)
     compiler = CompileNetworks(compiling["backend"], compiling["mode"], compiling["dynamic"]) \
         if compiling["compile"] else None

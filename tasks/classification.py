@@ -23,8 +23,8 @@ Metrics: ``train/loss``, ``val/loss`` and ``test/loss`` (plain cross-entropy
 on evaluation), top-1 and top-5 accuracy (``val/top1``, ``val/top5``,
 ``test/top1``, ``test/top5``; top-k with k = min(5, classes)), and
 ``val/top1_best``, all torchmetrics states synced across ranks. Throughput
-(``train/samples_per_sec``) comes from the ThroughputMonitor callback of
-``configs/config.yaml``.
+(``train/samples_per_sec``, images/s of one process) comes from the
+``suite.callbacks.TrainThroughput`` meter of ``configs/config.yaml``.
 """
 
 from __future__ import annotations

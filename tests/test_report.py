@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 from omegaconf import OmegaConf
 from scipy.stats import t as student_t
@@ -132,6 +133,64 @@ def test_runs_record_cost_and_protocol(sweep):
     assert a["params"] != b["params"]  # offset and self attention differ in size
 
 
+def test_peak_memory_is_counted_from_the_runs_start():
+    """reset_peak_memory (called when a run starts) drops the process's earlier peak: each job of a local multirun,
+    which shares one process with the jobs before it, records its own."""
+    from suite.run_record import peak_memory, reset_peak_memory
+
+    block = bytearray(b"\x01") * (256 * 2**20)  # written, so resident
+    high, source = peak_memory("cpu")
+    assert source == "cpu_peak_rss" and high > 256 * 2**20
+    del block
+    reset_peak_memory()
+    assert peak_memory("cpu")[0] < high - 200 * 2**20
+
+
+def test_throughput_meter_logs_its_window_and_keeps_the_whole_run_rate(monkeypatch):
+    """One meter for both readers: the logged rate over the last `window` counted batches, and the whole run's
+    rate for metrics.json; the epoch's first batch (warm-up) is not counted, the loading time before a batch is."""
+    import suite.callbacks as callbacks
+
+    now = [0.0]
+    monkeypatch.setattr(callbacks.time, "perf_counter", lambda: now[0])
+    batch = {"points": torch.zeros(4, 3)}
+
+    class Module:
+        logged = []
+
+        def log(self, key, value, **kwargs):
+            self.logged.append((key, value))
+
+    for window, expected in ((1, [4 / 1.5, 4 / 0.5]), (10, [4 / 1.5, 8 / 2.0])):
+        meter, module = callbacks.TrainThroughput(window), Module()
+        module.logged = []
+        meter.on_train_epoch_start(None, module)
+        for start, end in ((0.0, 1.0), (1.5, 2.5), (2.5, 3.0)):  # the 2nd waited 0.5 s for its data
+            now[0] = start
+            meter.on_train_batch_start(None, module, batch, 0)
+            now[0] = end
+            meter.on_train_batch_end(None, module, None, batch, 0)
+        assert [k for k, _ in module.logged] == ["train/samples_per_sec"] * 2
+        assert [v for _, v in module.logged] == pytest.approx(expected)
+        assert meter.rate() == pytest.approx(8 / 2.0)
+    silent = callbacks.TrainThroughput(window=0)
+    assert silent.rate() is None
+
+
+def test_report_falls_back_to_the_logged_throughput(tmp_path):
+    """A run whose metrics.json has no train_samples_per_sec: the mean of its logged history, under the suite's key,
+    else under the key of Lightning's ThroughputMonitor (runs logged before the suite had its own meter)."""
+    from suite.report import Run, logged_throughput
+
+    for key in ("train/samples_per_sec", "train/device/samples_per_sec"):
+        history = tmp_path / f"{key.replace('/', '_')}.csv"
+        history.write_text(f"step,{key},train/loss\n10,4.0,\n20,,0.5\n30,8.0,\n")
+        run = Run(path=str(tmp_path), config={}, metrics={}, cost={}, protocol={}, history=history)
+        assert logged_throughput(run) == pytest.approx(6.0)
+    history.write_text("step,train/loss\n10,0.5\n")
+    assert logged_throughput(Run(str(tmp_path), {}, {}, {}, {}, history=history)) is None
+
+
 # --- the report, end to end ------------------------------------------------------------------------------------------
 def test_report_aggregates_and_compares_as_computed_by_hand(sweep):
     out, proc = sweep
@@ -218,6 +277,11 @@ def test_default_metric_and_welch_when_the_seeds_differ(sweep, tmp_path, capsys)
     if "seed" in config["task"]:  # the task's own copy (${seed}: the votes' scales), as a run with seed=5 has it
         config["task"]["seed"] = 5
     resolved.write_text(yaml.safe_dump(config))
+    # Tiny runs may all score chance, which leaves nothing to test: give the copies' test/oa distinct values, so that
+    # Welch's test on the default metric always runs (the report reads them as it reads any run's).
+    for (attn, seed), oa in {("self", 0): 0.75, ("self", 1): 0.5, ("offset", 0): 0.25, ("offset", 1): 0.5}.items():
+        path = jobs[(attn, seed)] / "metrics.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "test/oa": oa}))
     document = rep.report(cfg(runs=[str(tmp_path / "runs")], out=str(tmp_path / "rep"), baseline="offset"))
     rows = {row["attn"]: row for row in document["rows"]}
     assert rows["offset"]["seeds"] == [0, 5] and rows["offset"]["n"] == 2  # data.seed follows seed: one group
@@ -229,12 +293,17 @@ def test_default_metric_and_welch_when_the_seeds_differ(sweep, tmp_path, capsys)
     assert row["metric"] == name and row["higher_is_better"] is True
     assert close(row["mean"], np.mean(x)) and close(row["best_of_n"], max(x))
     assert close(row["diff"], np.mean(x) - np.mean(y))
-    if np.var(x) + np.var(y) > 0:
-        expected = welch_by_hand(x, y)
-        assert row["test"] == "Welch t"
-        assert close(row["p_value"], expected["p"], rel=1e-6) and close(row["diff_ci_low"], expected["ci_low"])
-    else:  # every run scored the same: nothing to test, and no number pretends otherwise
-        assert row["p_value"] is None and row["diff_ci_low"] is None
+    expected = welch_by_hand(x, y)
+    assert row["test"] == "Welch t" and 0 < expected["p"] < 1
+    assert close(row["p_value"], expected["p"], rel=1e-6) and close(row["diff_ci_low"], expected["ci_low"])
+    assert close(row["diff_ci_high"], expected["ci_high"])
+    # Every run scoring the same leaves nothing to test, and no number pretends otherwise.
+    for job in jobs.values():
+        path = job / "metrics.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "test/oa": 0.5}))
+    same = rep.report(cfg(runs=[str(tmp_path / "runs")], out=str(tmp_path / "same"), baseline="offset"))
+    row = next(r for r in same["rows"] if r["attn"] == "self")
+    assert row["diff"] == 0 and row["p_value"] is None and row["diff_ci_low"] is None
     assert "report written to" in capsys.readouterr().out
 
 
@@ -366,6 +435,17 @@ def test_report_runs_with_commas_become_a_list():
 
     assert quote_report_runs(["report.runs=/a/b,/c d/e:1", "attn=self,offset", "report.runs=[x]"]) == [
         "report.runs=['/a/b','/c d/e:1']", "attn=self,offset", "report.runs=[x]"]
+
+
+def test_the_report_goes_to_wandb_when_wandb_is_on():
+    """report.log_wandb=null: logged when the runs come from W&B and logger=wandb; true/false as set."""
+    def config(log_wandb, wandb, logger):
+        return OmegaConf.create({"report": {"log_wandb": log_wandb, "wandb": wandb}, "logger": {"name": logger}})
+
+    assert rep.logs_to_wandb(config(None, "me/attention-suite", "wandb"))
+    assert not rep.logs_to_wandb(config(None, None, "wandb"))  # runs from folders: nothing read from W&B
+    assert not rep.logs_to_wandb(config(None, "me/attention-suite", "none"))
+    assert rep.logs_to_wandb(config(True, None, "none")) and not rep.logs_to_wandb(config(False, "e/p", "wandb"))
 
 
 def test_log_wandb_logs_the_table_and_plots(sweep, tmp_path, monkeypatch):
