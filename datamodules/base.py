@@ -84,18 +84,19 @@ def int_option(name: str, value, minimum: int, example) -> int:
 
 
 def float_option(name: str, value, example, low: float = 0.0, high: float = math.inf,
-                 low_closed: bool = False, why: str = "") -> float:  # fmt: skip
-    """``value`` as a finite float in ``(low, high)`` (``[low, high)`` when ``low_closed``); UserError naming
-    ``data.<name>``, the range, ``why`` (if given) and an example otherwise."""
+                 low_closed: bool = False, why: str = "", high_closed: bool = False) -> float:  # fmt: skip
+    """``value`` as a finite float in ``(low, high)`` (``[low, ...`` when ``low_closed``, ``..., high]`` when
+    ``high_closed``); UserError naming ``data.<name>``, the range, ``why`` (if given) and an example otherwise."""
     try:
         number = float(value)
         ok = not isinstance(value, bool) and math.isfinite(number) and \
-            (low <= number if low_closed else low < number) and number < high  # fmt: skip
+            (low <= number if low_closed else low < number) and \
+            (number <= high if high_closed else number < high)  # fmt: skip
     except (TypeError, ValueError):
         ok = False
     if not ok:
         if high < math.inf:
-            what = f"a number in {'[' if low_closed else '('}{low:g}, {high:g})"
+            what = f"a number in {'[' if low_closed else '('}{low:g}, {high:g}{']' if high_closed else ')'}"
         elif low_closed:
             what = f"a number >= {low:g}"
         else:
@@ -112,9 +113,11 @@ def bool_option(name: str, value) -> bool:
 
 
 def choice_option(name: str, value, choices: Sequence):
-    """``value`` when it is one of ``choices``; UserError naming ``data.<name>`` and the choices otherwise."""
+    """``value`` when it is one of ``choices``; UserError naming ``data.<name>`` and the choices (booleans spelt
+    as on the command line: true, false) otherwise."""
     if value not in choices:
-        raise UserError(f"data.{name} must be one of {', '.join(str(c) for c in choices)}, got {value!r}.")
+        spelt = (str(c).lower() if isinstance(c, bool) else str(c) for c in choices)
+        raise UserError(f"data.{name} must be one of {', '.join(spelt)}, got {value!r}.")
     return value
 
 
@@ -348,4 +351,19 @@ class DataModule(L.LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         """In order, every sample exactly once."""
         return self._loader("test")
-# BASE READY
+
+
+class PointSetDataModule(DataModule):
+    """What the point-set families (:mod:`datamodules.points`, :mod:`datamodules.partseg`) share on top of
+    :class:`DataModule`, checked once: ``root`` (the dataset folder, meaning depends on the data set),
+    ``npoints`` (points per sample) and ``augment`` (the training augmentation, on the train split). A train
+    split smaller than one batch gives one partial batch (the last partial batch is dropped only when the split
+    exceeds one batch). The family base keeps the defaults (its signature) and calls ``save_hyperparameters``."""
+
+    full_train_batches = False
+
+    def __init__(self, root: str | None, npoints: int, augment: bool, **options):
+        super().__init__(**options)
+        self.root = root
+        self.npoints = int_option("npoints", npoints, 1, self._example("npoints", 1024))
+        self.augment = bool_option("augment", augment)

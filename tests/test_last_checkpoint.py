@@ -1,8 +1,10 @@
 """The end of fit always leaves ``checkpoints/last.ckpt`` (suite/checkpoints.py's LastCheckpoint), and says where:
-at max_steps without any validation, and when a run is interrupted (Ctrl-C, SIGTERM) between validations."""
+at max_steps and at max_time without any validation, when a run is interrupted (Ctrl-C, SIGTERM) between
+validations, and at the normal end (max_epochs reached, the interrupted runs' resumption)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -67,6 +69,23 @@ def test_interrupted_run_leaves_last_checkpoint_and_resumes_from_it(env, tmp_pat
     if how == "ctrl_c":
         assert proc.returncode == 1  # Lightning's graceful shutdown after Ctrl-C
     resumed = run([*args, "ckpt_path=last"], env)
-    assert f"resuming from {last}" in resumed.stdout + resumed.stderr
+    out = resumed.stdout + resumed.stderr
+    assert f"resuming from {last}" in out
+    # The normal end: max_epochs reached, last.ckpt holds the last step and the run says where.
+    assert "`max_epochs=1` reached" in out
     assert saved_step(last) == 10  # 40 generated shapes in batches of 4: the epoch finished
+    assert f"last checkpoint: {last} (step 10)" in out
     assert (tmp_path / "metrics.json").is_file()
+
+
+def test_run_ended_by_max_time_leaves_its_weights(env, tmp_path):
+    """Stopped by ``trainer.max_time`` (1 s of training; 1000 epochs would take minutes) with validation off, so
+    that only the end of fit can write last.ckpt: it loads and holds the step the run reached."""
+    proc = run([*TINY, "trainer.max_epochs=1000", "++trainer.max_time={seconds:1}", "++trainer.limit_val_batches=0",
+                "logger=none", f"hydra.run.dir={tmp_path}"], env)
+    out = proc.stdout + proc.stderr
+    assert "Time limit reached" in out  # Lightning's Timer ended it, not max_epochs
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    (step,) = {int(s) for s in re.findall(rf"last checkpoint: {re.escape(str(last))} \(step (\d+)\)", out)}
+    assert 1 <= step < 1000 * 10 and saved_step(last) == step
+    assert not list(last.parent.glob(".last.ckpt.tmp-*"))

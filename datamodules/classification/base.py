@@ -50,7 +50,8 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from attention.errors import UserError
-from datamodules.base import DECODE_ERRORS, IMAGENET_MEAN, IMAGENET_STD, MAX_NAMES, DataError, DataModule, int_option
+from datamodules.base import (DECODE_ERRORS, IMAGENET_MEAN, IMAGENET_STD, MAX_NAMES, DataError, DataModule,
+                             choice_option, float_option, int_option)
 from datamodules.formats.image_folder import check_image, open_rgb
 
 log = logging.getLogger(__name__)
@@ -209,18 +210,10 @@ class ClassificationDataModule(DataModule):
                             f"{', '.join(AUGMENT_KEYS)} (timm's create_transform), e.g. data.augment.re_prob=0.25.")
         self.augment = {**DEIT_AUGMENT, **dict(augment or {})}
         self.interpolation = str(interpolation)
-        try:
-            ok = 0 < float(crop_pct) <= 1
-        except (TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise UserError(f"data.crop_pct must be in (0, 1], got {crop_pct!r}; e.g. data.crop_pct=0.875 "
-                            "(ImageNet) or 1.0 (no border cropped).")
-        self.crop_pct = float(crop_pct)
+        self.crop_pct = float_option("crop_pct", crop_pct, "0.875 (ImageNet) or 1.0 (no border cropped)",
+                                     high=1.0, high_closed=True)
         self.mean, self.std = tuple(float(m) for m in mean), tuple(float(s) for s in std)
-        if verify_images not in VERIFY_CHOICES:
-            raise UserError(f"data.verify_images must be auto, true or false, got {verify_images!r}.")
-        self.verify_images = verify_images
+        self.verify_images = choice_option("verify_images", verify_images, VERIFY_CHOICES)
         self.verify_limit = int_option("verify_limit", verify_limit, 0, self._example("verify_limit", 20000))
         if isinstance(getattr(self, "class_names", None), list):
             self.class_names = list(self.class_names)  # an instance's own copy of a class-level list

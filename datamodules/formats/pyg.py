@@ -1,9 +1,64 @@
-"""torch-geometric's collated datasets (``InMemoryDataset`` storage): where each item's rows are, and
-which meshes of a processed mesh dataset (ModelNet's OFF files) ``SamplePoints`` cannot sample."""
+"""torch-geometric's datasets: :class:`PyGRaw`, what every data module read through one shares (``<root>/raw``
+checked, processed once into ``<root>/processed``, nothing downloaded); and their collated storage
+(``InMemoryDataset``): where each item's rows are, and which meshes of a processed mesh dataset (ModelNet's
+OFF files) ``SamplePoints`` cannot sample."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
 import torch
+
+from attention.errors import UserError
+
+# What a torch-geometric dataset raises while processing a raw file it cannot parse (a malformed mesh, split
+# list or shape file; json.JSONDecodeError is a ValueError).
+PROCESS_ERRORS = (OSError, ValueError, IndexError, RuntimeError, KeyError)
+
+
+class PyGRaw:
+    """Mixin of a data module (``self.root``) read through a torch-geometric dataset, which processes
+    ``<root>/raw`` once into ``<root>/processed``. PyG would download a missing or incomplete ``raw``:
+    :meth:`_check_raw` refuses it first, saying what is wrong and how to get it right.
+
+    A data module sets ``raw_what`` (how messages name the raw files, e.g. "ModelNet40 meshes"),
+    ``raw_archive`` (the release to restore them from), ``raw_cause`` (what a failed processing probably
+    means), ``raw_how`` (how to get ``<root>/raw`` right, ``{raw}`` standing for its path) and implements
+    :meth:`_raw_problem`; it builds its PyG datasets with :meth:`_process`.
+    """
+
+    root: str
+    raw_what: str
+    raw_archive: str
+    raw_cause: str
+    raw_how: str
+
+    def _raw_problem(self, raw: Path) -> str | None:
+        """What keeps PyG from processing ``raw`` offline (a sentence), or None when nothing does."""
+        raise NotImplementedError
+
+    def _check_raw(self) -> Path:
+        """``<root>/raw``, checked: a UserError when :meth:`_raw_problem` finds something wrong with it."""
+        raw = Path(self.root).expanduser() / "raw"
+        problem = self._raw_problem(raw)
+        if problem:
+            raise UserError(f"{problem} {self.raw_how.format(raw=raw)}")
+        return raw
+
+    def _process(self, make: Callable[[str], Any]):
+        """``make(<root>)``, the PyG dataset (processed from the checked ``raw`` once, loaded after); a file
+        PyG cannot parse is a UserError naming it as far as PyG does, and how to reprocess."""
+        raw = self._check_raw()
+        try:
+            return make(str(raw.parent))
+        except PROCESS_ERRORS as err:
+            raise UserError(
+                f"torch-geometric could not process the {self.raw_what} under {raw} ({type(err).__name__}: "
+                f"{err}). {self.raw_cause}; restore the original {self.raw_archive} contents and delete "
+                f"{raw.parent / 'processed'} to reprocess."
+            ) from None
 
 
 def pyg_offsets(dataset, key: str) -> torch.Tensor:

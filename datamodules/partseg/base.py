@@ -44,7 +44,7 @@ import torch
 from torch.utils.data import Dataset
 
 from attention.errors import UserError
-from datamodules.base import SPLITS, DataModule, bool_option, int_option
+from datamodules.base import SPLITS, PointSetDataModule, bool_option
 from datamodules.points.ops import sample_rng, scale_shift
 
 
@@ -151,7 +151,7 @@ class PartDataset(Dataset):
         return sample
 
 
-class PartSegDataModule(DataModule):
+class PartSegDataModule(PointSetDataModule):
     """Base data module for part segmentation (see the module docstring).
 
     Subclasses call :meth:`_set_categories` in ``__init__`` and implement :meth:`_load`, returning
@@ -168,15 +168,13 @@ class PartSegDataModule(DataModule):
             :class:`datamodules.base.DataModule`; ``seed`` also fixes the validation/test
             point selection.
 
-    A train split smaller than one batch gives one partial batch (the last partial batch is
-    dropped only when the split exceeds one batch).
+    ``root``, ``npoints``, ``augment`` and the partial train batch: :class:`datamodules.base.PointSetDataModule`.
     """
 
     num_categories: int
     num_parts: int
     category_names: list[str]
     category_parts: list[list[int]]
-    full_train_batches = False
 
     def __init__(
         self,
@@ -190,12 +188,10 @@ class PartSegDataModule(DataModule):
         seed: int = 0,
         on_bad_file: str = "error",
     ):
-        super().__init__(batch_size, eval_batch_size, num_workers, seed, on_bad_file)
+        super().__init__(root, npoints, augment, batch_size=batch_size, eval_batch_size=eval_batch_size,
+                         num_workers=num_workers, seed=seed, on_bad_file=on_bad_file)
         self.save_hyperparameters()  # this constructor's arguments and those of the data set's own constructor
-        self.root = root
-        self.npoints = int_option("npoints", npoints, 1, self._example("npoints", 2048))
         self.normals = bool_option("normals", normals)
-        self.augment = bool_option("augment", augment)
 
     def _set_categories(self, names: list[str], parts: list[list[int]]) -> None:
         self.category_names = list(names)

@@ -19,14 +19,14 @@ import torch
 
 from attention.errors import UserError
 from datamodules.base import SPLITS, DataError
-from datamodules.formats.pyg import pyg_offsets
+from datamodules.formats.pyg import PyGRaw, pyg_offsets
 from datamodules.partseg.base import PackedSource
 from datamodules.partseg.shapenet import (CATEGORY_NAMES, SYNSETS, TXT_FOLDER, TXT_URL, ShapeNetPartModule,
                                           part_bounds, part_range)
 from datamodules.points.ops import unit_sphere
 
 
-class ShapeNetPartPyG(ShapeNetPartModule):
+class ShapeNetPartPyG(PyGRaw, ShapeNetPartModule):
     """ShapeNetPart through ``torch_geometric.datasets.ShapeNet`` (all 16 categories).
 
     PyG processes ``<root>/raw`` once into ``<root>/processed/<cats>_{train,val,test,trainval}.pt``;
@@ -43,39 +43,30 @@ class ShapeNetPartPyG(ShapeNetPartModule):
             either way.
     """
 
-    def _check_raw(self) -> Path:
-        """Check ``<root>/raw`` holds what PyG needs to process offline (else it would try to download)."""
-        raw = Path(self.root).expanduser() / "raw"
-        how = (
-            f"Unzip {TXT_FOLDER}.zip ({TXT_URL}) and rename its {TXT_FOLDER} folder to {raw}, so that "
-            f"{raw}/02691156/<id>.txt and {raw}/train_test_split/shuffled_train_file_list.json exist; or use "
-            f"data=shapenet_part (same release, supports data.download=true) or data=parts offline."
-        )
+    raw_what = "ShapeNetPart files"
+    raw_archive = f"{TXT_FOLDER}.zip"
+    raw_cause = "A split list or shape file is probably malformed or missing"
+    raw_how = (f"Unzip {TXT_FOLDER}.zip ({TXT_URL}) and rename its {TXT_FOLDER} folder to {{raw}}, so that "
+               "{raw}/02691156/<id>.txt and {raw}/train_test_split/shuffled_train_file_list.json exist; or use "
+               "data=shapenet_part (same release, supports data.download=true) or data=parts offline.")
+
+    def _raw_problem(self, raw: Path) -> str | None:
+        """PyG needs all 16 synset folders and the three split lists in ``raw``."""
         needed = [raw / synset for synset in SYNSETS] + [
             raw / "train_test_split" / f"shuffled_{split}_file_list.json" for split in SPLITS
         ]
         missing = [str(p.relative_to(raw)) for p in needed if not p.exists()]
-        if missing:
-            state = "does not exist" if not raw.is_dir() else f"lacks {', '.join(missing[:4])}"
-            more = f" (and {len(missing) - 4} more)" if raw.is_dir() and len(missing) > 4 else ""
-            raise UserError(
-                f"ShapeNetPart (PyG) raw data not found: {raw} {state}{more}; PyG needs all 16 synset "
-                f"folders and the three split lists. {how}"
-            )
-        return raw
+        if not missing:
+            return None
+        state = "does not exist" if not raw.is_dir() else f"lacks {', '.join(missing[:4])}"
+        more = f" (and {len(missing) - 4} more)" if raw.is_dir() and len(missing) > 4 else ""
+        return (f"ShapeNetPart (PyG) raw data not found: {raw} {state}{more}; PyG needs all 16 synset "
+                f"folders and the three split lists.")
 
     def _dataset(self, split: str):
         from torch_geometric.datasets import ShapeNet
 
-        raw = self._check_raw()
-        try:
-            return ShapeNet(str(raw.parent), categories=None, include_normals=self.normals, split=split)
-        except (OSError, ValueError, IndexError, RuntimeError, KeyError, json.JSONDecodeError) as err:
-            raise UserError(
-                f"torch-geometric could not process the ShapeNetPart files under {raw} ({type(err).__name__}: "
-                f"{err}). A split list or shape file is probably malformed or missing; restore the original "
-                f"{TXT_FOLDER}.zip contents and delete {raw.parent / 'processed'} to reprocess."
-            ) from None
+        return self._process(lambda root: ShapeNet(root, categories=None, include_normals=self.normals, split=split))
 
     def prepare_data(self) -> None:
         """Process the raw files into ``<root>/processed`` (once; later runs load it)."""

@@ -42,7 +42,7 @@ import torch
 from torch.utils.data import Dataset
 
 from attention.errors import UserError
-from datamodules.base import DataModule, bool_option, float_option, int_option
+from datamodules.base import PointSetDataModule, float_option
 from datamodules.points.ops import augment_points, sample_rng
 
 
@@ -128,7 +128,7 @@ def split_train_val(labels: np.ndarray, val_fraction: float, seed: int) -> tuple
     return train_idx, val_idx
 
 
-class PointCloudDataModule(DataModule):
+class PointCloudDataModule(PointSetDataModule):
     """Base data module for point-cloud classification (see the module docstring).
 
     Subclasses set ``num_classes`` and ``class_names`` and implement :meth:`_load`, which
@@ -146,13 +146,11 @@ class PointCloudDataModule(DataModule):
             :class:`datamodules.base.DataModule`; ``seed`` seeds the validation split (and
             generated data, if any); generated data has nothing to skip.
 
-    A train split smaller than one batch gives one partial batch (the last partial batch is
-    dropped only when the split exceeds one batch).
+    ``root``, ``npoints``, ``augment`` and the partial train batch: :class:`datamodules.base.PointSetDataModule`.
     """
 
     num_classes: int
     class_names: list[str]
-    full_train_batches = False
 
     def __init__(
         self,
@@ -166,11 +164,9 @@ class PointCloudDataModule(DataModule):
         seed: int = 0,
         on_bad_file: str = "error",
     ):
-        super().__init__(batch_size, eval_batch_size, num_workers, seed, on_bad_file)
+        super().__init__(root, npoints, augment, batch_size=batch_size, eval_batch_size=eval_batch_size,
+                         num_workers=num_workers, seed=seed, on_bad_file=on_bad_file)
         self.save_hyperparameters()  # this constructor's arguments and those of the data set's own constructor
-        self.root = root
-        self.npoints = int_option("npoints", npoints, 1, self._example("npoints", 1024))
-        self.augment = bool_option("augment", augment)
         self.val_fraction = float_option("val_fraction", val_fraction, 0.1, 0.0, 1.0, low_closed=True,
                                          why=" (0 validates on the test set)")  # fmt: skip
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from attention.errors import UserError
 from datamodules.base import DataError
-from datamodules.formats.pyg import mesh_problems
+from datamodules.formats.pyg import PyGRaw, mesh_problems
 from datamodules.points.base import PointCloudDataModule, PointSource
 from datamodules.points.modelnet40 import MODELNET40_CLASSES
 
@@ -41,7 +41,7 @@ class PyGSource:
         return self.dataset[int(self.index[index])].pos.numpy()  # (npoints, 3), freshly sampled
 
 
-class ModelNet40PyG(PointCloudDataModule):
+class ModelNet40PyG(PyGRaw, PointCloudDataModule):
     """ModelNet40 meshes through ``torch_geometric.datasets.ModelNet`` (layout in the module docstring).
 
     :meth:`prepare_data` processes the raw meshes once into ``<root>/processed``
@@ -56,47 +56,38 @@ class ModelNet40PyG(PointCloudDataModule):
             torch-geometric cannot parse at all stops processing either way.
     """
 
+    raw_what = "ModelNet40 meshes"
+    raw_archive = "ModelNet40.zip"
+    raw_cause = "A mesh file is probably malformed"
+    raw_how = ("Unzip Princeton's ModelNet40.zip (http://modelnet.cs.princeton.edu/ModelNet40.zip) and rename its "
+               "ModelNet40 folder to {raw}, so that {raw}/airplane/train/airplane_0001.off exists; or use "
+               "data=modelnet40 (HDF5, supports data.download=true) or data=shapes offline.")
+
     def __init__(self, root: str, **options):
         super().__init__(root, **options)
         self.num_classes = len(MODELNET40_CLASSES)
         self.class_names = list(MODELNET40_CLASSES)
 
-    def _check_raw(self) -> Path:
-        """Check ``<root>/raw`` has exactly the 40 category folders and some meshes per split."""
-        raw = Path(self.root).expanduser() / "raw"
-        how = (
-            f"Unzip Princeton's ModelNet40.zip (http://modelnet.cs.princeton.edu/ModelNet40.zip) and rename its "
-            f"ModelNet40 folder to {raw}, so that {raw}/airplane/train/airplane_0001.off exists; or use "
-            f"data=modelnet40 (HDF5, supports data.download=true) or data=shapes offline."
-        )
+    def _raw_problem(self, raw: Path) -> str | None:
+        """``raw`` must hold exactly the 40 category folders and some meshes per split."""
         if not raw.is_dir():
-            raise UserError(f"ModelNet40 meshes not found: {raw} does not exist. {how}")
+            return f"ModelNet40 meshes not found: {raw} does not exist."
         present = {p.name for p in raw.iterdir() if p.is_dir()}
         missing = sorted(set(MODELNET40_CLASSES) - present)
         extra = sorted(present - set(MODELNET40_CLASSES))
         if missing or extra:
-            raise UserError(
-                f"{raw} must hold exactly the 40 ModelNet40 category folders (labels are their sorted "
-                f"indices); missing: {missing or 'none'}, unexpected: {extra or 'none'}. {how}"
-            )
+            return (f"{raw} must hold exactly the 40 ModelNet40 category folders (labels are their sorted "
+                    f"indices); missing: {missing or 'none'}, unexpected: {extra or 'none'}.")
         for split in ("train", "test"):
             if not any(next((raw / c / split).glob(f"{c}_*.off"), None) for c in MODELNET40_CLASSES):
-                raise UserError(f"No {split} meshes under {raw}/<category>/{split}/<category>_*.off. {how}")
-        return raw
+                return f"No {split} meshes under {raw}/<category>/{split}/<category>_*.off."
+        return None
 
     def _dataset(self, train: bool):
         from torch_geometric.datasets import ModelNet
         from torch_geometric.transforms import SamplePoints
 
-        raw = self._check_raw()
-        try:
-            return ModelNet(str(raw.parent), name="40", train=train, transform=SamplePoints(self.npoints))
-        except (OSError, ValueError, IndexError, RuntimeError) as err:
-            raise UserError(
-                f"torch-geometric could not process the ModelNet40 meshes under {raw} ({type(err).__name__}: "
-                f"{err}). A mesh file is probably malformed; restore the original ModelNet40.zip contents "
-                f"and delete {raw.parent / 'processed'} to reprocess."
-            ) from None
+        return self._process(lambda root: ModelNet(root, name="40", train=train, transform=SamplePoints(self.npoints)))
 
     def prepare_data(self) -> None:
         """Process the raw meshes into ``<root>/processed`` (once; later runs load it)."""

@@ -52,8 +52,8 @@ transforms, normalisation, :class:`PadCollate`), :mod:`~.sources` (file pairs or
 :class:`SegmentationDataset`), :mod:`~.files` (decoding and folder look-ups), :mod:`~.labels` (mask values);
 one module per dataset: :mod:`~.voc`, :mod:`~.ade20k`, :mod:`~.cityscapes`, :mod:`~.gid`, :mod:`~.blobs`.
 A new dataset is one such module (what it declares: :mod:`~.base`) and one ``configs/data/<name>.yaml`` whose
-``_target_`` names its class (``datamodules.segmentation.<module>.<Class>``; the shipped ones are also exported
-here and by :mod:`datamodules`, whose short ``datamodules.<Class>`` their yamls use).
+``_target_`` names its class by its module path (``datamodules.segmentation.<module>.<Class>``, as the shipped
+ones do; those are also exported here and by :mod:`datamodules`, for imports in Python).
 """
 
 from datamodules.base import DECODE_ERRORS, IMAGENET_MEAN, IMAGENET_STD

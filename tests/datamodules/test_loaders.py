@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from attention.errors import UserError
-from datamodules.base import BadFiles, DataError, DataModule, float_option
+from datamodules.base import BadFiles, DataError, DataModule, choice_option, float_option
 from datamodules.loaders import EpochRandomSampler, ResumableLoader, train_sampling
 
 
@@ -129,6 +129,11 @@ def test_base_option_messages_name_the_option_and_an_example_from_the_signature(
     with pytest.raises(UserError, match=r"data.val_fraction must be a number in \[0, 1\), got 1.0"):
         float_option("val_fraction", 1.0, 0.1, 0.0, 1.0, low_closed=True)
     assert float_option("noise", 0, 0.01, low_closed=True) == 0.0
+    with pytest.raises(UserError, match=r"data.crop_pct must be a number in \(0, 1\], got 1.5; e.g. data.crop_pct=0.8"):
+        float_option("crop_pct", 1.5, 0.875, high=1.0, high_closed=True)
+    assert float_option("crop_pct", 1, 0.875, high=1.0, high_closed=True) == 1.0
+    with pytest.raises(UserError, match=r"data.verify_images must be one of auto, true, false, got 'yes'"):
+        choice_option("verify_images", "yes", ("auto", True, False))
 
 
 def test_bad_files_error_names_the_file_and_skip_counts_and_warns_once(caplog):

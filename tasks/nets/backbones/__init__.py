@@ -16,9 +16,10 @@ config: ``name`` plus options; it replaces the mixer of the stages that use
 local attention (DilateFormer stages 1-2, every Focal stage, every ViT / EAMLP
 block), with the heads of the model's spec. DilateFormer's global stages keep
 ``self`` unless ``model.global_attn`` names another variant. Each class declares
-its paper's mixer (``native_attn``); paper presets of it (DilateFormer:
-``dilations=[1, 2, 3]``; Focal: per-stage ``focal_window``) are set in Python and
-apply only to options left at their ``configs/attn`` value (see :mod:`.common`).
+its paper's mixer (``native_attn``); paper presets of it (Focal: ``window_size``,
+per-stage ``focal_window``, ... as keys of its ``configs/model`` yaml; DilateFormer:
+``dilations=[1, 2, 3]``, in :mod:`.dilateformer`) apply only to options left at
+their ``configs/attn`` value (see :mod:`.common`).
 
 | model | paper | params | GFLOPs (MACs) at 224 | top-1 |
 | --- | --- | --- | --- | --- |

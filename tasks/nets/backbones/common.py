@@ -7,8 +7,11 @@ attention. ``make_mixer`` turns (attn config, width, heads, paper presets) into
 one mixer and turns a failure into a ``UserError`` naming the model, the stage
 and the variant.
 
-Paper presets (e.g. DilateFormer's ``dilations=[1, 2, 3]``, Focal's per-stage
-``focal_window``) live in Python next to the architecture. They apply only when
+Paper presets are options of the model's own mixer that the paper fixes: Focal's
+``window_size``, ``expand_size``, ``focal_level``, per-stage ``focal_window`` and
+``border`` are keys of its spec (``configs/model/focal_t.yaml`` / ``focal_s.yaml``,
+overridable as ``model.<key>=``); DilateFormer's ``kernel_size=3, dilations=[1, 2, 3]``
+(not architecture options) are ``PRESETS`` in :mod:`.dilateformer`. They apply only when
 ``attn`` is the model's native variant, and only to options that still hold
 their ``configs/attn/<variant>.yaml`` value: an option set on the command line
 (``attn.dilations=[1,2]``) wins. ``attn.heads`` is always replaced by the
