@@ -52,6 +52,3 @@ class EANetResidual(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.relu(x + self.conv_out(mix_map(self.mixer, self.conv_in(x))))
-
-
-BLOCKS = {"eanet": EANetResidual, "scaled": ScaledResidual}  # model.block of the segmentation head

@@ -23,8 +23,11 @@ normalised on its own (``separate_qkv``); ``attn=external`` is EAGAN.
 StudioGAN's ``DiscBlock`` applies ``nn.ReLU(inplace=True)`` to its input after
 keeping it for the shortcut, so the shortcut (conv1x1 or identity) receives
 relu(x). That is the default here (``model.d_shortcut=studiogan``), the function
-its published weights compute; ``textbook`` gives the shortcut x. Both are held
-equal to StudioGAN's forward, written out in ``tests/tasks/test_sagan.py``.
+its published weights compute; ``textbook`` gives the shortcut x. The default is
+held equal to StudioGAN's forward (transliterated in float64, spectral norms on,
+its weights loaded from a StudioGAN-layout checkpoint) in
+``tests/tasks/test_sagan_official.py``; ``textbook`` is not StudioGAN's function,
+and that test only checks that, with the same weights, its output differs.
 
 Class-conditional batch norm (``conditional=True``): BN without affine
 (eps 1e-4 as StudioGAN), then ``out * (1 + gain(y)) + bias(y)`` with ``gain``
@@ -152,14 +155,22 @@ def from_studiogan(state: Mapping[str, torch.Tensor], net: nn.Module, tops: Mapp
     norm's ``weight_orig``/``weight_u``/``weight_v`` become the parametrization's ``original``/``_u``/``_v``, 1x1
     attention convs (O, I, 1, 1) the mixer's linears (O, I), and an unconditional BN ``bn1`` the ``bn1.bn`` of
     :class:`ConditionalBatchNorm2d`. ``tops`` renames the layers outside the blocks.
+
+    A state dict that is not a StudioGAN file of this network's kind (none of its keys under a layer of ``tops``:
+    the network's own layout, the other network's file, any other file) is returned as it is, so that the loader
+    names its missing and unexpected keys; one that is, but places its attention elsewhere, is refused naming
+    ``model.<option>``.
     """
+    if not any(k.split(".")[0] in tops for k in state):
+        return dict(state)
     indices = sorted({int(k.split(".")[1]) for k in state if k.startswith("blocks.")})
     attention_at = sorted({int(k.split(".")[1]) for k in state if k.split(".")[3:4] == ["conv1x1_theta"]})
     residual = [i for i in indices if i not in attention_at]
     found = [residual.index(i - 1) + 1 for i in attention_at if i - 1 in residual] or [None]
     if found != [net.attn_block]:
-        raise UserError(f"model.{option}: the StudioGAN file places self-attention after block {found[0]}, the "
-                        f"network after block {net.attn_block}; set model.{option}={found[0]} to load it.")
+        where = f"after block {found[0]}" if found[0] else "nowhere"
+        raise UserError(f"model.{option}: the StudioGAN file places self-attention {where}, the network after "
+                        f"block {net.attn_block}; set model.{option}={found[0] or 'null'} to load it.")
     out = {}
     for key, value in state.items():
         parts = key.split(".")

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from attention.errors import UserError
 from tasks.nets.backbones import build_backbone
 from tasks.nets.weights import load_weights
 
@@ -164,3 +165,36 @@ def test_eamlp_14_parameters_and_released_key_layout():
     assert len(state) == 262
     ours.load_state_dict(ours.from_official(state), strict=True)
     assert torch.equal(ours.blocks[13].attn.mem_v, state["blocks.13.attn.linear_1.weight"].T)
+
+
+def test_files_that_do_not_fit_eamlp_are_refused_with_the_keys_named(tmp_path):
+    """T2T-ViT's own layout (tokens_type="performer" but MHSA blocks: ``attn.qkv``, a C x C ``proj``) and an EAMLP
+    file with one block fewer: one message each, naming the missing, unexpected and mis-shaped keys."""
+    official = T2TViT(32, 48, 2, 2, 3.0, 16, classes=10)
+    ours = build_backbone({"name": "eamlp", **SMALL}, {"name": "external"}, num_classes=10, img_size=32)
+    before = {k: v.clone() for k, v in ours.state_dict().items()}
+    t2t = {k: v for k, v in official.state_dict().items() if not (k.startswith("blocks.") and ".attn." in k)}
+    for i in range(2):  # T2T-ViT's transformer_block.Attention: qkv (3C, C) without bias, proj (C, C)
+        t2t.update({f"blocks.{i}.attn.qkv.weight": torch.zeros(3 * 48, 48),
+                    f"blocks.{i}.attn.proj.weight": torch.zeros(48, 48), f"blocks.{i}.attn.proj.bias": torch.zeros(48)})
+    torch.save({"state_dict_ema": t2t, "state_dict": t2t, "epoch": 309}, tmp_path / "t2t_vit_14.pth.tar")
+    with pytest.raises(UserError) as err:
+        load_weights(ours, str(tmp_path / "t2t_vit_14.pth.tar"))
+    message = str(err.value)
+    assert "\n" not in message and f"model.weights={tmp_path / 't2t_vit_14.pth.tar'} does not fit" in message
+    assert ("missing 8 (blocks.0.attn.mem_k, blocks.0.attn.mem_v, blocks.0.attn.q.weight, blocks.0.attn.q.bias, "
+            "blocks.1.attn.mem_k and 3 more)") in message
+    assert "unexpected 2 (blocks.0.attn.qkv.weight, blocks.1.attn.qkv.weight)" in message
+    assert "wrong shape 2 (blocks.0.attn.proj.weight (48, 48) (the network's: (48, 192))" in message
+    assert "a dict with keys ['state_dict_ema', 'state_dict', 'epoch'] whose 'state_dict' is a state dict" in message
+    assert "MenghaoGuo/EANet, EAMLP/: T2T_ViT with tokens_type='performer'" in message
+
+    shallow = {k: v for k, v in official.state_dict().items() if not k.startswith("blocks.1.")}
+    torch.save({"state_dict": shallow}, tmp_path / "eamlp_depth1.pth.tar")
+    with pytest.raises(UserError) as err:
+        load_weights(ours, str(tmp_path / "eamlp_depth1.pth.tar"))
+    message = str(err.value)
+    assert "nearest: its official key layout" in message and "unexpected none; wrong shape none" in message
+    assert ("missing 14 (blocks.1.norm1.weight, blocks.1.norm1.bias, blocks.1.attn.mem_k, blocks.1.attn.mem_v, "
+            "blocks.1.attn.q.weight and 9 more)") in message
+    assert all(torch.equal(v, before[k]) for k, v in ours.state_dict().items())  # a refused file changes nothing

@@ -338,6 +338,50 @@ def test_focal_t_keys_and_parameters_are_the_official_ones():
     assert sorted(mapped) == sorted(own) and all(mapped[k].shape == own[k].shape for k in own)
 
 
+
+def test_focal_s_released_layout_is_placed_key_for_key():
+    """Focal-S at 224 (configs/focal_small_patch4_window7_224.yaml: depths [2, 2, 18, 2]), in the layout of
+    focal-small-is224-ws7.pth: 496 tensors, of which the 70 index buffers (functions of the window sizes) are
+    dropped and the other 426 each placed on one of ours, shapes equal; 51.1M parameters on both sides."""
+    official = FocalTransformer(224, 1000, 96, [2, 2, 18, 2], [3, 6, 12, 24], 7, [2, 2, 2, 2], [7, 5, 3, 1],
+                                [3, 3, 3, 3])
+    ours = build_backbone({"name": "focal_s"}, {"name": "focal"}, num_classes=1000, img_size=224)
+    counted = sum(p.numel() for p in official.parameters())
+    assert counted == sum(p.numel() for p in ours.parameters()) == 51_141_940
+    state = official.state_dict()
+    released = {  # names and shapes as released, at the stages' edges: expansion, pooling, the one-window stage 4
+        "patch_embed.proj.weight": (96, 3, 4, 4),
+        "layers.0.blocks.0.attn.relative_position_bias_table_to_neighbors": (1, 3, 49, 132),
+        "layers.0.blocks.0.attn.relative_position_bias_table_to_windows.0": (3, 169),
+        "layers.0.blocks.0.pool_layers.0.weight": (1, 49),
+        "layers.2.blocks.17.attn.qkv.weight": (1152, 384),
+        "layers.2.downsample.proj.weight": (768, 384, 2, 2),
+        "layers.3.blocks.1.attn.relative_position_bias_table": (169, 24),
+        "layers.3.blocks.1.attn.relative_position_bias_table_to_windows.0": (24, 49),
+        "head.weight": (1000, 768),
+    }
+    assert {k: tuple(state[k].shape) for k in released} == released
+    assert "layers.3.blocks.1.attn.relative_position_bias_table_to_neighbors" not in state  # 7 x 7: no expansion
+    buffers = [k for k in state if k.split(".")[-1].startswith(("relative_position_index", "valid_ind_"))]
+    assert len(state) == 496 and len(buffers) == 70
+    g = torch.Generator().manual_seed(0)
+    state.update({k: torch.randn(state[k].shape, generator=g) for k in released})  # tell the placed tensors apart
+    mapped, own = ours.from_official(state), ours.state_dict()
+    assert len(mapped) == len(state) - len(buffers) == len(own) == 426
+    assert sorted(mapped) == sorted(own) and all(mapped[k].shape == own[k].shape for k in own)
+    ours.load_state_dict(mapped, strict=True)
+    placed = {"patch_embed.proj.weight": "stem.proj.weight",
+              "layers.0.blocks.0.attn.relative_position_bias_table_to_neighbors":
+                  "stages.0.blocks.0.attn.relative_position_bias_table_to_neighbors",
+              "layers.0.blocks.0.pool_layers.0.weight": "stages.0.blocks.0.attn.pool_layers.0.weight",
+              "layers.2.blocks.17.attn.qkv.weight": "stages.2.blocks.17.attn.qkv.weight",
+              "layers.2.downsample.proj.weight": "downsamples.2.proj.weight",
+              "layers.3.blocks.1.attn.relative_position_bias_table_to_windows.0":
+                  "stages.3.blocks.1.attn.relative_position_bias_table_to_windows.0",
+              "head.weight": "head.weight"}
+    loaded = ours.state_dict()
+    assert all(torch.equal(loaded[o], state[k]) for k, o in placed.items())
+
 def test_a_wrong_file_gets_the_loaders_message(tmp_path):
     official = official_small(False)
     state = official.state_dict()

@@ -263,6 +263,7 @@ def test_gan_run_records_kid_precision_recall_and_their_protocol(env, tmp_path):
     assert p["kid_subsets"] == 5 and p["kid_subset_size"] == "min(1000, generated, reference images)"
     assert p["kid_kernel"] == "poly degree 3 gamma 1/2048 coef0 1"
     assert p["prc"] == "k=3, vgg16 fc2_relu (random weights, not comparable)"
+    assert p["fid_samples"] == 8 and p["fid_reference"] == "train split (first 8)"  # eval.num_samples, reference
     for key in ("val/kid", "val/precision", "test/kid_std", "test/recall"):
         assert key in metrics and np.isfinite(metrics[key]), key
     # the test numbers are the metrics of the saved samples against the cached reference features

@@ -179,3 +179,69 @@ def test_one_stacked_qkv_would_normalise_the_stack_not_each_layer():
         mixer_t.qkv.parametrizations.weight.original.copy_(w)
         q, k, v = (m.weight for m in (mixer_s.q, mixer_s.k, mixer_s.v))
         assert not torch.allclose(mixer_t.qkv.weight, torch.cat([q, k, v]))
+
+
+def refusal(net, path, option):
+    """The loader's one-line message for a file that ``net`` refuses; the network is left as it was."""
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.raises(UserError) as err:
+        load_weights(net, str(path), option)
+    assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
+    message = str(err.value)
+    assert "\n" not in message and f"{option}={path} does not fit a " in message
+    return message
+
+
+def test_studiogan_discriminator_files_that_do_not_fit_are_named(tmp_path):
+    released(StudioDiscriminator(k=10, c=32), tmp_path / "D.pth", 0)
+    released(StudioGenerator(k=10, c=32, z=16), tmp_path / "G.pth", 1)
+    # a conditional D into an unconditional one (model.conditional=false): its projection embedding is left over
+    message = refusal(Discriminator(SAGAN_SELF, channels=32, num_classes=0), tmp_path / "D.pth", "model.d_weights")
+    assert "nearest: its official key layout" in message and "missing none" in message
+    assert ("unexpected 3 (embedding.parametrizations.weight.original, embedding.parametrizations.weight.0._u, "
+            "embedding.parametrizations.weight.0._v)") in message
+    assert "a dict with keys ['state_dict', 'seed', 'step', 'best_fid'] whose 'state_dict' is a state dict of 60 " \
+           "tensors" in message and "StudioGAN's discriminator checkpoints, model=D-*.pth" in message
+    # other widths (model.d_channels): every mis-shaped tensor counted, the first named with both shapes
+    message = refusal(Discriminator(SAGAN_SELF, channels=16, num_classes=10), tmp_path / "D.pth", "model.d_weights")
+    assert "missing none; unexpected none; wrong shape 54 (blocks.0.shortcut.bias (32,) (the network's: (16,))" \
+           in message
+    # the generator's file passed as the discriminator's: named as such, not taken for a misplaced attention block
+    message = refusal(Discriminator(SAGAN_SELF, channels=32, num_classes=10), tmp_path / "G.pth", "model.d_weights")
+    assert "missing 60 (blocks.0.conv1.bias" in message
+    assert "unexpected 116 (linear0.bias, linear0.weight_orig, linear0.weight_u, linear0.weight_v" in message
+    assert "d_attn_block" not in message
+
+
+def test_g_ema_weights_load_the_ema_generator_and_wrong_files_are_named(tmp_path):
+    from tasks.gan import GAN
+
+    def task(ema):
+        torch.manual_seed(0)
+        return GAN(num_classes=10, class_names=[str(i) for i in range(10)], resolution=32,
+                   model={"conditional": True, "z_dim": 16, "g_channels": 32, "d_channels": 32}, attn=SAGAN_SELF,
+                   optim={}, ema={"enabled": ema, "decay": 0.999, "start": 0}, grid_per_class=1)
+
+    official = released(StudioGenerator(k=10, c=32, z=16), tmp_path / "G_ema.pth", 2)
+    released(StudioDiscriminator(k=10, c=32), tmp_path / "D.pth", 0)
+    gan = task(ema=True)
+    g_before = {k: v.clone() for k, v in gan.G.state_dict().items()}
+    assert gan.load_weights({"g_weights": None, "d_weights": None,
+                             "g_ema_weights": str(tmp_path / "G_ema.pth")}) == {"g_ema_weights": "official"}
+    assert all(torch.equal(v, g_before[k]) for k, v in gan.G.state_dict().items())  # G keeps its own weights
+    z, y = torch.randn(2, 16, dtype=torch.float64), torch.tensor([1, 8])
+    with torch.no_grad():  # the evaluated generator is StudioGAN's G_ema
+        torch.testing.assert_close(gan.generator.double().eval()(z, y), official(z, y), rtol=1e-10, atol=1e-10)
+
+    gan = task(ema=True)  # StudioGAN's discriminator file passed as the EMA generator's
+    message = refusal(gan.G_ema.module, tmp_path / "D.pth", "model.g_ema_weights")
+    assert "a Generator (nearest: its own key layout)" in message and "missing 116 (linear.bias" in message
+    assert "unexpected 60 (blocks.0.0.conv2d0.bias, blocks.0.0.conv2d0.weight_orig" in message
+    assert "g_attn_block" not in message and "StudioGAN's generator checkpoints" in message
+    with pytest.raises(UserError, match=r"model\.g_ema_weights=.*does not fit a Generator.*unexpected 60"):
+        gan.load_weights({"g_ema_weights": str(tmp_path / "D.pth")})  # through the task: the same message
+    torch.save(gan.G.state_dict(), tmp_path / "own.pth")  # a generator this suite saved: its own layout loads
+    assert load_weights(gan.G_ema.module, str(tmp_path / "own.pth"), "model.g_ema_weights") == "own"
+    with pytest.raises(UserError, match=r"model\.g_ema_weights is given but the generator EMA is off.*"
+                                        r"ema\.enabled=true"):
+        task(ema=False).load_weights({"g_ema_weights": str(tmp_path / "G_ema.pth")})

@@ -8,6 +8,7 @@ import pytest
 import timm
 import torch
 
+from attention.errors import UserError
 from tasks.nets.backbones import build_backbone
 from tasks.nets.weights import load_weights
 
@@ -54,3 +55,32 @@ def test_released_layout_fits_the_full_size_model():
     assert {k: tuple(v.shape) for k, v in mapped.items()} == {k: tuple(v.shape) for k, v in own.items()}
     assert tuple(official["patch_embed.proj.weight"].shape) == (384, 3, 16, 16)  # timm's PatchEmbed: renamed
     assert tuple(official["pos_embed"].shape) == (1, 197, 384)
+
+
+def test_files_that_do_not_fit_deit_s_are_refused_with_the_keys_named(tmp_path):
+    """DeiT's distilled DeiT-S (a distillation token and a second head), and a DeiT-S file with fewer blocks: one
+    message each, naming the keys that are missing, unexpected or of the wrong shape, and what the file holds."""
+    ours = build_backbone({"name": "vit_s", **SMALL}, {"name": "self"}, num_classes=10, img_size=64)
+    before = {k: v.clone() for k, v in ours.state_dict().items()}
+    distilled = timm.create_model("deit_small_distilled_patch16_224", pretrained=False, num_classes=10, img_size=64,
+                                  **SMALL)
+    torch.save({"model": distilled.state_dict(), "epoch": 299}, tmp_path / "deit_distilled.pth")
+    with pytest.raises(UserError) as err:
+        load_weights(ours, str(tmp_path / "deit_distilled.pth"))
+    message = str(err.value)
+    assert "\n" not in message and f"model.weights={tmp_path / 'deit_distilled.pth'} does not fit" in message
+    assert "missing none" in message
+    assert "unexpected 3 (dist_token, head_dist.weight, head_dist.bias)" in message
+    assert "wrong shape 1 (pos_embed (1, 18, 384) (the network's: (1, 17, 384)))" in message  # two prefix tokens
+    assert "a dict with keys ['model', 'epoch'] whose 'model' is a state dict of" in message
+    assert "facebookresearch/deit, timm's deit_small_patch16_224 layout" in message  # what the network does read
+
+    shallow = timm.create_model("deit_small_patch16_224", pretrained=False, num_classes=10, img_size=64, depth=1)
+    torch.save({"model": shallow.state_dict()}, tmp_path / "deit_depth1.pth")
+    with pytest.raises(UserError) as err:
+        load_weights(ours, str(tmp_path / "deit_depth1.pth"))
+    message = str(err.value)
+    assert "\n" not in message and "nearest: its official key layout" in message
+    assert "missing 12 (blocks.1.norm1.weight, blocks.1.norm1.bias, blocks.1.attn.qkv.weight" in message
+    assert "unexpected none; wrong shape none" in message
+    assert all(torch.equal(v, before[k]) for k, v in ours.state_dict().items())  # a refused file changes nothing

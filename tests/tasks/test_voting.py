@@ -242,6 +242,18 @@ def test_run_records_the_votes_in_metrics_json(env, tmp_path):  # noqa: F811 - e
                "eval.vote_scale=[1.2, 0.8] is not valid", "configs/task/shapenet.yaml")
 
 
+
+def test_shapenet_run_records_the_votes_in_metrics_json(env, tmp_path):  # noqa: F811 - env is a fixture
+    run(["experiment=parts_demo", "data.num_categories=2", "data.train_per_category=2", "data.val_per_category=2",
+         "data.test_per_category=2", "data.npoints=64", "data.batch_size=4", "data.eval_batch_size=4",
+         "trainer.max_epochs=1", "trainer.enable_progress_bar=false", "logger=none", "eval.votes=2",
+         f"hydra.run.dir={tmp_path / 'run'}"], env)
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    p = metrics["protocol"]
+    assert p["tta"] == "vote x2, anisotropic scale [0.87, 1.15]" and p["votes"] == 2
+    assert p["points"] == 64 and p["restrict_to_category"] is True and p["split"] == "test"
+    assert 0.0 <= metrics["test/imiou"] <= 1.0 and 0.0 <= metrics["test/cmiou"] <= 1.0
+
 def test_protocol_names_votes_range_and_rule():
     from suite.run_record import protocol
 
