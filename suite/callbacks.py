@@ -40,8 +40,8 @@ class TrainThroughput(L.pytorch.callbacks.Callback):
     (data loading included); validation, each epoch's first batch and batches during which ``torch.compile``
     compiled are left out.
 
-    ``window`` > 0: ``train/samples_per_sec`` is logged (per step, written every ``log_every_n_steps``) as the rate
-    over the last ``window`` counted batches; 0: nothing is logged, the whole-run :meth:`rate` is still kept.
+    ``window`` > 0: ``train/samples_per_sec`` goes to the loggers every ``log_every_n_steps`` as the rate over the
+    last ``window`` counted batches; 0: nothing is logged, the whole-run :meth:`rate` is still kept.
     """
 
     def __init__(self, window: int = 10):
@@ -69,11 +69,11 @@ class TrainThroughput(L.pytorch.callbacks.Callback):
             self.samples += self._pending
             self.seconds += seconds
             self._recent.append((self._pending, seconds))
-            if self.window:
+            if self.window and trainer._logger_connector.should_update_logs:
                 samples, spent = map(sum, zip(*self._recent))
-                if spent > 0:
-                    pl_module.log(HISTORY_KEY, samples / spent, on_step=True, on_epoch=False,
-                                  batch_size=self._pending)
+                if spent > 0:  # to the loggers only, as Lightning's ThroughputMonitor logs: a measurement of this
+                    # run, not a result, so not among the metrics that metrics.json and checkpoints compare
+                    trainer._logger_connector.log_metrics({HISTORY_KEY: samples / spent})
         self._first = False
         self._start = time.perf_counter()
 

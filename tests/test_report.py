@@ -155,23 +155,30 @@ def test_throughput_meter_logs_its_window_and_keeps_the_whole_run_rate(monkeypat
     monkeypatch.setattr(callbacks.time, "perf_counter", lambda: now[0])
     batch = {"points": torch.zeros(4, 3)}
 
-    class Module:
-        logged = []
+    class Connector:  # Lightning's logger connector, as the trainer holds it
+        should_update_logs = True
 
-        def log(self, key, value, **kwargs):
-            self.logged.append((key, value))
+        def __init__(self):
+            self.logged = []
+
+        def log_metrics(self, metrics):
+            self.logged += metrics.items()
+
+    class Trainer:
+        def __init__(self):
+            self._logger_connector = Connector()
 
     for window, expected in ((1, [4 / 1.5, 4 / 0.5]), (10, [4 / 1.5, 8 / 2.0])):
-        meter, module = callbacks.TrainThroughput(window), Module()
-        module.logged = []
-        meter.on_train_epoch_start(None, module)
+        meter, trainer = callbacks.TrainThroughput(window), Trainer()
+        meter.on_train_epoch_start(trainer, None)
         for start, end in ((0.0, 1.0), (1.5, 2.5), (2.5, 3.0)):  # the 2nd waited 0.5 s for its data
             now[0] = start
-            meter.on_train_batch_start(None, module, batch, 0)
+            meter.on_train_batch_start(trainer, None, batch, 0)
             now[0] = end
-            meter.on_train_batch_end(None, module, None, batch, 0)
-        assert [k for k, _ in module.logged] == ["train/samples_per_sec"] * 2
-        assert [v for _, v in module.logged] == pytest.approx(expected)
+            meter.on_train_batch_end(trainer, None, None, batch, 0)
+        logged = trainer._logger_connector.logged
+        assert [k for k, _ in logged] == ["train/samples_per_sec"] * 2
+        assert [v for _, v in logged] == pytest.approx(expected)
         assert meter.rate() == pytest.approx(8 / 2.0)
     silent = callbacks.TrainThroughput(window=0)
     assert silent.rate() is None
@@ -428,6 +435,11 @@ def test_protocol_per_task():
     assert p["eval_mode"] == "slide" and p["scales"] == [0.5, 1.0] and p["flip"] is True
     pct = {"task": {"name": "modelnet"}, "data": {"_target_": "datamodules.ModelNet40", "val_fraction": 0.0}}
     assert protocol(pct)["selected_on"] == "test"  # PCT's reference validates on the test split
+    # The data module's class says whether its "test" split is its validation split (no public test labels).
+    for target, split in (("datamodules.classification.imagenet.ImageNet", "val"),  # inherited from folders
+                          ("datamodules.points.shapes.Shapes", "test"), ("no.such.DataModule", "test")):
+        p = protocol({"task": {"name": "classification"}, "data": {"_target_": target}})
+        assert p["split"] == split and p["selected_on"] == ("test" if split == "val" else "val"), target
 
 
 def test_report_runs_with_commas_become_a_list():
