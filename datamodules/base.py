@@ -245,6 +245,9 @@ class DataModule(L.LightningDataModule):
     # dropped. False: the last partial batch is dropped only when the split exceeds one batch.
     full_train_batches: bool = True
     sample_noun: str = "samples"  # what messages call one sample
+    # True: the data set has no public test labels, so its "test" split is its validation split; the run's recorded
+    # protocol then says the test metrics were measured on val (suite/run_record.py).
+    test_split_is_val: bool = False
 
     def __init__(self, batch_size: int, eval_batch_size: int | None, num_workers: int, seed: int,
                  on_bad_file: str = "error"):  # fmt: skip

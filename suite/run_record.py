@@ -41,8 +41,15 @@ def quality_metrics(metrics_json: dict) -> dict:
     return {k: v for k, v in metrics_json.items() if k not in RECORD_KEYS}
 
 
-# Data sets without public test labels: their "test" metrics are measured on the validation split.
-VAL_IS_TEST_SPLIT = {"VOC", "ADE20K", "Cityscapes", "ImageNet", "FolderClassification"}
+def test_split_is_val(config: dict) -> bool:
+    """Whether the run's data module declares that its "test" split is its validation split (no public test
+    labels: ``test_split_is_val`` on the class); False when the class cannot be imported (a run of another version)."""
+    from hydra.utils import get_class
+
+    try:
+        return bool(getattr(get_class(str((config.get("data") or {}).get("_target_"))), "test_split_is_val", False))
+    except Exception:  # noqa: BLE001 - an unknown class is a data set that says nothing
+        return False
 
 
 def data_name(config: dict) -> str:
@@ -81,9 +88,9 @@ def protocol(config: dict, tested: str | None = None) -> dict:
     """
     task = (config.get("task") or {}).get("name")
     data = config.get("data") or {}
-    name = data_name(config)
     p = {"checkpoint": checkpoint_choice(config, tested)}
-    val_is_test = (name in VAL_IS_TEST_SPLIT or data.get("val_fraction") == 0 or bool(data.get("trainval"))
+    on_val = test_split_is_val(config)
+    val_is_test = (on_val or data.get("val_fraction") == 0 or bool(data.get("trainval"))
                    or ("val_size" in data and not data.get("val_size")))
     if task == "gan":
         metrics, evaluation = config.get("metrics") or {}, config.get("eval") or {}
@@ -114,7 +121,7 @@ def protocol(config: dict, tested: str | None = None) -> dict:
                 "" if vgg is None else f" ({vgg} weights, not comparable)" if str(vgg).startswith("random")
                 else f" ({Path(str(vgg)).name})")
         return p
-    p.update(split="val" if name in VAL_IS_TEST_SPLIT else "test", selected_on="test" if val_is_test else "val")
+    p.update(split="val" if on_val else "test", selected_on="test" if val_is_test else "val")
     if task in ("modelnet", "shapenet"):
         voting = config.get("eval") or {}
         votes = int(voting.get("votes") or 1)

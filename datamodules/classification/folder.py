@@ -27,6 +27,8 @@ class FolderClassification(ClassificationDataModule):
         Others: see :class:`ClassificationDataModule`.
     """
 
+    test_split_is_val = True  # no public test labels: "test" is the validation split
+
     name = "image folder"
     how_to_get = ("Arrange the images as <root>/train/<class>/<image> and <root>/val/<class>/<image> "
                   "and set data.root to <root>.")

@@ -54,6 +54,8 @@ class ADE20K(SegDataModule):
     Args: ``root`` (above); the others: see :class:`SegDataModule`.
     """
 
+    test_split_is_val = True  # no public test labels: "test" is the validation split
+
     name = "ade20k"
     class_names = ADE20K_CLASSES
     palette = bit_colormap(len(ADE20K_CLASSES) + 1)[1:]  # skip black

@@ -59,6 +59,8 @@ class Cityscapes(SegDataModule):
         options: the others, see :class:`SegDataModule`.
     """
 
+    test_split_is_val = True  # no public test labels: "test" is the validation split
+
     name = "cityscapes"
     class_names = CITYSCAPES_CLASSES
     palette = CITYSCAPES_PALETTE

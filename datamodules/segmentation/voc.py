@@ -51,6 +51,8 @@ class VOC(SegDataModule):
         options: the others, see :class:`SegDataModule`.
     """
 
+    test_split_is_val = True  # no public test labels: "test" is the validation split
+
     name = "voc"
     class_names = VOC_CLASSES
     palette = bit_colormap(len(VOC_CLASSES))
