@@ -85,7 +85,8 @@ class Task(L.LightningModule):
                 net = self
                 for name in self.weights_options[option].split("."):
                     net = getattr(net, name)
-                loaded[option] = load_weights(net, str(path), f"model.{option}")
+                loaded[option] = load_weights(net, str(path), f"model.{option}",
+                                              prefixes=[self.weights_options[option] + "."])  # this task's ckpt
         return loaded
 
     @classmethod

@@ -105,16 +105,17 @@ def _listed(keys: list[str]) -> str:
 
 
 def load_weights(net: nn.Module, path: str, option: str = "model.weights", skip: Sequence[str] = (),
-                 name: str | None = None) -> str:
+                 name: str | None = None, prefixes: Sequence[str] = ()) -> str:
     """Load the weights file ``path`` into ``net`` (module docstring); returns which layout it was in.
 
     ``skip``: key prefixes left out on both sides (a classifier that a fine-tuning run replaces); ``name``: the
-    network as the user chose it (``model.backbone=resnet50``), for messages.
+    network as the user chose it (``model.backbone=resnet50``), for messages; ``prefixes``: where the network sits
+    in its task's own checkpoints (``G.`` in a ``task=gan`` checkpoint), tried before :data:`TASK_PREFIXES`.
     """
     state, what = read_state(path, option)
     own = net.state_dict()
     candidates = {"own": state}
-    for prefix in TASK_PREFIXES:  # a task checkpoint (Lightning): its network's entries, without the rest
+    for prefix in dict.fromkeys([*prefixes, *TASK_PREFIXES]):  # a task checkpoint: its network's entries only
         if any(k.startswith(prefix) for k in state):
             candidates[f"own ({prefix})"] = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
     if hasattr(net, "from_official"):

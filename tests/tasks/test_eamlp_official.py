@@ -198,3 +198,12 @@ def test_files_that_do_not_fit_eamlp_are_refused_with_the_keys_named(tmp_path):
     assert ("missing 14 (blocks.1.norm1.weight, blocks.1.norm1.bias, blocks.1.attn.mem_k, blocks.1.attn.mem_v, "
             "blocks.1.attn.q.weight and 9 more)") in message
     assert all(torch.equal(v, before[k]) for k, v in ours.state_dict().items())  # a refused file changes nothing
+
+    # A memory block whose projection is missing: linear_1's bias cannot be folded into it, and is named, not a crash.
+    no_proj = {k: v for k, v in official.state_dict().items() if not k.startswith("blocks.1.attn.proj.")}
+    torch.save({"state_dict": no_proj}, tmp_path / "eamlp_no_proj.pth.tar")
+    with pytest.raises(UserError) as err:
+        load_weights(ours, str(tmp_path / "eamlp_no_proj.pth.tar"))
+    message = str(err.value)
+    assert "missing 2 (blocks.1.attn.proj.weight, blocks.1.attn.proj.bias)" in message
+    assert "unexpected 1 (blocks.1.attn.linear_1.bias)" in message

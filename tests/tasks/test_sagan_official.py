@@ -245,3 +245,28 @@ def test_g_ema_weights_load_the_ema_generator_and_wrong_files_are_named(tmp_path
     with pytest.raises(UserError, match=r"model\.g_ema_weights is given but the generator EMA is off.*"
                                         r"ema\.enabled=true"):
         task(ema=False).load_weights({"g_ema_weights": str(tmp_path / "G_ema.pth")})
+
+
+def test_a_gan_checkpoint_of_this_suite_gives_each_network_its_own_part(tmp_path):
+    """A task=gan Lightning checkpoint (keys under G., D., G_ema.module.) as model.g_weights / d_weights /
+    g_ema_weights: each network takes its own entries, every tensor placed."""
+    from tasks.gan import GAN
+
+    def task(seed):
+        torch.manual_seed(seed)
+        return GAN(num_classes=10, class_names=[str(i) for i in range(10)], resolution=32,
+                   model={"conditional": True, "z_dim": 16, "g_channels": 32, "d_channels": 32}, attn=SAGAN_SELF,
+                   optim={}, ema={"enabled": True, "decay": 0.999, "start": 0}, grid_per_class=1)
+
+    trained = task(0)
+    with torch.no_grad():
+        for p in trained.G_ema.module.parameters():  # the EMA apart from G, so a wrong pick shows
+            p.add_(1.0)
+    torch.save({"state_dict": trained.state_dict(), "epoch": 3}, tmp_path / "gan.ckpt")
+    fresh = task(1)
+    path = str(tmp_path / "gan.ckpt")
+    layouts = fresh.load_weights({"g_weights": path, "d_weights": path, "g_ema_weights": path})
+    assert layouts == {"g_weights": "own (G.)", "d_weights": "own (D.)", "g_ema_weights": "own (G_ema.module.)"}
+    for name in ("G", "D", "G_ema"):
+        ours, theirs = getattr(fresh, name).state_dict(), getattr(trained, name).state_dict()
+        assert all(torch.equal(ours[k], theirs[k]) for k in theirs), name

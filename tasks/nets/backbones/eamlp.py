@@ -168,7 +168,11 @@ class EAMLP(Backbone):
         for key, bias in state.items():  # fold linear_1's bias into proj's
             if key.endswith("attn.linear_1.bias"):
                 prefix = key.replace("tokens_to_token.attention", "tokens_to_token.block")[:-len("linear_1.bias")]
-                weight, proj_bias = (state[key.replace("linear_1.bias", f"proj.{n}")] for n in ("weight", "bias"))
+                names = [key.replace("linear_1.bias", f"proj.{n}") for n in ("weight", "bias")]
+                if not all(n in state for n in names):  # not EAMLP's block: kept, so the loader names the keys
+                    out[prefix + "linear_1.bias"] = bias
+                    continue
+                weight, proj_bias = (state[n] for n in names)
                 out[prefix + "proj.bias"] = proj_bias + weight @ bias.repeat(weight.shape[1] // len(bias))  # H*d
         return out
 
