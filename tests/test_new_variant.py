@@ -5,7 +5,8 @@ The proof is done on a copy of the repository (never on the repository itself): 
 is copied to a module registering ``external_copy`` and ``configs/attn/external.yaml`` to
 ``configs/attn/external_copy.yaml``; nothing else in the copy changes. Then, each in a fresh process in the copy:
 
-- ``pytest tests/attention/test_mixers.py -k external_copy``: the contract tests run on it, and pass;
+- ``pytest tests/attention/test_mixers.py -k external_copy``: the contract tests run on it, and pass; so do the
+  task networks' registry-parametrised tests (segmentation head, SAGAN G and D, every backbone; half precision);
 - ``python -m suite.sweep modelnet``: the sweep's ``attn`` values list it;
 - ``benchmarks.cost`` at the smallest sizes (its ``mode=bench`` settings, composed as ``run.py`` composes them):
   it is measured, and held to the exponent goal of the complexity its class declares.
@@ -87,6 +88,20 @@ def test_the_registry_parametrised_tests_take_it(copy):
                  "test_unknown_option[{}]"):
         assert test.format(NEW) in passed, f"{test.format(NEW)} did not pass:\n{out[-3000:]}"
     assert "failed" not in out.splitlines()[-1]
+
+
+def test_the_task_networks_take_it(copy):
+    """Every task network's registry-parametrised test builds it and trains a step through it."""
+    files = ["tests/tasks/test_segnet.py", "tests/tasks/test_sagan.py", "tests/tasks/test_backbones.py",
+             "tests/test_precision.py"]
+    out = run(["-m", "pytest", "-v", "-p", "no:cacheprovider", *files, "-k", NEW], copy)
+    passed = {line.split(" PASSED")[0].strip() for line in out.splitlines() if " PASSED" in line}
+    for test in ("tests/tasks/test_segnet.py::test_every_variant_in_the_head[{}]",
+                 "tests/tasks/test_sagan.py::test_every_variant_in_generator_and_discriminator[True-{}]",
+                 "tests/tasks/test_backbones.py::test_every_variant_in_every_model[dilateformer_t-{}]"):
+        assert test.format(NEW) in passed, f"{test.format(NEW)} did not pass:\n{out[-3000:]}"
+    assert any(name.startswith("tests/test_precision.py::") for name in passed), out[-3000:]
+    assert "failed" not in out.splitlines()[-1] and "error" not in out.splitlines()[-1]
 
 
 def test_the_sweeps_take_it(copy):
