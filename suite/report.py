@@ -396,6 +396,9 @@ def group_runs(runs: list[Run]) -> list[Group]:
                 context = tuple((k, flat.get(k, "<unset>")) for k in shown if not k.startswith("attn."))
                 by_key[key] = Group(task, data, label(run, shown), str(flat.get("attn.name")), context, run.protocol)
             by_key[key].runs.append(run)
+        for group in by_key.values():  # seeds in order, whichever order the folders were read in
+            group.runs.sort(key=lambda r: (not isinstance(r.seed, int), r.seed if isinstance(r.seed, int) else 0,
+                                           str(r.seed), r.path))
         groups += sorted(by_key.values(), key=lambda g: (g.label, json.dumps(g.protocol, sort_keys=True)))
     return groups
 
