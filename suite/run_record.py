@@ -25,7 +25,6 @@ import contextlib
 import logging
 import random
 import resource
-import sys
 import time
 from pathlib import Path
 

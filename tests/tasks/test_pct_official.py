@@ -170,15 +170,20 @@ def test_training_step_is_the_official_one():
     g = torch.Generator().manual_seed(2)
     xyz = torch.rand(2, 1024, 3, generator=g, dtype=torch.float64) * 2 - 1
     weights = torch.randn(2, 40, generator=g, dtype=torch.float64)
-    expected, logits = official(xyz.transpose(1, 2)), ours(xyz)
+    assert_same_training_step(ours, official, ours(xyz), official(xyz.transpose(1, 2)), weights)
+
+
+def assert_same_training_step(ours: nn.Module, official: nn.Module, logits, expected, weights) -> None:
+    """Equal logits, then after one backward of sum(logits * weights) every gradient, and the running statistics
+    the forward updated, mapped by ``type(ours).from_official`` (q_conv's gradient: the tied q/k weight's)."""
     torch.testing.assert_close(logits, expected, rtol=1e-9, atol=1e-9)
     (logits * weights).sum().backward()
     (expected * weights).sum().backward()
-    grads = PCT.from_official({k: p.grad for k, p in official.named_parameters()})  # q_conv: the tied q/k weight
+    grads = type(ours).from_official({k: p.grad for k, p in official.named_parameters()})
     top = max(v.abs().max() for v in grads.values())
     for name, p in ours.named_parameters():
         torch.testing.assert_close(p.grad, grads[name], rtol=1e-9, atol=1e-9 * top, msg=name)
-    buffers = PCT.from_official(official.state_dict())
+    buffers = type(ours).from_official(official.state_dict())
     for name, b in ours.named_buffers():
         torch.testing.assert_close(b, buffers[name], rtol=1e-12, atol=1e-12, msg=name)
 

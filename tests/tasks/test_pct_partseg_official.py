@@ -118,6 +118,7 @@ def test_official_state_dict_loads_and_computes_the_official_function(tmp_path):
 
 def test_training_step_is_the_official_one():
     """In training mode too: batch statistics, running statistics and every gradient (dropout off in both)."""
+    from test_pct_official import assert_same_training_step
     state = official_state()
     official = Point_Transformer_partseg().double().train()
     official.load_state_dict(state)
@@ -128,17 +129,8 @@ def test_training_step_is_the_official_one():
     xyz = torch.rand(2, 128, 3, generator=g, dtype=torch.float64) * 2 - 1
     category = torch.tensor([3, 11])
     weights = torch.randn(2, 50, 128, generator=g, dtype=torch.float64)
-    expected, logits = official(xyz.transpose(1, 2), F.one_hot(category, 16).double()), ours(xyz, category)
-    torch.testing.assert_close(logits, expected, rtol=1e-9, atol=1e-9)
-    (logits * weights).sum().backward()
-    (expected * weights).sum().backward()
-    grads = PCTPartSeg.from_official({k: p.grad for k, p in official.named_parameters()})
-    top = max(v.abs().max() for v in grads.values())
-    for name, p in ours.named_parameters():
-        torch.testing.assert_close(p.grad, grads[name], rtol=1e-9, atol=1e-9 * top, msg=name)
-    buffers = PCTPartSeg.from_official(official.state_dict())
-    for name, b in ours.named_buffers():
-        torch.testing.assert_close(b, buffers[name], rtol=1e-12, atol=1e-12, msg=name)
+    assert_same_training_step(ours, official, ours(xyz, category),
+                              official(xyz.transpose(1, 2), F.one_hot(category, 16).double()), weights)
 
 
 def test_an_official_state_dict_that_does_not_fit_is_named(tmp_path):
