@@ -663,7 +663,8 @@ def markdown(rows, exps, roof, tgts, dil, limits, info, s, tasks, plot_paths, co
                   "weights), training steps on one batch of the task's data (forward, the task's loss, backward, SGD "
                   "with momentum 0.9), alternating; speed-up = median over rounds of channel-first time / suite time. "
                   "Compiled (`bench.task_compile=true`): both under `torch.compile`, steady steps; compile time = "
-                  "first step - median step. `python -m benchmarks.pct` has the full comparison (`benchmarks/pct.md`).", ""]
+                  "first step - median step. `python -m benchmarks.pct` has the full comparison "
+                  "(`benchmarks/pct.md`).", ""]
         lines += _table(["task", "batch", "points", "form", "channel-first samples/s", "suite samples/s", "speed-up",
                          "of minima", "compile s (channel-first / suite)", "status"],
                         [[p["task"], p["batch"], p["points"], p["form"], f"{p['reference_samples_per_s']:.2f}",

@@ -181,13 +181,17 @@ def measure_pct(task: str, overrides: list[str], s: dict, device) -> list[dict]:
     ours = module.net.to(device)
     rows = compare(ours, channel_first(ours), inputs, target, loss, s["task_pct_rounds"], device,
                    compile_too=bool(s.get("task_compile")), modes=("train",))
-    size, points = target.shape[0], inputs[0].shape[1]
-    return [{"task": task, "batch": size, "points": points, "form": r["form"],
-             "reference_samples_per_s": size / r["reference_s"], "suite_samples_per_s": size / r["suite_s"],
-             "reference_step_ms": 1e3 * r["reference_s"], "suite_step_ms": 1e3 * r["suite_s"],
-             "speedup": r["ratio"], "speedup_of_minima": r["ratio_min"], "rounds": r["rounds"],
-             "compile_s_reference": r.get("compile_s_reference"), "compile_s_suite": r.get("compile_s_suite"),
-             "status": "ok"} for r in rows]
+    return [pct_row(task, target.shape[0], inputs[0].shape[1], r) for r in rows]
+
+
+def pct_row(task: str, size: int, points: int, r: dict, status: str = "ok") -> dict:
+    """A table row from one of ``benchmarks.pct.compare``'s rows (``r``), measured on batches of ``size``."""
+    return {"task": task, "batch": size, "points": points, "form": r["form"],
+            "reference_samples_per_s": size / r["reference_s"], "suite_samples_per_s": size / r["suite_s"],
+            "reference_step_ms": 1e3 * r["reference_s"], "suite_step_ms": 1e3 * r["suite_s"],
+            "speedup": r["ratio"], "speedup_of_minima": r["ratio_min"], "rounds": r["rounds"],
+            "compile_s_reference": r.get("compile_s_reference"), "compile_s_suite": r.get("compile_s_suite"),
+            "status": status}
 
 
 def pct_throughput(s: dict, device) -> list[dict]:
@@ -199,11 +203,11 @@ def pct_throughput(s: dict, device) -> list[dict]:
             measured = measure_pct(task, list((s.get("task_pct_overrides") or {}).get(task) or []), s, device)
         except Exception as err:  # noqa: BLE001 - one task failing must not lose the benchmark
             log.exception("bench: PCT comparison for task=%s failed", task)
-            measured = [{"task": task, "batch": 0, "points": 0, "form": "eager",
-                         "reference_samples_per_s": float("nan"), "suite_samples_per_s": float("nan"), "reference_step_ms": float("nan"),
-                         "suite_step_ms": float("nan"), "speedup": float("nan"), "speedup_of_minima": float("nan"),
-                         "rounds": 0, "compile_s_reference": None, "compile_s_suite": None,
-                         "status": f"failed: {type(err).__name__}: {str(err).splitlines()[0][:100]}"}]
+            nan = float("nan")
+            unmeasured = {"form": "eager", "reference_s": nan, "suite_s": nan, "ratio": nan, "ratio_min": nan,
+                          "rounds": 0}
+            measured = [pct_row(task, 0, 0, unmeasured,
+                                f"failed: {type(err).__name__}: {str(err).splitlines()[0][:100]}")]
         for row in measured:
             log.info("PCT %-9s %-8s channel-first %.1f samples/s, suite %.1f samples/s: %.2fx (%.0f s)", task,
                      row["form"], row["reference_samples_per_s"], row["suite_samples_per_s"], row["speedup"],

@@ -61,8 +61,8 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> dict:
 
 def quiet_libraries() -> None:
     """Library chatter a user cannot act on: Lightning's own pytree deprecation and the litlogger advertisement.
-    Lightning's messages (restored checkpoints, SLURM requeues) go once each through Hydra's console and run.log handlers: any handler of
-    Lightning's own, which would print every line twice, is dropped."""
+    Lightning's messages (restored checkpoints, SLURM requeues) go once each through Hydra's console and run.log
+    handlers: any handler of Lightning's own, which would print every line twice, is dropped."""
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda r: "litlogger" not in r.getMessage())
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):

@@ -141,6 +141,19 @@ def test_channel_first_pct_computes_what_the_suite_networks_compute(kind, one_th
         torch.testing.assert_close(ours(*inputs), base(*inputs), rtol=1e-9, atol=1e-9)
 
 
+def test_a_failed_pct_comparison_is_a_row_not_a_lost_benchmark(monkeypatch):
+    """bench.task_pct: a task whose comparison raises gives one row naming the error, with nothing measured."""
+    from benchmarks import throughput
+
+    def fail(*args):
+        raise RuntimeError("no data\nsecond line")
+
+    monkeypatch.setattr(throughput, "measure_pct", fail)
+    (row,) = throughput.pct_throughput({"task_names": ["modelnet", "gan"], "task_pct_overrides": {}}, "cpu")
+    assert row["task"] == "modelnet" and row["status"] == "failed: RuntimeError: no data" and row["rounds"] == 0
+    assert math.isnan(row["speedup"]) and math.isnan(row["suite_samples_per_s"])
+
+
 def test_pct_comparison_times_both_networks_alternately(one_thread):
     """benchmarks.pct.compare: one row per mode, ratios of the alternating steps' times, finite and positive."""
     from benchmarks import pct
