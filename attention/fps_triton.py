@@ -9,12 +9,17 @@ picks the next point with an argmax whose ties go to the lowest position, as ``t
 The arithmetic is the torch loop's, operation for operation, so that the indices are the same, ties included:
 ``dx = x - cx`` (each coordinate), ``d = (dx*dx + dy*dy) + dz*dz`` with every product and sum rounded on its own
 (the kernel is compiled with ``enable_fp_fusion=False``: a fused multiply-add would round once where torch
-rounds twice), ``dist = min(dist, d)``. pointnet2_ops' tie order (``like_kernel``) needs nothing here:
-:func:`attention.pointops.farthest_point_sample` permutes the points by ``kernel_order`` and sets the initial
-distances (1e10, or -1 for the points the CUDA kernel skips) before it calls this, and maps positions back.
+rounds twice), ``dist = min(dist, d)``. For ``like_kernel`` (``FUSED``, float32) it is pointnet2_ops' as nvcc
+builds it: ``d = fma(dz, dz, fma(dx, dx, dy*dy))``, written with ``tl.fma`` (``fma.rn.f32`` in the PTX, whatever
+the compiler would contract), which the torch loop computes exactly with :func:`attention.pointops.fma32`.
+pointnet2_ops' tie order and skipped points need nothing else here: :func:`attention.pointops.farthest_point_sample`
+permutes the points by ``kernel_order`` and sets the initial distances (1e10, or -1 for the points the CUDA kernel
+skips) before it calls this, and maps positions back.
 
 This module imports Triton at its top; :mod:`attention.pointops` imports it only when the kernel is wanted.
-The tests run the kernel on CPU tensors under ``TRITON_INTERPRET=1`` (tests/attention/test_fps_triton.py).
+The tests run the kernel on CPU tensors under ``TRITON_INTERPRET=1`` (tests/attention/test_fps_triton.py; the
+interpreter's ``tl.fma`` rounds twice, so they give it a once-rounded one), compile it for sm_90 and read its PTX,
+and, marked ``cuda``, run it on a GPU.
 Points with NaN coordinates are not supported: ``torch.argmax`` takes a NaN as the maximum, the kernel does not.
 """
 
@@ -35,9 +40,24 @@ CHUNK = 4096
 
 
 @triton.jit
-def _fps_kernel(planes_ptr, dist_ptr, start_ptr, out_ptr, n, m, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
+def _squared_distance(dx, dy, dz, FUSED: tl.constexpr):
+    """(dx*dx + dy*dy) + dz*dz, every operation rounded (the kernel is compiled without FMA contraction); with
+    ``FUSED``, pointnet2_ops' ``fma(dz, dz, fma(dx, dx, dy*dy))``, the fused multiply-adds nvcc makes of it."""
+    if FUSED:
+        return tl.fma(dz, dz, tl.fma(dx, dx, dy * dy))
+    else:
+        return dx * dx + dy * dy + dz * dz
+
+
+@triton.jit
+def _fps_kernel(planes_ptr, dist_ptr, start_ptr, out_ptr, n, m, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr,
+                FUSED: tl.constexpr):
     """Program b: out[b, :m] from planes (B, 3, N) contiguous, dist (B, N) (initial distances; with
-    ``ONE_BLOCK`` False also the scratch row, overwritten) and start (B,) int64."""
+    ``ONE_BLOCK`` False also the scratch row, overwritten) and start (B,) int64.
+
+    The loops are ``while`` loops: Triton 3.6's interpreter cannot take a runtime scalar as a ``range`` bound
+    (its scalars are 1-element arrays, which NumPy 2.4 no longer converts to an int). Compiled for sm_90, they
+    give the PTX the ``range`` loops gave, line for line."""
     b = tl.program_id(0).to(tl.int64)
     x_ptr = planes_ptr + b * 3 * n  # the sample's x (N,), then y, then z
     y_ptr = x_ptr + n
@@ -46,21 +66,23 @@ def _fps_kernel(planes_ptr, dist_ptr, start_ptr, out_ptr, n, m, BLOCK: tl.conste
     out_row = out_ptr + b * m
     far = tl.load(start_ptr + b)  # int64 scalar
     offs = tl.arange(0, BLOCK)  # (BLOCK,)
+    i = 0
     if ONE_BLOCK:
         mask = offs < n
         x = tl.load(x_ptr + offs, mask=mask, other=0.0)  # (BLOCK,)
         y = tl.load(y_ptr + offs, mask=mask, other=0.0)
         z = tl.load(z_ptr + offs, mask=mask, other=0.0)
         dist = tl.load(dist_row + offs, mask=mask, other=float("-inf"))  # lanes past N: never the maximum
-        for i in range(m - 1):
+        while i < m - 1:
             tl.store(out_row + i, far)
             dx = x - tl.load(x_ptr + far)
             dy = y - tl.load(y_ptr + far)
             dz = z - tl.load(z_ptr + far)
-            dist = tl.minimum(dist, dx * dx + dy * dy + dz * dz)  # (dx^2 + dy^2) + dz^2; -inf and -1 stay
+            dist = tl.minimum(dist, _squared_distance(dx, dy, dz, FUSED))  # -inf and -1 stay
             far = tl.argmax(dist, 0, tie_break_left=True).to(tl.int64)  # the first maximum
+            i += 1
     else:
-        for i in range(m - 1):
+        while i < m - 1:
             tl.store(out_row + i, far)
             cx = tl.load(x_ptr + far)
             cy = tl.load(y_ptr + far)
@@ -69,35 +91,42 @@ def _fps_kernel(planes_ptr, dist_ptr, start_ptr, out_ptr, n, m, BLOCK: tl.conste
             # larger value moves it); one reduction a step, after the sweep, not one a chunk
             best = tl.full((BLOCK,), float("-inf"), dist_ptr.dtype.element_ty)  # (BLOCK,)
             best_at = tl.zeros((BLOCK,), tl.int32)  # (BLOCK,)
-            for lo in range(0, n, BLOCK):
+            lo = 0
+            while lo < n:
                 at = lo + offs  # (BLOCK,)
                 mask = at < n
                 dx = tl.load(x_ptr + at, mask=mask, other=0.0) - cx
                 dy = tl.load(y_ptr + at, mask=mask, other=0.0) - cy
                 dz = tl.load(z_ptr + at, mask=mask, other=0.0) - cz
                 dist = tl.load(dist_row + at, mask=mask, other=float("-inf"))
-                dist = tl.minimum(dist, dx * dx + dy * dy + dz * dz)
+                dist = tl.minimum(dist, _squared_distance(dx, dy, dz, FUSED))
                 tl.store(dist_row + at, dist, mask=mask)
                 better = dist > best
                 best_at = tl.where(better, at, best_at)
                 best = tl.where(better, dist, best)
+                lo += BLOCK
             # lanes hold indices out of lane order: the lowest index among the lanes at the maximum
             top = tl.max(best, 0)
             far = tl.min(tl.where(best == top, best_at, n), 0).to(tl.int64)
             # each thread reads back what it stored, but make the next step's reads of dist_row safe anyway
             tl.debug_barrier()
+            i += 1
     tl.store(out_row + m - 1, far)  # the last pick: no distances to update after it
 
 
-def farthest_point_sample(xyz: torch.Tensor, m: int, start: torch.Tensor, dist: torch.Tensor) -> torch.Tensor:
+def farthest_point_sample(xyz: torch.Tensor, m: int, start: torch.Tensor, dist: torch.Tensor,
+                          fused: bool = False) -> torch.Tensor:
     """Indices (B, m) for xyz (B, N, 3) float32/float64, start (B,) int64, dist (B, N) initial distances.
 
-    What :func:`attention.pointops.fps_loop` returns for the same arguments; start must hold indices in [0, N)
-    (unchecked: checking would wait for the GPU). The inputs are left as they are.
+    What :func:`attention.pointops.fps_loop` returns for the same arguments (``fused``: float32 only, the
+    distances as pointnet2_ops' fused multiply-adds); start must hold indices in [0, N) (unchecked: checking
+    would wait for the GPU). The inputs are left as they are.
     """
     b, n, _ = xyz.shape
     if xyz.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"fps_triton: float32 or float64 points only, got {xyz.dtype} (the torch loop takes it).")
+    if fused and xyz.dtype != torch.float32:
+        raise ValueError(f"fps_triton: fused distances are float32 only, got {xyz.dtype}.")
     planes = xyz.transpose(1, 2).contiguous()  # (B, 3, N)
     one_block = n <= MAX_ONE_BLOCK * 4 // xyz.element_size()
     # one block: the kernel only reads dist; chunks: it writes its running distances there, so a copy
@@ -108,7 +137,7 @@ def farthest_point_sample(xyz: torch.Tensor, m: int, start: torch.Tensor, dist: 
     warps = min(16, max(4, block // 256))  # 8 points a thread (16 at 8192), 4 to 16 warps
     # Triton launches on the current CUDA device: make it the points' one
     with torch.cuda.device(xyz.device) if xyz.is_cuda else contextlib.nullcontext():
-        _fps_kernel[(b,)](planes, dist, start, out, n, m, BLOCK=block, ONE_BLOCK=one_block, num_warps=warps,
-                          enable_fp_fusion=False)
+        _fps_kernel[(b,)](planes, dist, start, out, n, m, BLOCK=block, ONE_BLOCK=one_block, FUSED=fused,
+                          num_warps=warps, enable_fp_fusion=False)
     return out
 

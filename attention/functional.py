@@ -57,6 +57,13 @@ def softmax_attention(q, k, v, scale: float | None = None):
     return F.scaled_dot_product_attention(q, k, v, scale=scale)  # (B, heads, N, d_v)
 
 
+# Above this many entries of the attention map (B h N M), offset_attention runs in query chunks (:class:`OffsetChunked`)
+# instead of forming the map: 2^28 entries are 1 GiB of float32, and the full form holds about four maps in training.
+OFFSET_FULL_MAX_ELEMENTS = 1 << 28
+# Entries of the map (B h rows M) that one chunk of OffsetChunked holds: 2^25 float32 = 128 MiB a tensor.
+OFFSET_CHUNK_ELEMENTS = 1 << 25
+
+
 @float32_kernel
 def offset_attention(q, k, v, eps: float = 1e-9):
     """PCT's attention (Guo et al., 2021), as in its reference code.
@@ -68,10 +75,70 @@ def offset_attention(q, k, v, eps: float = 1e-9):
     i, so ``v`` has the queries' length N and the output the keys' length M:
     q (B, h, N, d), k (B, h, M, d), v (B, h, N, d_v) -> (B, h, M, d_v).
     In PCT q and k come from one shared projection of the same tokens (N = M).
+
+    Up to ``OFFSET_FULL_MAX_ELEMENTS`` entries of A it is formed whole (fastest); above, :class:`OffsetChunked`
+    computes the same in O(N d + chunk M) memory (at N = 65,536 the map alone is 16 GiB a head).
     """
+    b, h, n, _ = q.shape
+    m = k.shape[-2]
+    if b * h * n * m > OFFSET_FULL_MAX_ELEMENTS:
+        return OffsetChunked.apply(q, k, v, eps, max(1, OFFSET_CHUNK_ELEMENTS // (b * h * m)))
     attn = torch.softmax(q @ k.transpose(-2, -1), dim=-1)  # (B, h, N, M)
     attn = attn / (eps + attn.sum(dim=-2, keepdim=True))  # column-normalised over queries
     return attn.transpose(-2, -1) @ v  # (B, h, M, d_v)
+
+
+class OffsetChunked(torch.autograd.Function):
+    """:func:`offset_attention` over chunks of ``rows`` queries, never holding the (N, M) map; apply(q, k, v, eps,
+    rows).
+
+    Each query's softmax row needs only its own row, and the column sums c_j are sums over the rows, so
+    pass 1 accumulates c chunk by chunk and pass 2 accumulates U = A^T v; out_j = U_j / (eps + c_j) (the division
+    moved after the sum: equal in exact arithmetic, about 1e-16 relative apart in float64). Backward, with
+    D = eps + c and G the output's gradient: dU = G / D and dD_j = -(G_j . out_j) / D_j; per chunk of rows,
+    recomputing A: dv = A dU, dA_ij = v_i . dU_j + dD_j, dS = A (dA - rowsum(A dA)) (softmax's backward, row by
+    row), dq = dS k, dk += dS^T q. Every tensor is (rows, M) or (N or M, d): memory O((N + M) d + rows M).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, eps, rows):
+        n = q.shape[-2]
+        kt = k.transpose(-2, -1)  # (B, h, d, M)
+        colsum = q.new_zeros(*k.shape[:-1])  # (B, h, M)
+        for i in range(0, n, rows):
+            colsum += torch.softmax(q[..., i:i + rows, :] @ kt, dim=-1).sum(dim=-2)  # (B, h, rows, M) summed
+        out = v.new_zeros(*k.shape[:-1], v.shape[-1])  # (B, h, M, d_v)
+        out_3d = out.view(-1, *out.shape[-2:])  # (B h, M, d_v)
+        for i in range(0, n, rows):
+            attn = torch.softmax(q[..., i:i + rows, :] @ kt, dim=-1)  # (B, h, rows, M)
+            out_3d.baddbmm_(attn.flatten(0, 1).transpose(1, 2), v[..., i:i + rows, :].flatten(0, 1))  # += A^T v
+        out /= (colsum + eps).unsqueeze(-1)
+        ctx.save_for_backward(q, k, v, colsum, out)
+        ctx.eps, ctx.rows = eps, rows
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        q, k, v, colsum, out = ctx.saved_tensors
+        denom = (colsum + ctx.eps).unsqueeze(-1)  # (B, h, M, 1)
+        d_u = grad / denom  # (B, h, M, d_v)
+        d_denom = -(grad * out).sum(-1, keepdim=True) / denom  # (B, h, M, 1)
+        d_u_t, d_denom_t, kt = d_u.transpose(-2, -1), d_denom.transpose(-2, -1), k.transpose(-2, -1)
+        dq, dv = torch.empty_like(q), torch.empty_like(v)
+        dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)  # contiguous, whatever k's strides
+        dk_3d = dk.view(-1, *dk.shape[-2:])  # (B h, M, d)
+        for i in range(0, q.shape[-2], ctx.rows):
+            qc, vc = q[..., i:i + ctx.rows, :], v[..., i:i + ctx.rows, :]  # (B, h, rows, d), (B, h, rows, d_v)
+            attn = torch.softmax(qc @ kt, dim=-1)  # (B, h, rows, M)
+            dv[..., i:i + ctx.rows, :] = attn @ d_u
+            d_attn = torch.baddbmm(d_denom_t.flatten(0, 1), vc.flatten(0, 1), d_u_t.flatten(0, 1)) \
+                .view_as(attn)  # (B, h, rows, M): v_i . dU_j + dD_j
+            d_attn -= (attn * d_attn).sum(-1, keepdim=True)
+            d_attn *= attn  # dS
+            dq[..., i:i + ctx.rows, :] = d_attn @ k
+            dk_3d.baddbmm_(d_attn.flatten(0, 1).transpose(1, 2), qc.flatten(0, 1))  # += dS^T q
+        return dq, dk, dv, None, None
 
 
 @float32_kernel

@@ -26,21 +26,38 @@ def farthest_point_sample(xyz: torch.Tensor, m: int, start: int | torch.Tensor =
 
     ``start`` is one index for every sample, or a (B,) LongTensor of one start
     per sample (e.g. a point chosen by geometry, so that the result does not
-    depend on the order of the points). Ties go to the lowest index.
+    depend on the order of the points). Ties go to the lowest index. Every squared
+    distance is ``(dx*dx + dy*dy) + dz*dz`` in the points' dtype, each operation
+    rounded on its own.
 
     ``like_kernel=True`` gives what pointnet2_ops' CUDA kernel
     (``furthest_point_sampling_kernel`` in ``sampling_gpu.cu``, which PCT_Pytorch
-    calls) returns, index for index: it starts at point 0, never picks nor
-    updates a point whose squared norm is <= 1e-3 (such points are skipped; if
-    only they remain, it picks point 0 again), and breaks ties as its block
-    reduction does (see :func:`kernel_order`). ``start`` must then be 0.
+    calls) returns, index for index, as nvcc builds it (``-fmad=true``, its
+    default), for float32 points (half precision ones are taken to float32,
+    as the op takes float32 only):
+
+    - it starts at point 0 (``start`` must then be 0);
+    - it never picks nor updates a point whose squared norm ``mag`` is <= 1e-3 in
+      double precision (the C++ compares the float with the double literal); if
+      only such points are left, it picks point 0 again;
+    - nvcc contracts ``mag = x*x + y*y + z*z`` into ``fma(z, z, fma(x, x, y*y))``
+      and the squared distance into ``fma(dz, dz, fma(dx, dx, dy*dy))`` with
+      ``dx = x - cx`` (so read from the PTX nvcc 13.0 writes for sm_90): the
+      product y*y rounded, each fused multiply-add rounded once. :func:`fma32`
+      computes exactly that rounding without an FMA instruction;
+    - ties go as its block reduction decides them (:func:`kernel_order`).
+
+    Float64 points (the op has no float64 version) keep the start, the skipped
+    points and the tie order, with the plain rule's float64 distances
+    (``(dx*dx + dy*dy) + dz*dz``, ``mag`` likewise): the float64 tests compare
+    whole networks in float64.
 
     ``backend``: ``"torch"`` runs m steps of a few torch ops each (:func:`fps_loop`); ``"triton"`` runs one
     Triton kernel that loops over the m steps itself (:mod:`attention.fps_triton`: one launch instead of
     about 7 m, which on a GPU cost more than the network FPS feeds); ``"auto"`` takes the kernel for float32
     and float64 CUDA tensors where Triton works, the torch loop otherwise (CPU, half precision, no Triton).
-    Both compute every squared distance as ``(dx*dx + dy*dy) + dz*dz`` with each operation rounded, so they
-    return the same indices, ties included.
+    Both round every operation alike (``like_kernel``: the same fused multiply-adds), so they return the
+    same indices, ties included.
     """
     b, n, _ = xyz.shape
     if not 1 <= m <= n:
@@ -64,18 +81,27 @@ def farthest_point_sample(xyz: torch.Tensor, m: int, start: int | torch.Tensor =
         # and then the first of the order (point 0), as the kernel's besti = 0.
         order = kernel_order(n, xyz.device)  # (N,), order[0] == 0
         xyz = xyz[:, order]  # (B, N, 3)
-        dist = torch.where(xyz.square().sum(-1) > KERNEL_MIN_SQUARED_NORM, 1e10, -1.0).to(xyz.dtype)  # (B, N)
+        fused = xyz.dtype != torch.float64
+        if fused:
+            xyz = xyz.float()
+            x, y, z = xyz.unbind(-1)  # (B, N) each
+            kept = fma32(z, z, fma32(x, x, y * y)).double() > KERNEL_MIN_SQUARED_NORM  # (B, N)
+        else:
+            kept = xyz.square().sum(-1) > KERNEL_MIN_SQUARED_NORM  # (B, N)
+        dist = torch.where(kept, 1e10, -1.0).to(xyz.dtype)  # (B, N)
     else:
+        fused = False
         dist = torch.full((b, n), math.inf, dtype=xyz.dtype, device=xyz.device)  # (B, N)
     idx = None
     if backend == "triton" or backend == "auto" and xyz.is_cuda and xyz.dtype in TRITON_DTYPES and triton_usable():
-        idx = fps_triton(xyz, m, farthest, dist, fallback=backend == "auto")  # (B, m), None if it failed
+        idx = fps_triton(xyz, m, farthest, dist, fallback=backend == "auto", fused=fused)  # (B, m), None: failed
     if idx is None:
-        idx = fps_loop(xyz, m, farthest, dist)  # (B, m)
+        idx = fps_loop(xyz, m, farthest, dist, fused=fused)  # (B, m)
     return order[idx] if like_kernel else idx
 
 
-def fps_loop(xyz: torch.Tensor, m: int, start: torch.Tensor, dist: torch.Tensor) -> torch.Tensor:
+def fps_loop(xyz: torch.Tensor, m: int, start: torch.Tensor, dist: torch.Tensor,
+             fused: bool = False) -> torch.Tensor:
     """:func:`farthest_point_sample`'s steps in torch: indices (B, m) from xyz (B, N, 3), start (B,), dist (B, N).
 
     dist holds each point's initial distance (inf, or the kernel's 1e10 / -1) and is updated in place. The
@@ -85,6 +111,12 @@ def fps_loop(xyz: torch.Tensor, m: int, start: torch.Tensor, dist: torch.Tensor)
     fixed order, (dx^2 + dy^2) + dz^2, as the Triton kernel does; on the CPU ``sum(-1)`` gave exactly that, so
     the indices are those of before (a CUDA reduction may sum 3 numbers in another order). Half precision keeps
     ``sum``, which accumulates in float32 and rounds once, as before.
+
+    ``fused`` (float32 points only): the squared distance is pointnet2_ops' ``fma(dz, dz, fma(dx, dx, dy*dy))``
+    instead, each multiply-add rounded once, as :func:`fma32` computes it: each step sums dx^2 (exact in
+    float64) and the float32 dy*dy in float64, rounds to float32, and likewise adds dz^2; only if one of the
+    two float64 sums lies where a second rounding can go wrong (:func:`halfway32`: rare), the step is redone
+    with :func:`fma32` itself. About 3 times the cost of a plain step on the CPU (benchmarks/fps.md).
     """
     b, n, _ = xyz.shape
     planes = xyz.permute(2, 0, 1).contiguous()  # (3, B, N)
@@ -94,16 +126,115 @@ def fps_loop(xyz: torch.Tensor, m: int, start: torch.Tensor, dist: torch.Tensor)
     dx, dy, dz = diff.unbind(0)  # (B, N) each
     d = torch.empty_like(dist)  # (B, N)
     reduced = xyz.dtype in (torch.float16, torch.bfloat16)
+    if fused:
+        if xyz.dtype != torch.float32:
+            raise ValueError(f"fps_loop: fused distances are float32 only, got {xyz.dtype}.")
+        fused_distance = FusedSquaredDistance(planes)
     for i in range(m - 1):
         centre = torch.gather(planes, 2, idx[i].view(1, b, 1).expand(3, b, 1))  # (3, B, 1)
-        torch.sub(planes, centre, out=diff).square_()
-        if reduced:
-            torch.sum(diff, 0, out=d)
+        torch.sub(planes, centre, out=diff)
+        if fused:
+            fused_distance(diff, out=d)
+        elif reduced:
+            torch.sum(diff.square_(), 0, out=d)
         else:
+            diff.square_()
             torch.add(dx, dy, out=d).add_(dz)
         torch.minimum(dist, d, out=dist)  # skipped points stay -1
         torch.argmax(dist, 1, out=idx[i + 1])  # the first maximum
     return idx.t()
+
+
+class FusedSquaredDistance:
+    """pointnet2_ops' squared distance ``fma(dz, dz, fma(dx, dx, dy*dy))``, each multiply-add rounded once to
+    float32, for :func:`fps_loop`'s steps over float32 points planes (3, B, N), with its buffers allocated once.
+
+    A step sums dx^2 (exact in float64) and the float32 dy*dy in float64 and rounds that to float32, then adds
+    dz^2 alike: the once-rounded results, unless a float64 sum was inexact and a second rounding went wrong
+    (:func:`fma32`), which :meth:`double_rounding` looks for; the step is then redone with :func:`fma32`.
+    It need not look where the coordinates are multiples of 2^(r - 24) below 2^r (torch.rand's, a grid's):
+    every difference, square and sum is then a multiple of 2^(2r - 48) below 2^(2r + 4), 52 bits, so every
+    float64 sum is exact.
+    """
+
+    def __init__(self, planes: torch.Tensor):
+        _, b, n = planes.shape
+        self.squares = torch.empty(2, b, n, dtype=torch.float64, device=planes.device)  # (2, B, N): dx^2, dz^2
+        self.addends = torch.empty_like(self.squares)  # (2, B, N): dy*dy, then the first sum, as float32 values
+        self.sums = torch.empty_like(self.squares)  # (2, B, N): the two sums, rounded to float64
+        self.bits = torch.empty_like(self.squares, dtype=torch.int64)  # (2, B, N)
+        r = int(torch.frexp(planes.abs().max().double()).exponent)  # |coordinates| < 2^r
+        self.exact = bool(((planes.double() * 2.0 ** (24 - r)).frac() == 0).all())
+        # a float32 sum below 2^-126 (subnormal) needs a difference below 2^-63: a nonzero coordinate below 2^-40
+        self.tiny = bool(((planes != 0) & (planes.abs() < 2.0 ** -40)).any())
+
+    def __call__(self, diff: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The squared distances (B, N) into ``out`` (float32) from the differences diff (3, B, N)."""
+        dx, dy, dz = diff.unbind(0)  # (B, N) each
+        self.squares.copy_(diff[::2]).square_()
+        torch.add(self.squares[0], self.addends[0].copy_(torch.mul(dy, dy, out=out)), out=self.sums[0])
+        torch.add(self.squares[1], self.addends[1].copy_(out.copy_(self.sums[0])), out=self.sums[1])
+        out.copy_(self.sums[1])
+        if not self.exact and self.double_rounding():
+            out.copy_(fma32(dz, dz, fma32(dx, dx, dy * dy)))
+        return out
+
+    def double_rounding(self) -> bool:
+        """Whether a float64 sum of this step may round to another float32 than its exact value would: one
+        exactly halfway between two float32 that is inexact (:func:`fma32`; halfway sums are rare, and exact
+        ones do no harm), or, with coordinates that small, one in float32's subnormal range."""
+        if self.tiny and bool(halfway32(self.sums).any()):
+            return True
+        bits = torch.bitwise_and(self.sums.view(torch.int64), HALFWAY_MASK, out=self.bits)
+        if bits.bitwise_xor_(HALFWAY_BITS).min() > 0:
+            return False
+        at = (bits.view(-1) == 0).nonzero()[:, 0]  # (K,): a few
+        p, c, s = (torch.take(t, at).tolist() for t in (self.squares, self.addends, self.sums))
+        return any(math.fsum((a, b, -ab)) != 0 for a, b, ab in zip(p, c, s))  # fsum: exact here
+
+
+def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """a * b + c of float32 tensors (broadcast) rounded once to float32, as a GPU's ``fma.rn.f32``.
+
+    torch has no fused multiply-add op. The product of two float32 is exact in float64 (24 + 24 bits of 53).
+    Its sum with c rounded to float64 and then to float32 is the once-rounded sum except where the float64 sum
+    lies exactly halfway between two float32 (its own rounding then picked the side, not the exact value) or in
+    float32's subnormal range (:func:`halfway32`): a monotonic rounding to float64 keeps the exact sum on the
+    same side of every other float32 halfway point. Those few elements are summed again with the exact error
+    (TwoSum) and rounded to odd in float64, which a second rounding to float32 cannot spoil (53 >= 24 + 2 bits;
+    Boldo and Melquiond, "When double rounding is odd", 2005).
+    """
+    p, c = torch.broadcast_tensors(a.double() * b.double(), c.double())
+    s = p + c
+    out = s.float()
+    suspect = halfway32(s)
+    if suspect.any():
+        at = suspect.nonzero(as_tuple=True)
+        out[at] = sum_rounded_to_odd(p[at], c[at]).float()
+    return out
+
+
+# A float64 lies exactly halfway between two adjacent normal float32 iff the low 29 of its 52 fraction bits
+# read 1 and then 28 zeros (float32 keeps 23 fraction bits; a halfway point has a 24th, set, and no more).
+HALFWAY_MASK, HALFWAY_BITS = (1 << 29) - 1, 1 << 28
+
+
+def halfway32(s: torch.Tensor) -> torch.Tensor:
+    """Where rounding the float64 s to float32 may not round the exact value s stands for (bool, like s): s
+    exactly halfway between two normal float32, or nonzero below 2^-126 (float32's subnormals, a coarser grid)."""
+    bits = s.view(torch.int64)
+    return ((bits & HALFWAY_MASK) == HALFWAY_BITS) | (s != 0) & (s.abs() < 2.0 ** -126)
+
+
+def sum_rounded_to_odd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a + b (float64) rounded to odd: the float64 sum where exact, else of the two float64 around the exact sum
+    the one whose last bit is 1."""
+    s = a + b
+    a_part = s - b  # TwoSum (Knuth): s + e == a + b exactly
+    e = (a - a_part) + (b - (s - a_part))
+    even = (s.view(torch.int64) & 1) == 0
+    toward = torch.where(e > 0, math.inf, -math.inf).to(s.dtype)
+    return torch.where((e != 0) & even, torch.nextafter(s, toward), s)
 
 
 # Dtypes the Triton kernel takes; half precision stays on the torch loop (its sum accumulates in float32).
@@ -130,7 +261,7 @@ def triton_usable() -> bool:
 
 
 def fps_triton(xyz: torch.Tensor, m: int, start: torch.Tensor, dist: torch.Tensor,
-               fallback: bool = False) -> torch.Tensor | None:
+               fallback: bool = False, fused: bool = False) -> torch.Tensor | None:
     """:func:`attention.fps_triton.farthest_point_sample`, imported here only, so that attention imports and
     runs without Triton. With ``fallback`` (backend="auto"), a kernel that fails to compile or launch warns,
     turns the kernel off for the process and returns None: the torch loop then does the work."""
@@ -138,7 +269,7 @@ def fps_triton(xyz: torch.Tensor, m: int, start: torch.Tensor, dist: torch.Tenso
     try:
         from . import fps_triton as kernel
 
-        return kernel.farthest_point_sample(xyz, m, start, dist)
+        return kernel.farthest_point_sample(xyz, m, start, dist, fused=fused)
     except Exception as error:
         if not fallback or isinstance(error, torch.cuda.OutOfMemoryError):  # out of memory: not the kernel's fault
             raise
@@ -148,7 +279,8 @@ def fps_triton(xyz: torch.Tensor, m: int, start: torch.Tensor, dist: torch.Tenso
         return None
 
 
-# pointnet2_ops' FPS kernel: points with squared norm <= this are never sampled (``if (mag <= 1e-3) continue``).
+# pointnet2_ops' FPS kernel: points with squared norm <= this are never sampled (``if (mag <= 1e-3) continue``:
+# a float compared with a double literal, so in double precision).
 KERNEL_MIN_SQUARED_NORM = 1e-3
 
 
@@ -168,29 +300,66 @@ def kernel_order(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     return torch.argsort(reversed_t * n + k).to(device)  # key (bit-reversed thread, index)
 
 
-def distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Pairwise Euclidean distances (B, N, M) between a (B, N, 3) and b (B, M, 3), in float32 at least.
-
-    ``torch.cdist`` from the coordinate differences, not through |a|^2 + |b|^2 - 2 a.b: a matrix product
-    rounds differently for different shapes, whereas this computes each pair alone, so a pair's distance
-    is the same whatever the shapes it is computed among (knn's blocks and grid rely on it), and near
-    points far from the origin keep their distances (no cancellation). Half inputs are upcast and
-    autocast is off, as half precision (about 1e-3 relative) would reorder near neighbours.
-    """
-    with torch.autocast(a.device.type, enabled=False):
-        a, b = (t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for t in (a, b))
-        return torch.cdist(a, b, compute_mode="donot_use_mm_for_euclid_dist")
+# On the CPU, square_distance fills its output this many entries at a time (1 MiB of float32): the eight
+# elementwise passes then run in the L2 cache, 1.7x faster than cdist's kernel; a GPU takes the whole at once.
+SQUARE_DISTANCE_CPU_CHUNK = 1 << 18
 
 
 def square_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Pairwise squared distances (B, N, M): :func:`distance` squared."""
-    return distance(a, b).square_()
+    """Pairwise squared Euclidean distances (B, N, M) between a (B, N, 3) and b (B, M, 3), in float32 at least.
+
+    Each pair on its own, from its coordinate differences, as ``(dx*dx + dy*dy) + dz*dz`` with every
+    operation rounded (separate elementwise ops: nothing fuses them into an FMA), the order and rounding
+    :func:`farthest_point_sample` uses. So a pair's distance is the same bits on every device and whatever
+    the shapes it is computed among (knn's blocks and grid rely on it), and near points far from the origin
+    keep their distances (no |a|^2 + |b|^2 - 2 a.b cancellation, no matrix product that rounds differently
+    per shape). It replaces ``torch.cdist(..., compute_mode="donot_use_mm_for_euclid_dist")``, whose generic
+    kernel took 13.8 ms a call at PCT's sizes on an H100 (83% of the eval forward) and rounds differently
+    per device (an FMA chain and a square root on the CPU). Half inputs are upcast and autocast is off, as
+    half precision (about 1e-3 relative) would reorder near neighbours. The device decides only how the
+    output is filled: on the CPU in chunks of ``SQUARE_DISTANCE_CPU_CHUNK`` entries, elsewhere at once.
+    """
+    with torch.autocast(a.device.type, enabled=False):
+        a, b = (t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for t in (a, b))
+        a, b = a.permute(2, 0, 1).contiguous(), b.permute(2, 0, 1).contiguous()  # (3, B, N), (3, B, M)
+        (_, batch, n), m = a.shape, b.shape[2]
+        out = torch.empty(batch, n, m, dtype=torch.result_type(a, b), device=a.device)  # (B, N, M)
+        if a.device.type != "cpu" or out.numel() <= SQUARE_DISTANCE_CPU_CHUNK:
+            square_distance_into(a, b, out, torch.empty_like(out))
+            return out
+        rows = max(1, min(n, SQUARE_DISTANCE_CPU_CHUNK // m))
+        term = out.new_empty(1, rows, m)  # (1, rows, M) scratch
+        for s in range(batch):
+            for i in range(0, n, rows):
+                block = out[s:s + 1, i:i + rows]  # (1, rows, M)
+                square_distance_into(a[:, s:s + 1, i:i + rows], b[:, s:s + 1], block, term[:, :block.shape[1]])
+        return out
+
+
+def square_distance_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, term: torch.Tensor) -> None:
+    """out (B, N, M) = (dx*dx + dy*dy) + dz*dz for coordinate planes a (3, B, N) and b (3, B, M); term: scratch
+    of out's shape."""
+    torch.sub(a[0, :, :, None], b[0, :, None, :], out=out)  # dx
+    out.mul_(out)
+    torch.sub(a[1, :, :, None], b[1, :, None, :], out=term)  # dy
+    out.add_(term.mul_(term))
+    torch.sub(a[2, :, :, None], b[2, :, None, :], out=term)  # dz
+    out.add_(term.mul_(term))
+
+
+def distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Pairwise Euclidean distances (B, N, M): the square root of :func:`square_distance`."""
+    return square_distance(a, b).sqrt_()
 
 
 # Entries of a distance block that knn holds at once: 2**24 float32 = 64 MiB, whatever N is.
 KNN_BLOCK_ELEMENTS = 1 << 24
 # Above this many distances per sample (M * N), knn searches a grid of cells instead of every pair.
 KNN_GRID_ABOVE = 1 << 24
+# Devices on which knn's brute force picks the k smallest without asking the host about ties
+# (:func:`smallest_without_sync`): a GPU would wait for each question; the CPU answers it for free and
+# :func:`smallest` is about 3 times faster there than building the int64 keys.
+SYNC_FREE_DEVICES = ("cuda",)
 
 
 @torch.no_grad()
@@ -198,30 +367,61 @@ def knn(query: torch.Tensor, points: torch.Tensor, k: int) -> torch.Tensor:
     """Indices (B, M, k) of the k nearest ``points`` (B, N, 3) of each ``query`` (B, M, 3).
 
     Nearest first, ties to the lower index: the neighbours are the first k of the points sorted by
-    (:func:`distance`, index), whatever the device, the block size or the search. Peak memory is
-    O(B M k) plus one block of at most ``KNN_BLOCK_ELEMENTS`` distances, never the M x N matrix. Up to
-    ``KNN_GRID_ABOVE`` distances a sample every pair is compared (:func:`knn_blocks`); above, a grid of
-    cells prunes the pairs (:func:`knn_grid`), in time about O(M k) for evenly spread points. Plain torch:
-    both run as they are on CUDA.
+    (:func:`square_distance`, index), whatever the device, the block size or the search. Peak memory is
+    O(B M k) plus one block of at most ``KNN_BLOCK_ELEMENTS`` distances (or one row of N per sample if
+    larger), never the M x N matrix. Up to ``KNN_GRID_ABOVE`` distances a sample every pair is compared
+    (:func:`knn_blocks`); above, a grid of cells prunes the pairs (:func:`knn_grid`), in time about
+    O(M k) for evenly spread points. On CUDA, float32 (and half) points go to one Triton kernel
+    (:func:`knn_kernel`: the same indices, O(B M k) memory, no distance matrix in memory at all); float64,
+    or k above the kernel's limit, take the torch search, which runs there as it is.
     """
     b, m, _ = query.shape
     n = points.shape[1]
     if not 1 <= k <= n:
         raise ValueError(f"knn: cannot take {k} neighbours among {n} points.")
+    if (query.is_cuda and query.dtype in KNN_TRITON_DTYPES and points.dtype in KNN_TRITON_DTYPES
+            and KNN_TRITON_USABLE and triton_usable()):
+        idx = knn_kernel(query, points, k)  # (B, M, k), None where k is above the kernel's limit or it failed
+        if idx is not None:
+            return idx
     if m * n <= KNN_GRID_ABOVE:
         return knn_blocks(query, points, k)
     return torch.stack([knn_grid(q, p, k) for q, p in zip(query, points)])  # (B, M, k)
+
+
+# Dtypes knn's Triton kernel takes: float32 and half (upcast exactly to float32, as square_distance does).
+KNN_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Whether knn may use its Triton kernel: False once it failed in this process (:func:`knn_kernel`).
+KNN_TRITON_USABLE = True
+
+
+def knn_kernel(query: torch.Tensor, points: torch.Tensor, k: int) -> torch.Tensor | None:
+    """:func:`attention.knn_triton.knn`, imported here only, so that attention imports and runs without Triton;
+    None where k is above the kernel's ``MAX_K``. A kernel that fails to compile or launch warns, turns the
+    kernel off for the process and returns None: the torch search then does the work."""
+    global KNN_TRITON_USABLE
+    try:
+        from . import knn_triton as kernel
+
+        return kernel.knn(query, points, k) if k <= kernel.MAX_K else None
+    except Exception as error:
+        if isinstance(error, torch.cuda.OutOfMemoryError):  # out of memory: not the kernel's fault
+            raise
+        warnings.warn(f"knn: the Triton kernel failed ({error!r}); the torch search takes over.", stacklevel=3)
+        KNN_TRITON_USABLE = False
+        return None
 
 
 def knn_blocks(query: torch.Tensor, points: torch.Tensor, k: int) -> torch.Tensor:
     """:func:`knn` by brute force: every query against every point, queries in blocks of rows."""
     b, m, _ = query.shape
     rows = max(1, KNN_BLOCK_ELEMENTS // (b * points.shape[1]))
+    pick = smallest_without_sync if query.device.type in SYNC_FREE_DEVICES else smallest
     if rows >= m:
-        return smallest(distance(query, points), k)
+        return pick(square_distance(query, points), k)
     out = torch.empty(b, m, k, dtype=torch.long, device=query.device)
     for i in range(0, m, rows):
-        out[:, i:i + rows] = smallest(distance(query[:, i:i + rows], points), k)  # (B, rows, k)
+        out[:, i:i + rows] = pick(square_distance(query[:, i:i + rows], points), k)  # (B, rows, k)
     return out
 
 
@@ -229,7 +429,7 @@ def knn_grid(query: torch.Tensor, points: torch.Tensor, k: int, cell: float | No
     """:func:`knn` of one sample, query (M, 3) and points (N, 3) -> (M, k), through a grid of cubic cells.
 
     The cells (side ``cell``; by default about 0.3 k points each) are grouped in blocks of 2 x 2 x 2; the
-    queries of a block are compared, with :func:`distance` and :func:`smallest` as the brute force,
+    queries of a block are compared, with :func:`square_distance` and :func:`smallest` as the brute force,
     to the points of the block's cells and of one ring of cells around them, taken in index order. A query
     keeps what it found when its k-th distance (plus a bound on the rounding of the distances) is below
     the distance from it to the nearest face of that region beyond which points lie: every point
@@ -261,7 +461,7 @@ def knn_grid(query: torch.Tensor, points: torch.Tensor, k: int, cell: float | No
     keys, counts = key[order].unique_consecutive(return_counts=True)
     # rounding: a computed distance is within a few eps of the exact one, relatively; the faces are placed
     # within ~eps of the region's extent; both bounds are taken 16 times over
-    eps = torch.finfo(distance(query[None, :1], points[None, :1]).dtype).eps
+    eps = torch.finfo(square_distance(query[None, :1], points[None, :1]).dtype).eps
     slack = 16 * eps * (float(lo.abs().max()) + max(extent) + 2 * cell)
     out = torch.empty(m, k, dtype=torch.long, device=query.device)
     retry = torch.zeros(m, dtype=torch.bool, device=query.device)
@@ -283,7 +483,7 @@ def knn_grid(query: torch.Tensor, points: torch.Tensor, k: int, cell: float | No
         q = query[rows]  # (R, 3)
         found, kth, step = [], [], max(1, KNN_BLOCK_ELEMENTS // len(candidates))
         for i in range(0, len(rows), step):
-            d = distance(q[None, i:i + step], points[None, candidates])[0]  # (rows, P)
+            d = square_distance(q[None, i:i + step], points[None, candidates])[0]  # (rows, P)
             found.append(smallest(d, k))  # (rows, k), positions among the candidates
             kth.append(d.gather(1, found[-1][:, -1:])[:, 0])  # (rows,)
         found, kth = torch.cat(found), torch.cat(kth)  # (R, k), (R,)
@@ -296,7 +496,7 @@ def knn_grid(query: torch.Tensor, points: torch.Tensor, k: int, cell: float | No
                 margin = margin.minimum(lo[axis] + (c_hi[axis] + 1) * cell - q[:, axis])
         margin = (margin - slack).clamp_min(0)
         out[rows] = candidates[found]
-        retry[rows] = ~(kth * (1 + 16 * eps) < margin)
+        retry[rows] = ~(kth * (1 + 16 * eps) < margin * margin)  # squared distances, squared margin
     if retry.any():
         rows = retry.nonzero()[:, 0]
         out[rows] = knn_grid(query[rows], points, k, 2 * cell)
@@ -336,6 +536,22 @@ def smallest(d: torch.Tensor, k: int) -> torch.Tensor:
         i, order = idx[rows].sort(dim=-1)  # (R, k)
         idx[rows] = i.gather(-1, values[rows].gather(-1, order).sort(dim=-1, stable=True).indices)
     return idx
+
+
+def smallest_without_sync(d: torch.Tensor, k: int) -> torch.Tensor:
+    """:func:`smallest`, the same indices, with no host synchronisation: what :func:`knn_blocks` runs on CUDA.
+
+    :func:`smallest` asks the host whether any row has ties (``if tied.any()``), two waits for the GPU a call,
+    four a PCT training step. Here the rule is built into the key instead: a float32 distance d >= 0 has an
+    int32 bit pattern that orders as d does, so ``bits << 32 | index`` (int64) orders as (d, index) and is
+    unique, and ``topk`` of it is the answer, ties included. Other dtypes (float64) sort each row stably.
+    """
+    n = d.shape[-1]
+    if d.dtype != torch.float32:
+        return d.sort(dim=-1, stable=True).indices[..., :k]
+    key = d.view(torch.int32).to(torch.int64).bitwise_left_shift_(32)  # (..., N)
+    key.bitwise_or_(torch.arange(n, device=d.device))
+    return key.topk(k, dim=-1, largest=False, sorted=True).values.bitwise_and_(0xFFFFFFFF)
 
 
 def gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

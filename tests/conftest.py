@@ -170,5 +170,14 @@ def http_folder(tmp_path):
 
 def pytest_collection_modifyitems(config, items):
     """Slow tests (``@pytest.mark.slow``, the two demo runs of about 4 minutes) first: xdist hands tests out in
-    collection order, and a demo collected last ran alone on one worker while the other sat idle."""
+    collection order, and a demo collected last ran alone on one worker while the other sat idle.
+
+    ``@pytest.mark.cuda`` tests (tests/gpu/) need a CUDA GPU: without one (CI, a laptop) they are reported as skipped
+    with the reason; ``make test-gpu`` runs them on a GPU machine."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: the rest keep their order
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False here); `make test-gpu` "
+                                       "runs the `cuda` tests on a GPU machine")
+        for item in items:
+            if item.get_closest_marker("cuda") is not None:
+                item.add_marker(skip)

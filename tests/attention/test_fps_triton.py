@@ -2,11 +2,17 @@
 
 The kernel runs on CPU tensors under Triton's interpreter, which ``TRITON_INTERPRET=1`` turns on when the kernel
 is defined (at import), so it runs in a subprocess: the setting then reaches no other test of this worker. The
-interpreter rounds each float32/float64 operation as the GPU does with ``enable_fp_fusion=False``;
-:func:`test_kernel_compiles_for_sm90_without_fused_multiply_add` checks, without a GPU, that the code compiled for
-one has no fused multiply-add either. Triton is in the lock: if it does not import, these tests fail.
+interpreter rounds each float32/float64 operation as the GPU does with ``enable_fp_fusion=False``, except
+``tl.fma``, which it computes as ``x * y + z`` in NumPy, rounding twice: the subprocess gives it a once-rounded
+fma (:func:`attention.pointops.fma32`, itself tested against exact rationals in tests/attention/test_pointops.py)
+so that ``like_kernel``'s fused distances are the GPU's. :func:`test_kernel_compiles_for_sm90_as_the_gpu_runs_it`
+checks, without a GPU, the code compiled for one: no fused multiply-add in the plain kernel, pointnet2_ops' nesting
+in the fused one. The tests marked ``cuda`` run the kernel on a GPU. Triton is in the lock: if it does not import,
+these tests fail. They pass under Triton 3.6 as under 3.8 (the kernel's loops are ``while`` loops for 3.6's
+interpreter).
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -24,13 +30,23 @@ ROOT = Path(__file__).resolve().parents[2]
 # Runs in the subprocess: reads the cases, runs the kernel under the interpreter, writes what it returned.
 INTERPRET = """
 import sys
+import numpy as np
 import torch
 import triton
-from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime import interpreter
 from attention import fps_triton
-from attention.pointops import farthest_point_sample
+from attention.pointops import farthest_point_sample, fma32
 
-assert triton.knobs.runtime.interpret and isinstance(fps_triton._fps_kernel, InterpretedFunction)
+assert triton.knobs.runtime.interpret and isinstance(fps_triton._fps_kernel, interpreter.InterpretedFunction)
+
+
+def fused_multiply_add(self, x, y, z):  # rounded once, as the GPU's fma.rn.f32 (the interpreter rounds twice)
+    assert x.data.dtype == y.data.dtype == z.data.dtype == np.float32
+    out = fma32(*(torch.from_numpy(np.ascontiguousarray(v.data)) for v in (x, y, z))).numpy()
+    return interpreter.TensorHandle(out, z.dtype.scalar)
+
+
+interpreter.InterpreterBuilder.create_fma = fused_multiply_add
 torch.set_num_threads(1)
 cases, out = torch.load(sys.argv[1]), {}
 defaults = fps_triton.MAX_ONE_BLOCK, fps_triton.CHUNK
@@ -96,6 +112,14 @@ def cases() -> dict:
             add(f"grid-{name}-start", grid, 24, torch.tensor([10, 63]))
             add(f"grid-{name}-kernel", grid, 24, like_kernel=True)
             add(f"shell-{name}", shell_points(dtype, seed=len(out)), 8)
+            add(f"shell-{name}-kernel", shell_points(dtype, seed=len(out)), 8, like_kernel=True)
+        # pointnet2_ops' fused multiply-adds pick other points here than the same rule with every product rounded
+        u = torch.randn(2, 100, 3, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+        shell = torch.tensor([3.0, -2.0, 5.0], dtype=torch.float64) + u / u.norm(dim=-1, keepdim=True)
+        shell[:, 0] = torch.tensor([3.0, -2.0, 5.0])
+        add("fused-shell-kernel", shell.float(), 20, like_kernel=True)
+        add("fused-linspace-grid-kernel", torch.cartesian_prod(*[torch.linspace(-1, 1, 6)] * 3)[None], 20,
+            like_kernel=True)
         add("same", same, 9, 4)
         add("same-kernel", same, 5, like_kernel=True)
         add("line-kernel", line, 3, like_kernel=True)
@@ -136,21 +160,33 @@ def interpreted(tmp_path_factory) -> dict:
     return torch.load(folder / "out.pt")
 
 
+def unfused_like_kernel(xyz: torch.Tensor, m: int) -> torch.Tensor:
+    """like_kernel's rule with every product rounded, no fused multiply-add: (B, m)."""
+    order = pointops.kernel_order(xyz.shape[1])
+    points = xyz[:, order]
+    kept = points.square().sum(-1) > pointops.KERNEL_MIN_SQUARED_NORM
+    return order[pointops.fps_loop(points, m, torch.zeros(len(xyz), dtype=torch.long),
+                                   torch.where(kept, 1e10, -1.0).to(xyz.dtype))]
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_kernel_equals_the_torch_loop(interpreted, name):
     case = CASES[name]
     want = farthest_point_sample(case["xyz"], case["m"], case["start"], case["like_kernel"], backend="torch")
     assert interpreted[name].dtype == torch.long
     assert interpreted[name].tolist() == want.tolist()
+    if "fused" in name:  # a kernel without the fused multiply-adds would fail here
+        assert not torch.equal(want, unfused_like_kernel(case["xyz"], case["m"]))
     if not case["like_kernel"] and ("grid" in name or "f64" in name):  # exact distances: the float64 rule too
         starts = case["start"].tolist() if isinstance(case["start"], torch.Tensor) else [case["start"]] * len(want)
         assert want.tolist() == [brute_force(x, case["m"], s) for x, s in zip(case["xyz"], starts)]
 
 
 # Runs in a subprocess with a scratch Triton cache: catches the options each launch of the kernel passes (float32
-# and float64, in registers and in chunks), compiles it with them for an H100 (sm_90), which needs no GPU, and
-# prints the fused multiply-adds and rounded multiplications in the PTX; the last line turns fusion on.
+# and float64, in registers and in chunks, plain and like_kernel), compiles it with them for an H100 (sm_90), which
+# needs no GPU, and prints, per launch, its options and the float arithmetic of the PTX as (op, dest, args) rows.
 COMPILE = """
+import json
 import re
 import torch
 import triton
@@ -160,38 +196,75 @@ from attention import fps_triton
 from attention.pointops import farthest_point_sample
 
 launches = []
-fps_triton._fps_kernel.run = lambda *args, grid, warmup, **options: launches.append((args[0].dtype, options))
+
+def run(planes, dist, start, out, *args, grid, warmup, **options):  # records the launch, returns indices 0
+    launches.append((planes.dtype, options))
+    out.zero_()
+
+
+fps_triton._fps_kernel.run = run
 for dtype, n in [(torch.float32, 1000), (torch.float32, 9000), (torch.float64, 1000), (torch.float64, 5000)]:
-    farthest_point_sample(torch.rand(2, n, 3, dtype=dtype), 4, backend="triton")
-launches.append((torch.float32, {**launches[0][1], "enable_fp_fusion": True}))
+    for like_kernel in (False, True):
+        farthest_point_sample(torch.rand(2, n, 3, dtype=dtype), 4, like_kernel=like_kernel, backend="triton")
 for dtype, options in launches:
     name = {torch.float32: "fp32", torch.float64: "fp64"}[dtype]
     signature = {"planes_ptr": "*" + name, "dist_ptr": "*" + name, "start_ptr": "*i64", "out_ptr": "*i64",
-                 "n": "i32", "m": "i32", "BLOCK": "constexpr", "ONE_BLOCK": "constexpr"}
-    source = ASTSource(fps_triton._fps_kernel, signature,
-                       constexprs={"BLOCK": options["BLOCK"], "ONE_BLOCK": options["ONE_BLOCK"]})
+                 "n": "i32", "m": "i32", "BLOCK": "constexpr", "ONE_BLOCK": "constexpr", "FUSED": "constexpr"}
+    constexprs = {k: options[k] for k in ("BLOCK", "ONE_BLOCK", "FUSED")}
+    source = ASTSource(fps_triton._fps_kernel, signature, constexprs=constexprs)
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                          options={k: options[k] for k in ("num_warps", "enable_fp_fusion")}).asm["ptx"]
-    print(name, options["ONE_BLOCK"], options["enable_fp_fusion"], len(re.findall(r"\\bfma\\.", ptx)),
-          len(re.findall(r"\\bmul\\.rn\\.", ptx)))
+    ops = re.findall(r"^\\s*((?:fma|mul|add|sub)\\.\\S*f(?:32|64))\\s+(%\\w+),\\s*([^;]*);", ptx, re.M)
+    print(json.dumps(dict(dtype=name, fusion=options["enable_fp_fusion"], **constexprs,
+                          ops=[(op, dest, [a.strip() for a in args.split(",")]) for op, dest, args in ops])))
 """
 
 
-def test_kernel_compiles_for_sm90_without_fused_multiply_add(tmp_path):
-    # On a GPU, fusing dx*dx + dy*dy into one rounding would give other distances than the torch loop's (with
-    # FMAs emulated in float64, the shell cases above pick other points), and the interpreter cannot show it:
-    # each launch must pass enable_fp_fusion=False, and the PTX compiled with its options hold no fma.
+def fused_nesting(ops: list) -> set:
+    """The shapes of the fused multiply-adds in PTX float ops [(op, dest, args)]: for each fma whose addend is
+    another fma's result, ('fma(a, a, fma(b, b, mul(c, c)))' with a, b, c differences from three different
+    centres) or a description of whatever else it is."""
+    made = {dest: (op, args) for op, dest, args in ops}
+    shapes = set()
+    for op, dest, args in ops:
+        if not op.startswith("fma") or not made.get(args[2], ("",))[0].startswith("fma"):
+            continue
+        inner_op, inner = made[args[2]]
+        mul_op, mul = made.get(inner[2], ("?", [None] * 3))
+        squares = args[0] == args[1] and inner[0] == inner[1] and mul[0] == mul[1]
+        diffs = [made.get(r, ("?", [None, None])) for r in (args[0], inner[0], mul[0])]
+        centres = {d[1][1] for d in diffs if d[0].startswith("sub")}
+        if op == inner_op == "fma.rn.f32" and mul_op == "mul.rn.f32" and squares and len(centres) == 3:
+            shapes.add("fma(a, a, fma(b, b, mul(c, c)))")
+        else:
+            shapes.add(f"{op}({args}) of {inner_op}({inner}) of {mul_op}({mul})")
+    return shapes
+
+
+def test_kernel_compiles_for_sm90_as_the_gpu_runs_it(tmp_path):
+    # On a GPU, fusing dx*dx + dy*dy into one rounding would give other distances than the torch loop's (the shell
+    # cases above pick other points), and the interpreter cannot show it: each launch must pass
+    # enable_fp_fusion=False, so that the plain kernel's PTX holds no fma; like_kernel's holds exactly nvcc's
+    # contraction of pointnet2_ops' source (read from nvcc 13.0's PTX for sm_90: mul.f32 of dy, fma.rn.f32 of dx,
+    # fma.rn.f32 of dz), each squared distance one fma(dz, dz, fma(dx, dx, dy*dy)), written out with tl.fma.
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
     env.pop("TRITON_INTERPRET", None)
     done = subprocess.run([sys.executable, "-c", COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr
-    rows = [line.split() for line in done.stdout.splitlines()]
-    assert [row[:2] for row in rows] == [["fp32", "True"], ["fp32", "False"], ["fp64", "True"], ["fp64", "False"],
-                                         ["fp32", "True"]]
-    for name, one_block, fusion, fma, mul_rn in rows[:-1]:
-        assert (fusion, fma) == ("False", "0") and int(mul_rn) >= 3, (name, one_block)
-    assert int(rows[-1][3]) > 0  # the count sees fused multiply-adds where fusion is on
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [(r["dtype"], r["ONE_BLOCK"], r["FUSED"]) for r in rows] == [
+        ("fp32", True, False), ("fp32", True, True), ("fp32", False, False), ("fp32", False, True),
+        ("fp64", True, False), ("fp64", True, False), ("fp64", False, False), ("fp64", False, False)]
+    for r in rows:
+        ops = [op for op, _, _ in r["ops"]]
+        assert r["fusion"] is False and any(op.startswith("mul.rn.") for op in ops)
+        if r["FUSED"]:
+            fmas = [op for op in ops if op.startswith("fma")]
+            assert fmas and len(fmas) == 2 * ops.count("mul.rn.f32") and set(fmas) == {"fma.rn.f32"}
+            assert fused_nesting(r["ops"]) == {"fma(a, a, fma(b, b, mul(c, c)))"}
+        else:
+            assert not any(op.startswith("fma") for op in ops), r
 
 
 def test_auto_takes_the_torch_loop_on_the_cpu(monkeypatch):
@@ -236,3 +309,59 @@ def test_kernel_takes_float32_and_float64_only():
     xyz = grid_points(torch.float16, seed=2)
     with pytest.raises(ValueError, match="float32 or float64"):
         fps_triton.farthest_point_sample(xyz, 4, torch.zeros(2, dtype=torch.long), torch.full((2, 64), torch.inf))
+
+
+def unit_ball_points(b: int, n: int, seed: int) -> torch.Tensor:
+    """(b, n, 3) float32 from normalised Gaussians (full 24-bit mantissas, unlike torch.rand's multiples of 2^-24,
+    so the torch path's float64 sums can be inexact and its halfway test runs), point 0 at the origin."""
+    g = torch.Generator().manual_seed(seed)
+    xyz = torch.randn(b, n, 3, generator=g, dtype=torch.float64)
+    xyz = xyz / xyz.norm(dim=-1).amax(-1)[:, None, None]
+    xyz[:, 0] = 0.0
+    return xyz.float()
+
+
+# (B, N, m): PCT's two samplings, the sizes where the unfused kernel departed from pointnet2_ops on an H100
+# (issue 27 §5), up to 65,536 points
+GPU_SIZES = [(32, 1024, 512), (32, 512, 256), (16, 2048, 1024), (8, 8192, 2048), (2, 65536, 8192)]
+
+
+def gpu_cases() -> list:
+    """[(name, xyz (B, N, 3) float32, m)]: uniform points with one near the origin, full-mantissa points, and
+    regular grids (16^3 and 40^3 points of linspace(-1, 1): ties everywhere, broken by the FMA's rounding)."""
+    out = []
+    for b, n, m in GPU_SIZES:
+        out.append((f"uniform-{b}x{n}", random_points(b, n, torch.float32, seed=n), m))
+        out.append((f"ball-{b}x{n}", unit_ball_points(b, n, seed=n), m))
+    for k, m in [(16, 1024), (40, 8192)]:
+        out.append((f"grid-{k}^3", torch.cartesian_prod(*[torch.linspace(-1, 1, k)] * 3)[None], m))
+    return out
+
+
+@pytest.mark.cuda
+def test_kernel_on_the_gpu_equals_the_torch_path():
+    # the Triton kernel compiled for the GPU (tl.fma: fma.rn.f32) against the torch path's emulation, on the CPU
+    # (on the GPU above 8,192 points: 8,192 steps of the CPU loop over 65,536 points take minutes)
+    for name, xyz, m in gpu_cases():
+        want = farthest_point_sample(xyz if xyz.shape[1] <= 8192 else xyz.cuda(), m, like_kernel=True,
+                                     backend="torch").cpu()
+        got = farthest_point_sample(xyz.cuda(), m, like_kernel=True, backend="triton")
+        assert torch.equal(got.cpu(), want), name
+        plain = farthest_point_sample(xyz, m // 4, backend="torch")
+        assert torch.equal(farthest_point_sample(xyz.cuda(), m // 4, backend="triton").cpu(), plain), name
+
+
+@pytest.mark.cuda
+def test_like_kernel_equals_pointnet2_ops():
+    # pointnet2_ops built from PCT_Pytorch's sources (nvcc defaults, ../shared/gpu/README.md) must be importable
+    # here: the test needs the real op, and says how to get it
+    try:
+        from pointnet2_ops import pointnet2_utils
+    except ImportError as error:
+        pytest.fail(f"pointnet2_ops is not importable ({error}): build it as ../shared/gpu/README.md says and put it "
+                    "on PYTHONPATH")
+    for name, xyz, m in gpu_cases():
+        want = pointnet2_utils.furthest_point_sample(xyz.cuda().contiguous(), m).long().cpu()  # (B, m) int32 -> long
+        assert torch.equal(farthest_point_sample(xyz.cuda(), m, like_kernel=True).cpu(), want), name
+        if xyz.shape[1] <= 8192:
+            assert torch.equal(farthest_point_sample(xyz, m, like_kernel=True, backend="torch"), want), name

@@ -287,3 +287,79 @@ def test_reference_sanity():
     k2, v2 = randn(gen, 1, 1, 2, 2), torch.tensor([[[[1.0], [0.0]]]], dtype=torch.float64)
     diff = (q[0, 0] @ (k2[0, 0, 0] - k2[0, 0, 1])) / math.sqrt(2)
     assert torch.allclose(ref_softmax(q, k2, v2)[0, 0, :, 0], torch.sigmoid(diff))
+
+
+# --------------------------------------------------------------------------------------------
+# offset attention in bounded memory (issue 28): the chunked two-pass form
+# --------------------------------------------------------------------------------------------
+
+def offset_full(q, k, v, eps=1e-9):
+    """The whole-map form of offset_attention, as it was (softmax over keys, columns over queries)."""
+    attn = torch.softmax(q @ k.transpose(-2, -1), dim=-1)
+    attn = attn / (eps + attn.sum(dim=-2, keepdim=True))
+    return attn.transpose(-2, -1) @ v
+
+
+@pytest.mark.parametrize("rows", [1, 3, 7, 50])  # one query a chunk; chunks that do not divide N; one chunk
+@pytest.mark.parametrize("shape", SHAPES[1:3], ids=SHAPE_IDS[1:3])
+def test_offset_chunked_equals_the_full_map_values_and_gradients(shape, rows):
+    q, k, v = (t.requires_grad_() for t in qkv_inputs("offset", shape, seed=21))
+    out = AF.OffsetChunked.apply(q, k, v, 1e-9, rows)
+    want = ref_offset(q.detach(), k.detach(), v.detach())
+    assert out.shape == want.shape and rel_err(out.detach(), want) < 1e-13
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(22), dtype=torch.float64)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    expected = torch.autograd.grad(offset_full(q, k, v), (q, k, v), grad)
+    for g, e in zip(got, expected):
+        assert rel_err(g, e) < 1e-12
+    # q and k as one tensor (PCT's shared projection): the two gradients add up
+    qk = q.detach()[..., :k.shape[-2], :].clone().requires_grad_() if shape[2] >= shape[3] else None
+    if qk is not None:
+        vq = v.detach()[..., :k.shape[-2], :]
+        g1 = torch.autograd.grad(AF.OffsetChunked.apply(qk, qk, vq, 1e-9, rows).sum(), qk)[0]
+        g2 = torch.autograd.grad(offset_full(qk, qk, vq).sum(), qk)[0]
+        assert rel_err(g1, g2) < 1e-12
+
+
+def test_offset_chunked_gradcheck():
+    inputs = tuple(t.requires_grad_() for t in qkv_inputs("offset", (1, 2, 5, 4, 3, 2), seed=23))
+    assert torch.autograd.gradcheck(lambda q, k, v: AF.OffsetChunked.apply(q, k, v, 1e-9, 2), inputs,
+                                    eps=1e-6, atol=1e-6, rtol=1e-5)
+
+
+def test_offset_goes_chunked_above_its_budget_and_never_holds_the_map(monkeypatch):
+    """Above OFFSET_FULL_MAX_ELEMENTS entries offset_attention runs chunked: the same values and gradients as the
+    full map, and (a dispatch mode sees every op's outputs, forward and backward) no tensor as large as N x M."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.numel = max(self.numel, t.numel())
+            return out
+
+    b, h, n, d = 1, 2, 1024, 8
+    monkeypatch.setattr(AF, "OFFSET_FULL_MAX_ELEMENTS", b * h * n * n - 1)  # just below this size's map
+    monkeypatch.setattr(AF, "OFFSET_CHUNK_ELEMENTS", b * h * 64 * n)  # chunks of 64 queries
+    gen = torch.Generator().manual_seed(24)
+    qk, v = randn(gen, b, h, n, d).float().requires_grad_(), randn(gen, b, h, n, d).float().requires_grad_()
+    with Largest() as seen:
+        out = AF.offset_attention(qk, qk, v)
+        out.square().sum().backward()
+    assert seen.numel <= b * h * 64 * n < b * h * n * n // 8, seen.numel
+    q64, v64 = qk.detach().double().requires_grad_(), v.detach().double().requires_grad_()
+    want = offset_full(q64, q64, v64)
+    want.square().sum().backward()
+    assert rel_err(out.detach(), want.detach()) < 1e-5
+    assert rel_err(qk.grad, q64.grad) < 1e-4 and rel_err(v.grad, v64.grad) < 1e-5
+    # a size under the budget keeps the full map (fast)
+    monkeypatch.setattr(AF, "OFFSET_FULL_MAX_ELEMENTS", b * h * n * n)
+    with Largest() as seen:
+        AF.offset_attention(qk.detach(), qk.detach(), v.detach())
+    assert seen.numel == b * h * n * n

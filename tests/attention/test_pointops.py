@@ -1,11 +1,21 @@
 """Farthest point sampling and kNN against brute-force float64 loops."""
 
+import math
+import os
+import subprocess
+import sys
+from fractions import Fraction
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
-from attention.pointops import (KERNEL_MIN_SQUARED_NORM, farthest_point_sample, gather, kernel_order, knn, knn_blocks,
+from attention.pointops import (KERNEL_MIN_SQUARED_NORM, farthest_point_sample, fma32, fps_loop, gather, kernel_order,
+                                knn, knn_blocks,
                                 knn_grid, square_distance)
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def fps_reference(xyz: np.ndarray, m: int, start: int = 0) -> list[int]:
@@ -74,29 +84,75 @@ def test_fps_per_sample_start():
         farthest_point_sample(xyz, 8, torch.tensor([1.0, 2.0, 3.0]))
 
 
-def fps_kernel_reference(xyz: np.ndarray, m: int) -> list[int]:
-    """pointnet2_ops' ``furthest_point_sampling_kernel`` simulated thread by thread, in float64.
+# Exact arithmetic on float32 values as Python ints: a float32 is an integer number of units of 2^-149 (its
+# smallest subnormal), a product of two an integer number of 2^-298; sums of those are exact.
+F32_UNIT = 149
 
-    T threads (``opt_n_threads``: 2^floor(log2 n), at most 512); thread t scans points t, t+T, ...,
-    skipping points of squared norm <= 1e-3 and keeping its first maximum (best starts at -1, besti at 0);
-    then the shared-memory tree reduction with strides T/2, ..., 1, where slot i takes slot i+s's pair
-    only if its distance is strictly larger.
+
+def f32_units(x: float) -> int:
+    """A float32 value (given as a Python float) in units of 2^-149, exactly."""
+    num, den = float(x).as_integer_ratio()
+    assert (1 << F32_UNIT) % den == 0, x
+    return num * ((1 << F32_UNIT) // den)
+
+
+def round_f32(v: int, unit: int = F32_UNIT) -> float:
+    """v * 2^-unit rounded once to float32 (to nearest, ties to even; subnormals kept), as a Python float."""
+    a = abs(v)
+    shift = max(a.bit_length() - 24, unit - F32_UNIT)  # drop all but 24 bits, never below 2^-149
+    if shift > 0:
+        q, r = divmod(a, 1 << shift)
+        half = 1 << (shift - 1)
+        a = q + (r > half or r == half and q & 1)
+    else:
+        a, shift = a << -shift, 0
+    return math.copysign(math.ldexp(a, shift - unit), v)
+
+
+def fma_f32(a: float, b: float, c: float) -> float:
+    """a * b + c of float32 values rounded once to float32 (the GPU's fma.rn.f32), exactly."""
+    return round_f32(f32_units(a) * f32_units(b) + (f32_units(c) << F32_UNIT), 2 * F32_UNIT)
+
+
+def mul_f32(a: float, b: float) -> float:
+    return round_f32(f32_units(a) * f32_units(b), 2 * F32_UNIT)
+
+
+def sub_f32(a: float, b: float) -> float:
+    return round_f32(f32_units(a) - f32_units(b))
+
+
+def fps_kernel_reference(xyz: torch.Tensor, m: int) -> list[int]:
+    """pointnet2_ops' ``furthest_point_sampling_kernel`` (sampling_gpu.cu) transliterated line by line, thread by
+    thread, in exact arithmetic, as nvcc compiles it (``-fmad=true``) for one sample xyz (N, 3) taken to float32.
+
+    ``opt_n_threads`` threads (2^floor(log2 N) in double arithmetic, at most 512); each step, thread t scans
+    points t, t+T, ... (``mag = x*x + y*y + z*z``, contracted by nvcc into ``fma(z, z, fma(x, x, y*y))``, skips a
+    point if ``mag <= 1e-3`` compared in double; ``d = fma(dz, dz, fma(dx, dx, dy*dy))``, both contractions read
+    from nvcc 13.0's PTX for sm_90; ``d2 = min(d, temp[k])``; a strictly larger d2 replaces best, which starts at
+    -1 with besti 0), then the shared-memory tree reduction with strides T/2, ..., 1: slot i takes slot i+s's
+    pair only if its distance is strictly larger (``__update``).
     """
-    n = len(xyz)
-    threads = max(min(1 << int(np.log(n) / np.log(2.0)), 512), 1)
-    temp = [1e10] * n
+    pts = [tuple(float(c) for c in p) for p in xyz.float().tolist()]  # float32 values
+    n = len(pts)
+    threads = max(min(1 << int(math.log(n) / math.log(2.0)), 512), 1)
+    temp = [1e10] * n  # torch::full(..., 1e10) in float32: 1e10 is a float32
+    mag = [fma_f32(z, z, fma_f32(x, x, mul_f32(y, y))) for x, y, z in pts]
     idxs, old = [0], 0
     for _ in range(1, m):
+        x1, y1, z1 = pts[old]
         dists, dists_i = [], []
         for t in range(threads):
             best, besti = -1.0, 0
             for k in range(t, n, threads):
-                if float(np.sum(xyz[k] ** 2)) <= 1e-3:
+                if mag[k] <= 1e-3:
                     continue
-                d = float(np.sum((xyz[k] - xyz[old]) ** 2))
-                temp[k] = min(d, temp[k])
-                if temp[k] > best:
-                    best, besti = temp[k], k
+                x2, y2, z2 = pts[k]
+                dx, dy, dz = sub_f32(x2, x1), sub_f32(y2, y1), sub_f32(z2, z1)
+                d = fma_f32(dz, dz, fma_f32(dx, dx, mul_f32(dy, dy)))
+                temp[k] = d2 = min(d, temp[k])
+                besti = k if d2 > best else besti
+                best = d2 if d2 > best else best
             dists.append(best)
             dists_i.append(besti)
         s = threads // 2
@@ -110,17 +166,129 @@ def fps_kernel_reference(xyz: np.ndarray, m: int) -> list[int]:
     return idxs
 
 
-@pytest.mark.parametrize("n,m", [(40, 12), (100, 30), (600, 20)])
-def test_fps_like_kernel_matches_the_cuda_kernel(n, m):
-    g = torch.Generator().manual_seed(n)
-    xyz = torch.rand(2, n, 3, generator=g, dtype=torch.float64) * 2 - 1
-    xyz[:, 3] = 0.01  # squared norm 3e-4: skipped by the kernel
-    xyz[:, 0] = 0.0  # the start is taken even at the origin
+def fraction_f32(q: Fraction) -> float:
+    """An exact rational rounded once to float32 (ties to even, subnormals kept): the rounding by definition."""
+    if q == 0:
+        return 0.0
+    a = abs(q)
+    e = a.numerator.bit_length() - a.denominator.bit_length()
+    e -= Fraction(2) ** e > a  # 2^e <= a < 2^(e+1)
+    ulp = Fraction(2) ** (max(e, -126) - 23)
+    k = a / ulp
+    whole, rest = divmod(k.numerator, k.denominator)
+    whole += 2 * rest > k.denominator or 2 * rest == k.denominator and whole & 1
+    return math.copysign(float(whole * ulp), q)
+
+
+def fma_cases() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 a, b, c: random magnitudes; c +- (half an ulp of c minus a sliver), where rounding the float64 sum
+    again to float32 goes wrong (the sliver is below float64's precision: the sum lands on the halfway point, and
+    the tie goes to even, which is the wrong side when c's last bit is 1); sums in the subnormal range."""
+    g = torch.Generator().manual_seed(0)
+
+    def scaled(count, lo, hi):
+        return (torch.rand(count, generator=g, dtype=torch.float64) * 2 - 1) * 2.0 ** torch.randint(lo, hi, (count,),
+                                                                                                    generator=g)
+    a, b, c = [scaled(3000, -30, 30), scaled(3000, -30, 30), scaled(3000, -60, 60)]
+    # near halfway: a = 1 + k 2^-23, b = +-2^e (1 - k 2^-23), a b = +-2^e (1 - k^2 2^-46), 2^e half c's ulp
+    c2 = (torch.rand(3000, generator=g, dtype=torch.float64) + 1) * 2.0 ** torch.randint(-20, 20, (3000,), generator=g)
+    c2 = c2.float().double() * (torch.randint(0, 2, (3000,), generator=g) * 2 - 1)
+    k = torch.randint(1, 300, (3000,), generator=g).double()
+    e = torch.frexp(c2).exponent.double() - 25  # c2 in [2^E, 2^(E+1)), E = exponent - 1: half an ulp is 2^(E-24)
+    a2 = 1 + k * 2.0 ** -23
+    b2 = 2.0 ** e * (1 - k * 2.0 ** -23) * (torch.randint(0, 2, (3000,), generator=g) * 2 - 1)
+    tiny = [scaled(500, -72, -68), scaled(500, -72, -68), scaled(500, -149, -125)]
+    a, b, c = (torch.cat(t).float() for t in zip((a, b, c), (a2, b2, c2), tiny))
+    assert torch.equal(a2.float().double(), a2) and torch.equal(b2.float().double(), b2)  # exact float32 values
+    return a, b, c
+
+
+def test_fma32_rounds_once_as_the_gpu_fma():
+    a, b, c = fma_cases()
+    got = fma32(a, b, c)
+    assert got.dtype == torch.float32
+    triples = list(zip(a.tolist(), b.tolist(), c.tolist()))
+    want = [fraction_f32(Fraction(x) * Fraction(y) + Fraction(z)) for x, y, z in triples]
+    assert got.tolist() == want
+    # the transliteration's integer arithmetic rounds the same
+    assert [fma_f32(x, y, z) for x, y, z in triples] == want
+    # the cases reach what a plain float64 sum rounded again gets wrong, and the subnormal range
+    double_rounded = (a.double() * b.double() + c.double()).float()
+    assert (double_rounded != got).sum() > 1000
+    assert (got != 0).logical_and(got.abs() < 2.0 ** -126).sum() > 100
+
+
+def edge_point() -> tuple[float, float, float]:
+    """A float32 point (x, y, 0) whose fused squared norm fma(x, x, y*y) is float32(1e-3), which is above 1e-3:
+    the kernel compares it in double and keeps it (a float32 comparison with float32(1e-3) would skip it)."""
+    target = float(np.float32(1e-3))
+    for y in np.arange(0.010, 0.020, 0.0005, dtype=np.float32):
+        yy = mul_f32(float(y), float(y))
+        x = np.float32(math.sqrt(target - yy))
+        for _ in range(64):
+            x = np.nextafter(x, np.float32(0 if fma_f32(float(x), float(x), yy) > target else 1))
+            if fma_f32(float(x), float(x), yy) == target > 1e-3:
+                return float(x), float(y), 0.0
+    raise AssertionError("no float32 point with a squared norm of float32(1e-3) found")
+
+
+def kernel_cases() -> dict:
+    """name -> (xyz (B, N, 3) float32, m): every block size ``opt_n_threads`` picks (N = 1 ... 1500: 1 to 512
+    threads); random points in [-1, 1]^3 with point 0 at the origin, a point near it (skipped) and one whose
+    squared norm is the float32 nearest 1e-3 (above 1e-3 in double: kept), a duplicate; the integer grid
+    (ties everywhere, the origin skipped); a grid of linspace(-1, 1, 8) (exact ties that the FMA rounding, not
+    symmetric in dx and dy, breaks) and points about 1 from (3, -2, 5) (near ties)."""
+    g = torch.Generator().manual_seed(1)
+    edge = edge_point()
+    out = {}
+    for n in (1, 3, 6, 13, 27, 50, 100, 200, 400, 700, 1500):
+        xyz = torch.rand(2, n, 3, generator=g) * 2 - 1
+        xyz[:, 0] = 0.0
+        if n > 4:
+            xyz[:, 3] = 0.01  # squared norm 3e-4: skipped
+            xyz[:, 4] = torch.tensor(edge)  # kept
+            xyz[:, n - 1] = xyz[:, 1]
+        out[f"random-{n}"] = xyz, min(n, 12 if n < 1000 else 6)
+    grid = torch.cartesian_prod(*[torch.arange(8.0)] * 3)  # (512, 3): the origin first
+    out["grid-512"] = torch.stack([grid, grid[torch.randperm(512, generator=g)]]), 40
+    out["grid-linspace"] = torch.cartesian_prod(*[torch.linspace(-1, 1, 8)] * 3)[None], 40  # (1, 512, 3)
+    u = torch.randn(2, 300, 3, generator=g, dtype=torch.float64)
+    shell = torch.tensor([3.0, -2.0, 5.0], dtype=torch.float64) + u / u.norm(dim=-1, keepdim=True)
+    shell[:, 0] = torch.tensor([3.0, -2.0, 5.0])
+    out["shell"] = shell.float(), 60
+    return out
+
+
+KERNEL_CASES = kernel_cases()
+
+
+@pytest.mark.parametrize("name", list(KERNEL_CASES))
+def test_fps_like_kernel_matches_the_cuda_kernel(name):
+    xyz, m = KERNEL_CASES[name]
     idx = farthest_point_sample(xyz, m, like_kernel=True)
-    for b in range(2):
-        want = fps_kernel_reference(xyz[b].numpy(), m)
+    for b in range(len(xyz)):
+        want = fps_kernel_reference(xyz[b], m)
         assert idx[b].tolist() == want
-        assert 3 not in want
+        if name.startswith("random") and xyz.shape[1] > 4:
+            assert 3 not in want
+
+
+def test_fps_like_kernel_rounds_as_the_fused_kernel():
+    # on the shell and the linspace grid, the kernel's fused multiply-adds pick other points than the same kernel
+    # with every product rounded (fps_loop with fused=False); half precision points are taken to float32 (the op
+    # takes float32 only)
+    differs = []
+    for name, (xyz, m) in KERNEL_CASES.items():
+        order = kernel_order(xyz.shape[1])
+        points = xyz[:, order]
+        kept = points.square().sum(-1) > KERNEL_MIN_SQUARED_NORM
+        unfused = order[fps_loop(points, m, torch.zeros(len(xyz), dtype=torch.long), torch.where(kept, 1e10, -1.0))]
+        fused = farthest_point_sample(xyz, m, like_kernel=True)
+        differs += [name] * (not torch.equal(fused, unfused))
+        half = xyz.half()
+        assert torch.equal(farthest_point_sample(half, m, like_kernel=True),
+                           farthest_point_sample(half.float(), m, like_kernel=True))
+    assert {"shell", "grid-linspace"} <= set(differs), differs
 
 
 def test_fps_like_kernel_breaks_ties_as_the_kernel():
@@ -129,7 +297,7 @@ def test_fps_like_kernel_breaks_ties_as_the_kernel():
     xyz = torch.zeros(1, 8, 3, dtype=torch.float64)
     xyz[0, :, 0] = torch.tensor([0.5, 0.6, 0.7, 2.0, 0.8, 2.0, 2.0, 0.9])
     xyz[0, :, 1] = 1.0
-    assert fps_kernel_reference(xyz[0].numpy(), 2) == [0, 6]
+    assert fps_kernel_reference(xyz[0], 2) == [0, 6]
     assert farthest_point_sample(xyz, 2, like_kernel=True).tolist() == [[0, 6]]
     assert farthest_point_sample(xyz, 2).tolist() == [[0, 3]]  # plain: the lowest index
 
@@ -137,20 +305,25 @@ def test_fps_like_kernel_breaks_ties_as_the_kernel():
 def test_fps_like_kernel_with_only_near_origin_points_left_repeats_point_0():
     xyz = torch.zeros(1, 6, 3, dtype=torch.float64)
     xyz[0, 2] = torch.tensor([1.0, 0.0, 0.0])
-    assert fps_kernel_reference(xyz[0].numpy(), 4) == [0, 2, 2, 2]  # point 2 at distance 0 still beats -1
+    assert fps_kernel_reference(xyz[0], 4) == [0, 2, 2, 2]  # point 2 at distance 0 still beats -1
     assert farthest_point_sample(xyz, 4, like_kernel=True).tolist() == [[0, 2, 2, 2]]
     line = torch.tensor([[[1.0, 0, 0], [0.02, 0, 0], [-1.0, 0, 0]]], dtype=torch.float64)
-    assert fps_kernel_reference(line[0].numpy(), 3) == [0, 2, 0]
+    assert fps_kernel_reference(line[0], 3) == [0, 2, 0]
     assert farthest_point_sample(line, 3, like_kernel=True).tolist() == [[0, 2, 0]]
     assert farthest_point_sample(line, 3).tolist() == [[0, 2, 1]]  # the plain rule takes the point near 0
     assert farthest_point_sample(torch.zeros(1, 5, 3), 3, like_kernel=True).tolist() == [[0, 0, 0]]
+    # (x, 0, 0) with x*x the float32 nearest 1e-3, which is above 1e-3: the kernel compares in double, so it keeps it
+    near = torch.tensor([[[0.0, 0, 0], edge_point(), [0.01, 0, 0]]])
+    assert fps_kernel_reference(near[0], 3) == [0, 1, 1]
+    assert farthest_point_sample(near, 3, like_kernel=True).tolist() == [[0, 1, 1]]
     with pytest.raises(ValueError, match="starts at point 0"):
         farthest_point_sample(xyz, 2, start=1, like_kernel=True)
 
 
 @torch.no_grad()
 def fps_before(xyz, m, start=0, like_kernel=False):
-    """farthest_point_sample as it was before issue #20 §2 (one indexing and a sum over (B, N, 3) a step)."""
+    """farthest_point_sample as it was before issue #20 §2 (one indexing and a sum over (B, N, 3) a step); its
+    like_kernel had no fused multiply-adds, which float64 points keep."""
     b, n, _ = xyz.shape
     idx = torch.empty(b, m, dtype=torch.long)
     dist = torch.full((b, n), float("inf"), dtype=xyz.dtype)
@@ -185,7 +358,8 @@ def test_fps_torch_loop_gives_the_indices_of_before(dtype):
         start = torch.randint(0, xyz.shape[1], (3,), generator=g)
         assert torch.equal(farthest_point_sample(xyz, m), fps_before(xyz, m))
         assert torch.equal(farthest_point_sample(xyz, m, start), fps_before(xyz, m, start))
-        assert torch.equal(farthest_point_sample(xyz, m, like_kernel=True), fps_before(xyz, m, like_kernel=True))
+        if dtype == torch.float64:  # float32 and half: pointnet2_ops' fused multiply-adds (tests below)
+            assert torch.equal(farthest_point_sample(xyz, m, like_kernel=True), fps_before(xyz, m, like_kernel=True))
 
 
 def test_fps_stays_out_of_compiled_graphs():
@@ -224,13 +398,15 @@ def knn_reference(query: torch.Tensor, points: torch.Tensor, k: int) -> list:
     return out
 
 
+@pytest.mark.parametrize("sync_free", [False, True])  # smallest (CPU) or smallest_without_sync (CUDA's), on the CPU
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("block", [1 << 24, 64, 1])  # one block; 64 entries (a row or two); one row per block
 @pytest.mark.parametrize("k", [1, 6, 7, 19, 27, 64])
-def test_knn_ties_go_to_the_lower_index(monkeypatch, dtype, block, k):
+def test_knn_ties_go_to_the_lower_index(monkeypatch, dtype, block, k, sync_free):
     # integer grid coordinates: every distance is an integer, computed exactly, and tied many times over
     # (6 neighbours at distance 1, 12 at 2, 8 at 3 ...), so k = 7, 19, 27 cut through ties; duplicates too
     monkeypatch.setattr("attention.pointops.KNN_BLOCK_ELEMENTS", block)
+    monkeypatch.setattr("attention.pointops.SYNC_FREE_DEVICES", ("cpu",) if sync_free else ("cuda",))
     grid = torch.cartesian_prod(*[torch.arange(4)] * 3).to(dtype)  # (64, 3)
     g = torch.Generator().manual_seed(k)
     points = torch.stack([grid, grid[torch.randperm(64, generator=g)]])  # (2, 64, 3), two orders
@@ -255,6 +431,75 @@ def test_knn_blocks_change_nothing(monkeypatch, dtype):
     for block in (600, 601, 1):  # one row per block, a row and a bit, one entry
         monkeypatch.setattr("attention.pointops.KNN_BLOCK_ELEMENTS", block)
         assert torch.equal(knn(query, points, 16), whole)
+
+
+def knn_float32_reference(query: np.ndarray, points: np.ndarray, k: int) -> list:
+    """Per query, the first k points sorted by (squared distance, index), the squared distance rounded as the rule
+    says: float32 differences, then (dx*dx + dy*dy) + dz*dz, each operation rounded to float32 (numpy's float32
+    ufuncs, one rounding each)."""
+    rows = []
+    for q in query:
+        d = points - q  # (N, 3) float32
+        s = (d[:, 0] * d[:, 0] + d[:, 1] * d[:, 1]) + d[:, 2] * d[:, 2]  # (N,) float32
+        rows.append(sorted(range(len(points)), key=lambda j: (float(s[j]), j))[:k])
+    return rows
+
+
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_knn_near_ties_follow_the_float32_rule(monkeypatch, sync_free):
+    """Points on a thin shell around each query: their float32 squared distances differ by an ulp or two or tie
+    exactly, so any other rounding (cdist's FMA chain and square root, a matrix product, float64) reorders them."""
+    monkeypatch.setattr("attention.pointops.SYNC_FREE_DEVICES", ("cpu",) if sync_free else ("cuda",))
+    g = torch.Generator().manual_seed(5)
+    query = (torch.rand(2, 6, 3, generator=g) * 4 - 2).float()  # (2, 6, 3)
+    u = torch.nn.functional.normalize(torch.randn(2, 6, 40, 3, generator=g), dim=-1)  # (2, 6, 40, 3) directions
+    points = (query[:, :, None] + 0.3 * u).reshape(2, 240, 3).float()  # 40 on a shell around each query
+    points = torch.cat([points, points[:, :30]], 1)  # (2, 270, 3): exact duplicates, ties to the lower index
+    idx = knn(query, points, 45)
+    for b in range(2):
+        assert idx[b].tolist() == knn_float32_reference(query[b].numpy(), points[b].numpy(), 45)
+
+
+@pytest.mark.parametrize("chunk", [1 << 18, 7, 270])  # at once; a few entries at a time; one row at a time
+def test_square_distance_is_the_float32_rule_bit_for_bit(monkeypatch, chunk):
+    monkeypatch.setattr("attention.pointops.SQUARE_DISTANCE_CPU_CHUNK", chunk)
+    g = torch.Generator().manual_seed(6)
+    a, b = torch.randn(2, 9, 3, generator=g) * 100, torch.randn(2, 270, 3, generator=g) * 100 + 1
+    d = (a.numpy()[:, :, None] - b.numpy()[:, None]).astype(np.float32)  # (2, 9, 270, 3)
+    expected = (d[..., 0] * d[..., 0] + d[..., 1] * d[..., 1]) + d[..., 2] * d[..., 2]
+    assert np.array_equal(square_distance(a, b).numpy(), expected)
+    assert np.array_equal(square_distance(a.half(), b.half()).numpy(),  # half: upcast, then the same
+                          square_distance(a.half().float(), b.half().float()).numpy())
+
+
+def test_knn_memory_stays_within_its_block_budget(monkeypatch):
+    """8,192 points against themselves (the grid search): no tensor of more than the block budget or N k entries
+    is ever created (a dispatch mode sees every op's outputs), far below N x N; and no cdist."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.largest, self.ops = 0, set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.ops.add(str(func.overloadpacket))
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.largest = max(self.largest, t.numel())
+            return out
+
+    budget, n, k = 1 << 18, 8192, 16
+    monkeypatch.setattr("attention.pointops.KNN_BLOCK_ELEMENTS", budget)
+    points = torch.rand(1, n, 3, generator=torch.Generator().manual_seed(2))
+    with Record() as record:
+        idx = knn(points, points, k)
+    assert idx.shape == (1, n, k) and torch.equal(idx[0, :, 0], torch.arange(n))  # each point its own nearest
+    assert record.largest <= max(budget, n * k) < n * n // 64, record.largest
+    assert not any("cdist" in op for op in record.ops), sorted(record.ops)
+    rows = torch.arange(0, n, 509)  # a sample of queries against the float32 rule by brute force
+    assert idx[0, rows].tolist() == knn_float32_reference(points[0, rows].numpy(), points[0].numpy(), k)
 
 
 def test_knn_rejects_impossible_counts():
@@ -294,3 +539,101 @@ def test_knn_grid_search_is_the_brute_force(monkeypatch, kind, dtype):
             assert want.tolist() == knn_reference(query, points, k)
     # cells too small for anyone: every query searches again with larger ones, down to brute force
     assert torch.equal(knn_grid(query[0], points[0], 10, cell=1e-4), expected[10][0])
+
+
+# --- kNN's Triton kernel (attention/knn_triton.py) ------------------------------------------------------------------
+# Under Triton's interpreter (TRITON_INTERPRET=1 takes effect when the kernel is defined, at import, so in a
+# subprocess) the kernel runs on CPU tensors, each float32 operation rounded as the GPU rounds it with
+# enable_fp_fusion=False; it must return knn's torch search, index for index.
+KNN_INTERPRET = """
+import sys
+import torch
+import triton
+from triton.runtime import interpreter
+from attention import knn_triton, pointops
+
+assert triton.knobs.runtime.interpret and isinstance(knn_triton._knn_kernel, interpreter.InterpretedFunction)
+torch.set_num_threads(1)
+cases = torch.load(sys.argv[1])
+torch.save({name: (knn_triton.knn(q, p, k), pointops.knn(q, p, k)) for name, (q, p, k) in cases.items()}, sys.argv[2])
+"""
+
+
+def test_knn_triton_kernel_is_the_torch_search_index_for_index(tmp_path):
+    g = torch.Generator().manual_seed(9)
+    grid = torch.cartesian_prod(*[torch.arange(4)] * 3).float()  # integer points: ties everywhere
+    tied = grid[torch.randperm(64, generator=g)][None].clone()  # (1, 64, 3)
+    tied[:, 10] = tied[:, 11]  # a duplicate
+    tied_queries = torch.randint(-1, 5, (1, 17, 3), generator=g).float()  # 17: two programs, one partial
+    centre = torch.rand(1, 3, 3, generator=g)
+    shell = (centre[:, :, None] + 0.3 * torch.nn.functional.normalize(torch.randn(1, 3, 13, 3, generator=g), dim=-1))
+    cases = {  # the interpreter takes about half a second a tile of a program: small cases
+        "ties, k=7 (one tile of 16 at a time)": (tied_queries, tied[:, :32], 7),
+        "ties, k=19 (tiles of 32)": (tied_queries[:, :9], tied, 19),
+        "near ties on shells, N=39 (a partial tile), half": (centre.half(), shell.reshape(1, 39, 3).half(), 17),
+        "k = N": (tied_queries[:, :3], tied[:, :20], 20),
+    }
+    torch.save(cases, tmp_path / "cases.pt")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", KNN_INTERPRET, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name, (kernel, search) in torch.load(tmp_path / "out.pt").items():
+        assert kernel.shape == search.shape and torch.equal(kernel, search), name
+    assert torch.load(tmp_path / "out.pt")["ties, k=7 (one tile of 16 at a time)"][1][0].tolist() == \
+        knn_reference(tied_queries, tied[:, :32], 7)[0]
+
+
+KNN_COMPILE = """
+import re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from attention import knn_triton
+
+signature = {"q_ptr": "*fp32", "p_ptr": "*fp32", "out_ptr": "*i64", "m": "i32", "n": "i32", "k": "i32",
+             "BQ": "constexpr", "KP": "constexpr"}
+source = ASTSource(knn_triton._knn_kernel, signature, constexprs={"BQ": knn_triton.BQ, "KP": 32})
+ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False}).asm["ptx"]
+print(" ".join(sorted(set(re.findall(r"^\\s*((?:fma|mul|add|sub)\\.\\S*f32)", ptx, re.M)))))
+"""
+
+
+def test_knn_triton_kernel_compiles_for_sm90_without_fused_multiply_add(tmp_path):
+    # On a GPU, a fused dx*dx + dy*dy would round once where square_distance rounds twice, and reorder near ties;
+    # the interpreter cannot show it. Compiled for an H100 (no GPU needed) as knn_triton.knn launches it (PCT's
+    # k = 32), the float arithmetic is rounded subtractions, multiplications and additions only.
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, "-c", KNN_COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["add.rn.f32", "mul.rn.f32", "sub.rn.f32"]
+
+
+def test_knn_kernel_failure_warns_and_hands_over_to_torch(monkeypatch):
+    from attention import knn_triton, pointops
+
+    def broken(*args):
+        raise RuntimeError("no driver")
+
+    monkeypatch.setattr(knn_triton, "knn", broken)
+    monkeypatch.setattr(pointops, "KNN_TRITON_USABLE", True)
+    q, p = torch.rand(1, 4, 3), torch.rand(1, 9, 3)
+    with pytest.warns(UserWarning, match="torch search takes over"):
+        assert pointops.knn_kernel(q, p, 3) is None
+    assert pointops.KNN_TRITON_USABLE is False
+    assert pointops.knn_kernel(q, p, knn_triton.MAX_K + 1) is None  # above the kernel's k: no kernel, no warning
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("b,m,n,k", [(32, 512, 1024, 32), (32, 256, 512, 32), (1, 65536, 65536, 16)])
+def test_knn_triton_kernel_on_the_gpu_is_the_torch_search(monkeypatch, b, m, n, k):
+    from attention import knn_triton, pointops
+
+    g = torch.Generator().manual_seed(m)
+    points = torch.rand(b, n, 3, generator=g).cuda()
+    query = points[:, :m] if m == n else torch.rand(b, m, 3, generator=g).cuda()
+    got = knn_triton.knn(query, points, k)
+    monkeypatch.setattr(pointops, "KNN_TRITON_USABLE", False)  # knn's torch search, on the GPU
+    assert torch.equal(got, pointops.knn(query, points, k))
