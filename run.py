@@ -12,11 +12,12 @@ import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from suite.cli import check_group_choices, exit_with_message, quote_report_runs, run_stamp
+from suite.cli import check_group_choices, check_overrides, exit_with_message, quote_report_runs
+from suite.run_dirs import register_resolvers
 
-OmegaConf.register_new_resolver("run_stamp", run_stamp, replace=True)  # before Hydra composes the run directory
+register_resolvers()  # ${run_stamp:} and ${hydra_subdir:...}: before Hydra composes the run directory
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
@@ -39,4 +40,5 @@ def main(cfg: DictConfig) -> None:
 if __name__ == "__main__":
     sys.argv[1:] = quote_report_runs(sys.argv[1:])
     check_group_choices(sys.argv[1:])  # Hydra's own message for an unknown choice lists nothing
+    check_overrides(sys.argv[1:])  # Hydra's own advice for an unknown key (+key=) adds a key nothing reads
     main()

@@ -42,7 +42,7 @@ import urllib.error
 import urllib.request
 import zipfile
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
@@ -99,14 +99,61 @@ def download_and_extract(
 def ensure_release(check: Callable[[], T], download: bool, url: str, root: str | os.PathLike,
                    md5: str | None = None) -> T:
     """Return ``check()``; if it finds the release missing (UserError) and ``download`` is set, fetch
-    and extract ``url`` into ``root`` first, then check again. Without ``download`` the error stands."""
+    and extract ``url`` into ``root`` first, then check again. Without ``download`` the error stands; a release
+    still incomplete after the download is an error naming the URL (``data.url`` is not the official archive)."""
     try:
         return check()
     except UserError:
         if not download:
             raise
     download_and_extract(url, root, md5=md5)
-    return check()
+    try:
+        return check()
+    except UserError as err:
+        raise UserError(f"The archive downloaded from data.url={url} was unpacked into {root}, yet the release is "
+                        f"still incomplete: {err}") from None
+
+
+def check_file_lists(folder: Path, lists: Iterable[str], release: str, archive: str, root, url: str) -> None:
+    """Every file that the release's own file lists name (``train_files.txt``: one path a line, the folder's files
+    by their last component) is in ``folder``; a list the folder lacks is not checked. UserError naming each missing
+    file, its list and how to restore it (``release``: how the message names the release, ``archive`` its zip)."""
+    missing = {}
+    for name in lists:
+        listing = folder / name
+        if not listing.is_file():
+            continue
+        try:
+            lines = listing.read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as err:
+            raise UserError(f"{listing} cannot be read as text ({err}): it is the {release} release's list of its "
+                            "files. Restore it from the official archive, or delete it to skip the check.") from None
+        files = [line.strip().replace("\\", "/").rsplit("/", 1)[-1] for line in lines]
+        lacking = [file for file in files if file and not (folder / file).is_file()]
+        if lacking:
+            missing[name] = lacking
+    if missing:
+        raise UserError(
+            f"The {release} release in {folder} is incomplete: "
+            + "; ".join(f"{', '.join(files)} listed in {name} {'is' if len(files) == 1 else 'are'} missing"
+                        for name, files in missing.items())
+            + f", so the run would use only part of the data. Restore the missing file(s) from the official "
+            f"{archive} (unzip it again into data.root={root}); with data.download=true a kept {archive} is "
+            f"unpacked again, else it is downloaded ({url})."
+        )
+
+
+def how_to_get(download: bool, url: str, archive: str, offline: str | None = None) -> str:
+    """The last sentence of a missing-release message: how to get the release, which depends on whether
+    ``data.download`` is already set (then the download did not run in this process)."""
+    offline = f", or run offline with data={offline}" if offline else ""
+    if not download:
+        return f"Set data.download=true to fetch it ({url}), unpack {archive} there by hand{offline}."
+    return (f"data.download=true is set, but the download ({url}) runs in the data module's prepare_data(), on the "
+            f"first process of each node, before the data is read (run.py and Lightning call it), and a process "
+            f"started beside that one (by srun) does not wait for it: run the command once with one process to "
+            f"download it (add trainer.devices=1 trainer.num_nodes=1 trainer.fast_dev_run=true), unpack {archive} "
+            f"there by hand{offline}.")
 
 
 def _fetch(url: str, root: Path, name: str) -> None:

@@ -83,6 +83,14 @@ class RunIdentity(L.pytorch.callbacks.Callback):
         checkpoint["suite"] = self.identity
 
 
+def checkpoint_step(path: str | Path) -> int | None:
+    """The global step a checkpoint was saved at (None if it records none)."""
+    from suite.checkpoint_io import safe_torch_load
+
+    step = safe_torch_load(path, f"ckpt_path={path}", mmap=True).get("global_step")
+    return int(step) if step is not None else None
+
+
 def check_checkpoint(path: str, identity: dict) -> None:
     """Refuse a checkpoint written by another task or attention variant, naming what it was trained with."""
     from suite.checkpoint_io import safe_torch_load

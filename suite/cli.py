@@ -1,16 +1,18 @@
 """What ``run.py`` does with the command line before Hydra composes it.
 
-- :func:`run_stamp`: the ``${run_stamp:}`` resolver of ``configs/config.yaml`` (the run directory's last part);
 - :func:`quote_report_runs`: ``report.runs=a,b`` as a list rather than a Hydra sweep;
 - :func:`check_group_choices`: ``group=unknown`` refused with the group's choices, exit code 2;
+- :func:`check_overrides`: the overrides Hydra would refuse (a key that does not exist, ``+key=`` for a key that
+  does), refused first with exit code 2 and a fix that works ("did you mean max_epochs?");
 - :func:`exit_with_message`: how every user error ends: one message on stderr, exit code 2.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
 import sys
-from datetime import datetime
 from pathlib import Path
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -20,16 +22,6 @@ GROUPS = ("mode", "task", "attn", "data", "model", "trainer", "logger", "experim
 def exit_with_message(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
-
-
-def run_stamp() -> str:
-    """The last part of a run's directory (``${run_stamp:}`` in configs/config.yaml): the start time, or
-    ``slurm-<job id>`` inside a SLURM batch job (interactive ``bash`` / ``interactive`` allocations, which host
-    many runs, keep the time, as Lightning's SLURM detection does)."""
-    job = os.environ.get("SLURM_JOB_ID")
-    if job and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
-        return f"slurm-{job}"
-    return datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
 
 
 def quote_report_runs(argv: list[str]) -> list[str]:
@@ -77,3 +69,141 @@ def check_group_choices(argv: list[str]) -> None:
             if choice and choice != "null" and choice not in available:
                 exit_with_message(f"unknown {key} {choice!r}. Available {key} choices: {', '.join(available)} "
                                   f"(configs/{key}/). Example: `python run.py {key}={available[0]}`.")
+
+
+# Hydra's words for the two override errors that need a better fix (hydra._internal.config_loader_impl).
+NO_KEY = re.compile(r"Could not override '([^']+)'")
+KEY_THERE = re.compile(r"Could not append to config\. An item is already at '([^']+)'")
+
+
+def check_overrides(argv: list[str]) -> None:
+    """Compose the config as Hydra is about to, so that an override it refuses ends with exit code 2 and a fix
+    that works, rather than Hydra's exit code 1 and its advice to add ``+key=``, which creates a key that nothing
+    reads:
+
+    - ``trainer.max_epoch=3``: the key does not exist; the message names the keys that do, closest first
+      ("did you mean trainer.max_epochs?"), and ``++key=`` for a Trainer argument the config does not list;
+    - ``+trainer.max_epochs=3``: ``+`` adds a key, and this one exists: the message gives ``key=`` and ``++key=``;
+    - any other override Hydra cannot compose (its own message, in one paragraph).
+
+    A sweep (``-m``) is checked with the first value of each swept override. Hydra's own flags (``--cfg``,
+    ``--help``, ...) are left to Hydra."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import Glob
+    from hydra.errors import ConfigCompositionException, HydraException
+
+    if any(arg.startswith("-") and arg not in ("-m", "--multirun") for arg in argv):
+        return
+    parser = OverridesParser.create()
+    overrides, rewritten = [], False
+    for arg in (a for a in argv if not a.startswith("-")):
+        try:
+            override = parser.parse_override(arg)
+        except HydraException as err:
+            exit_with_message(f"{arg!r} is not an override Hydra can read: {' '.join(str(err).split())} Write "
+                              "overrides as key=value (a value with spaces or special characters in quotes).")
+        if not override.is_sweep_override():
+            overrides.append(arg)
+            continue
+        rewritten = True
+        value = override.value()
+        if isinstance(value, Glob):
+            matched = value.filter(sorted(p.stem for p in (CONFIGS / override.key_or_group).glob("*.yaml")))
+            first = matched[0] if matched else None
+        else:
+            try:
+                first = next(iter(override.sweep_string_iterator()), None)
+            except (HydraException, ValueError):  # an interval sweep: nothing to enumerate
+                first = None
+        if first is None:
+            return
+        overrides.append(f"{override.get_key_element()}={first}")
+    try:
+        with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+            cfg = compose("config", overrides=overrides, return_hydra_config=True)
+    except ConfigCompositionException as err:
+        text = " ".join(str(err).split())
+        if (missing := NO_KEY.search(text)) is not None:
+            exit_with_message(unknown_key(missing.group(1), overrides))
+        if (there := KEY_THERE.search(text)) is not None:
+            key = there.group(1)
+            given = next((o for o in overrides if o.lstrip("+").split("=", 1)[0] == key), f"+{key}=<value>")
+            value = given.split("=", 1)[1] if "=" in given else "<value>"
+            exit_with_message(f"{given} adds {key}, but the config has {key} already: set it with `{key}={value}` "
+                              f"(or `++{key}={value}`, which sets a key or adds it).")
+        if not rewritten:
+            exit_with_message(f"{text} (Hydra could not compose the config from the command line's overrides.)")
+        return
+    except HydraException:  # anything else (a missing plugin, ...): Hydra reports it as it runs
+        return
+    check_run_dir(cfg, "hydra.sweep.dir" if {"-m", "--multirun"} & set(argv) else "hydra.run.dir")
+
+
+def check_run_dir(cfg, key: str) -> None:
+    """The run (or sweep) directory can be created: its nearest existing folder is a folder, and writable. Hydra
+    creates it before the run starts, where a failure is a traceback."""
+    from omegaconf import OmegaConf
+
+    try:
+        folder = Path(str(OmegaConf.select(cfg, key, throw_on_resolution_failure=True))).expanduser().absolute()
+    except Exception:  # noqa: BLE001 - a directory that does not resolve here: Hydra resolves and reports it
+        return
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        problem = f"{existing} is a file, not a folder"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        problem = f"{existing} is not writable (a read-only file system, or a folder that is not yours)"
+    else:
+        return
+    exit_with_message(f"{key}={folder} cannot be created: {problem}. Nothing was run. Give a run directory in a "
+                      f"writable folder, e.g. `python run.py {key}=outputs/my-run`, or drop {key} to use the "
+                      "default (outputs/<task>/<attn>/<time>, multirun/<time> with -m).")
+
+
+def unknown_key(key: str, overrides: list[str]) -> str:
+    """The message for an override of ``key``, which the composed config lacks: the keys nearest to it by spelling
+    ("did you mean"), then every key its parent has (composed without this override)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import DictConfig
+
+    others = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] != key]
+    try:
+        with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+            cfg = compose("config", overrides=others, return_hydra_config=key.startswith("hydra."))
+    except Exception:  # noqa: BLE001 - another override fails too: the message names this one without its siblings
+        return (f"{key} is not an option of the composed config (and another override fails too); "
+                "`python run.py --cfg job` prints the config's keys.")
+    parts = key.split(".")
+    node, depth = cfg, 0
+    while isinstance(node, DictConfig) and depth < len(parts) - 1 and parts[depth] in node:
+        node, depth = node[parts[depth]], depth + 1
+    parent = ".".join(parts[:depth])
+    wrong = parts[depth]
+    keys = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
+    close = difflib.get_close_matches(wrong, keys, n=3, cutoff=0.6)
+    where = f"{parent} has no key {wrong!r}" if parent else f"the config has no top-level key {wrong!r}"
+    given = next((o for o in overrides if o.split("=", 1)[0] == key), f"{key}=<value>")
+    value = given.split("=", 1)[1] if "=" in given else "<value>"
+    meant = [".".join([*parts[:depth], c, *parts[depth + 1:]]) for c in close]  # the whole key, corrected
+    text = f"{key} is not an option: {where}."
+    if meant:
+        text += " Did you mean " + " or ".join(meant) + "?"
+    if keys:
+        text += f" The keys of {parent or 'the config'}: {', '.join(keys)}."
+    if parent == "trainer" and depth == len(parts) - 1 and is_trainer_argument(wrong):
+        text += (f" {wrong} is an argument of Lightning's Trainer that the config does not list: give it with ++, "
+                 f"`python run.py ++trainer.{wrong}={value}`.")
+    elif meant:
+        text += f" Example: `python run.py {meant[0]}={value}`."
+    return text
+
+
+def is_trainer_argument(name: str) -> bool:
+    import inspect
+
+    from lightning import Trainer
+
+    return name in inspect.signature(inspect.unwrap(Trainer.__init__)).parameters

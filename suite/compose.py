@@ -4,11 +4,13 @@
 
 1. the task's ``attn_presets`` for the chosen variant (the options its paper uses), under any ``attn.<option>=``
    given on the command line (:func:`apply_attn_preset`);
-2. the seed (python, numpy, torch and the data-loader workers);
+2. the seed (python, numpy, torch and the data-loader workers), once every interpolation is known to resolve and
+   the seed to be a seed;
 3. the redacted, resolved config (no API keys or tokens from the environment): everything that is logged, saved or
    printed comes from it; rank zero saves it as ``resolved_config.yaml`` and redacts Hydra's own copies;
 4. the start-up checks (``suite/validate.py`` and the task's ``check_config``), before any data is read;
-5. the data module, set up for the run's stage, so that a missing data set is reported before any weights are
+5. the data module, prepared (``prepare_data``: the download of ``data.download=true``, on the process Lightning
+   prepares data on) and set up for the run's stage, so that a missing data set is reported before any weights are
    fetched;
 6. the task, given what it asks for by name from the data module (``num_classes``, ``category_parts``, ...),
    then the published weights its ``weights_options`` name (``model.weights=PATH``, ...), if given.
@@ -19,12 +21,15 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
+
+from attention.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +46,11 @@ def compose(cfg: DictConfig, overrides: list[str], out_dir: Path) -> ComposedRun
     import lightning as L
 
     from suite.distributed import check_scale_rule
-    from suite.validate import validate_config
+    from suite.validate import check_resolves, check_seed, validate_config
 
     apply_attn_preset(cfg, overrides)
+    check_resolves(cfg)  # a group of another task (task=modelnet data=ade20k) leaves interpolations unresolved
+    check_seed(cfg.seed)
     L.seed_everything(cfg.seed, workers=True)
     config = record_config(cfg, out_dir)
     check_scale_rule((cfg.get("optim") or {}).get("scale_lr"))  # before any data is read
@@ -87,13 +94,44 @@ def record_config(cfg: DictConfig, out_dir: Path) -> dict:
 
 
 def build_datamodule(cfg: DictConfig, stage: str | None):
-    """The data module of ``cfg.data``, set up for ``stage`` (``fit``/``test``; None: not set up)."""
+    """The data module of ``cfg.data``, prepared and set up for ``stage`` (``fit``/``test``; None: neither).
+
+    ``prepare_data`` (where a data module downloads and checks its release) runs before ``setup``, as Lightning
+    orders them, and only on the process Lightning runs it on (:func:`prepares_data`); Lightning's own later calls
+    find the data there."""
+    from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
-    datamodule = instantiate(cfg.data, _convert_="all")
+    from suite.errors import UNEXPECTED
+    from suite.validate import chosen
+
+    try:
+        datamodule = instantiate(cfg.data, _convert_="all")
+    except InstantiationException as err:
+        unexpected = UNEXPECTED.match(str(err.__cause__ or ""))
+        if not isinstance(err.__cause__, TypeError) or unexpected is None:
+            raise
+        option, name = unexpected.group(2), chosen("data") or cfg.data._target_
+        raise UserError(f"data.{option} is not an option of data={name} ({unexpected.group(1)} takes no "
+                        f"{option}): it was set for another data set, by the task, the experiment or the command line "
+                        f"(e.g. experiment=demo sets data.npoints for its point sets). Drop it (`~data.{option}`), "
+                        "or choose a data set that takes it; `python run.py --cfg job` prints the composed data "
+                        "config.") from None
     if stage is not None:
+        if prepares_data(datamodule):
+            datamodule.prepare_data()
         datamodule.setup(stage)
     return datamodule
+
+
+def prepares_data(datamodule) -> bool:
+    """Whether this process is the one Lightning's ``prepare_data`` runs on: the first process of each node
+    (``prepare_data_per_node``, Lightning's default) or of the first node only. The Trainer and its barrier do not
+    exist yet: processes that Lightning starts itself (``trainer=ddp``) start after this one has prepared the data;
+    those started beside it (``srun``) are told by the data set's missing-data message to download first."""
+    local = ("LOCAL_RANK", "SLURM_LOCALID")
+    names = local if getattr(datamodule, "prepare_data_per_node", True) else local + ("NODE_RANK", "SLURM_NODEID")
+    return all(int(os.environ.get(name, 0) or 0) == 0 for name in names)
 
 
 def build_task(config: dict, datamodule):

@@ -4,6 +4,7 @@
 
 - a :class:`UserError` anywhere in the chain (Hydra's ``instantiate`` wraps what constructors raise): the suite's
   own message;
+- a full disk or quota, or a read-only file system, met while writing a file (:func:`disk_error`);
 - an option that Lightning or torch refused, told apart by where it was raised, not by its type alone (a
   ``ValueError`` elsewhere is a bug and keeps its traceback):
   - Lightning's ``MisconfigurationException`` raised while the ``Trainer`` is built, or anywhere when its message
@@ -20,7 +21,10 @@ schemas of ``suite.schema`` (``suite.validate``); this is the net for what those
 
 from __future__ import annotations
 
+import errno
 import inspect
+import io
+import os
 import re
 import sys
 import traceback
@@ -43,10 +47,36 @@ def as_user_error(err: BaseException) -> UserError | None:
     for cause in chain(err):
         if isinstance(cause, UserError):
             return cause
-        mapped = trainer_option_error(cause) or optimizer_option_error(cause)
+        mapped = trainer_option_error(cause) or optimizer_option_error(cause) or disk_error(cause)
         if mapped is not None:
             return mapped
     return None
+
+
+def disk_error(err: BaseException) -> UserError | None:
+    """A full disk or quota (``ENOSPC``, ``EDQUOT``) or a read-only file system (``EROFS``) while the run wrote a
+    file: the machine's state, not a bug. The message names the file being written (the error's own, else the
+    file object open in the innermost frame that had one)."""
+    if not isinstance(err, OSError) or err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+        return None
+    path = err.filename or next((f.f_locals[name].name for f in reversed(frames(err)) for name in f.f_locals
+                                 if isinstance(f.f_locals[name], io.IOBase)
+                                 and isinstance(getattr(f.f_locals[name], "name", None), str)), None)
+    from suite.checkpoint_io import TMP_MARK
+
+    if path and TMP_MARK in os.path.basename(path):  # an atomic write's temporary file: name the file it replaces
+        folder, name = os.path.split(path)
+        path = os.path.join(folder, name.split(TMP_MARK)[0].removeprefix("."))
+    what = f"while writing {path}" if path else "while writing the run's files"
+    if err.errno == errno.EROFS:
+        return UserError(f"The file system is read-only ({os.strerror(err.errno)}) {what}. Run again with a run "
+                         "directory on a writable disk, e.g. `hydra.run.dir=/scratch/$USER/my-run`.")
+    return UserError(
+        f"The disk is full ({os.strerror(err.errno)}) {what}. Files written before are intact: checkpoints are "
+        "written to a temporary file and renamed into place, so the last one is whole. Free space on that disk "
+        "and continue the run with the same command plus `resume=true hydra.run.dir=<its run directory>`, or start "
+        "it on a disk with room, e.g. `hydra.run.dir=/scratch/$USER/my-run`."
+    )
 
 
 def chain(err: BaseException) -> Iterator[BaseException]:
@@ -98,7 +128,8 @@ def trainer_option_error(err: BaseException) -> UserError | None:
     given = f"={in_init[0].f_locals[option]!r}" if in_init and option in in_init[0].f_locals else ""
     return UserError(
         f"Lightning's Trainer refused trainer.{option}{given}: {message} Fix trainer.{option} on the command line "
-        f"or in {where('TrainerOptions')}, e.g. `python run.py trainer.{option}={example('TrainerOptions', option)}`."
+        f"or in {where('TrainerOptions')}, e.g. `python run.py ++trainer.{option}="
+        f"{example('TrainerOptions', option)}` (++ sets it whether the config lists it or not)."
     )
 
 

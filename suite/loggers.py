@@ -15,10 +15,16 @@ it; the metrics it could not send from then on go to
 Every W&B run also keeps its history in ``<run dir>/csv/metrics.csv`` (Lightning's CSV logger beside it,
 ``logger.csv_history=true``): a plain local copy that ``mode=report`` draws learning curves from without W&B
 online, and that does not depend on the format of wandb's offline ``.wandb`` files, which is wandb's own.
+
+A resumed run keeps its whole history: W&B continues the same run (its id is kept beside the checkpoints,
+``suite/resume.py``), and :class:`HistoryCSVLogger` keeps the rows logged before the interruption, which
+Lightning's CSV logger would delete. Its rows reach the disk with every checkpoint, so that a run killed without
+warning has them up to its newest checkpoint.
 """
 
 from __future__ import annotations
 
+import csv
 import logging
 import netrc
 import os
@@ -27,6 +33,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
 from attention.errors import UserError
 from suite.secrets import scrubbed_argv
@@ -150,18 +157,55 @@ class ResilientWandbLogger(WandbLogger):
     save = _guard(WandbLogger.save)
 
 
+class HistoryCSVLogger(CSVLogger):
+    """Lightning's CSV logger (``<save_dir>/csv/metrics.csv``) for a run that may be resumed.
+
+    Lightning's writer deletes an existing ``metrics.csv`` when it starts ("previous log files ... will be
+    deleted"). With ``resume_step`` (the global step of the checkpoint the run resumes from) the rows logged before
+    that step are read first and written back ahead of the new ones; rows from that step on (an epoch's end is
+    logged at the step before the checkpoint's, the next epoch's start at its step), which the resumed run logs
+    again, are dropped. Rows are written to disk with every checkpoint (``after_save_checkpoint``), not only
+    every ``flush_logs_every_n_steps``, so a killed run leaves them up to its newest checkpoint.
+    """
+
+    def __init__(self, save_dir: str | Path, resume_step: int | None = None):
+        super().__init__(save_dir=str(save_dir), name="csv", version="")
+        self._kept: list[dict] = []
+        path = Path(self.log_dir) / ExperimentWriter.NAME_METRICS_FILE
+        if resume_step is not None and path.is_file():
+            try:
+                with path.open(newline="") as f:
+                    self._kept = [{k: v for k, v in row.items() if v not in ("", None)} for row in csv.DictReader(f)
+                                  if row.get("step") and int(float(row["step"])) < resume_step]
+            except (OSError, ValueError, csv.Error) as err:  # a history is never a reason to stop a run
+                log.warning("the history of the interrupted run in %s is unreadable (%s): it starts again", path, err)
+
+    @property
+    def experiment(self):
+        fresh = self._experiment is None
+        writer = CSVLogger.experiment.fget(self)  # on rank zero: the writer, which deleted the old file
+        if fresh and isinstance(writer, ExperimentWriter) and self._kept:
+            writer.metrics[:0], self._kept = self._kept, []
+        return writer
+
+    def after_save_checkpoint(self, checkpoint_callback) -> None:
+        self.save()
+
+
 def build_loggers(cfg: Mapping, save_dir: str | Path, config: Mapping, run_id: str | None = None,
-                  resuming: bool = False) -> list:
+                  resuming: bool = False, resume_step: int | None = None) -> list:
     """Instantiate the configured logger(s) writing under ``save_dir``; ``config`` is logged whole.
 
-    ``run_id`` fixes the W&B run id; with ``resuming`` the run continues that W&B run (``resume="allow"``).
+    ``run_id`` fixes the W&B run id; with ``resuming`` the run continues that W&B run (``resume="allow"``) and the
+    CSV history keeps its rows up to ``resume_step`` (the resumed checkpoint's global step).
     """
     kind = cfg.get("name", "none")
     save_dir = Path(save_dir)
     if kind == "none":
         return []
+    history = resume_step if resuming else None
     if kind == "csv":
-        logger = CSVLogger(save_dir=str(save_dir), name="csv", version="")
+        logger = HistoryCSVLogger(save_dir, resume_step=history)
     elif kind == "wandb":
         mode = wandb_mode(cfg.get("mode", "auto"))
         logger = ResilientWandbLogger(project=cfg["project"], entity=cfg.get("entity"), group=cfg.get("group"),
@@ -175,7 +219,7 @@ def build_loggers(cfg: Mapping, save_dir: str | Path, config: Mapping, run_id: s
         raise UserError(f"logger={kind!r} is not known: use logger=wandb, logger=csv or logger=none.")
     loggers = [logger]
     if kind == "wandb" and cfg.get("csv_history", True):
-        loggers.append(CSVLogger(save_dir=str(save_dir), name="csv", version=""))
+        loggers.append(HistoryCSVLogger(save_dir, resume_step=history))
     for each in loggers:
         each.log_hyperparams(dict(config))
     return loggers

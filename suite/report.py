@@ -48,6 +48,10 @@ IGNORED_PREFIXES = ("logger.", "callbacks.", "bench.", "report.", "hydra.", "pro
 IGNORED_SUFFIXES = ("_dir", ".root")
 NOT_TRAINING = ("summary", "bench", "report")  # run folders of these modes hold no results
 PRUNE = {"wandb", "checkpoints", ".submitit", "csv", "wandb_fallback", "samples", ".hydra"}
+# The metrics that are fractions in [0, 1], by the last part of their key (``test/oa``, ``val/oa_best``): accuracies,
+# IoUs (with the per-category ``test/iou/<category>``), F1, precision and recall. A run holding one outside [0, 1]
+# (a percentage, a hand-edited or corrupt file) is left out, named, rather than averaged as an accuracy.
+FRACTIONS = ("oa", "macc", "imiou", "cmiou", "miou", "pixel_acc", "aa", "f1", "top1", "top5", "precision", "recall")
 
 
 # --- 1. statistics -------------------------------------------------------------------------------------------------
@@ -177,6 +181,22 @@ def numbers(mapping: dict) -> dict[str, float]:
     return {k: float(v) for k, v in mapping.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
+def is_fraction(key: str) -> bool:
+    """Whether metric ``key`` is a fraction in [0, 1] (:data:`FRACTIONS`)."""
+    parts = key.split("/")
+    return parts[-1].removesuffix("_best") in FRACTIONS or (len(parts) > 2 and parts[-2] == "iou")
+
+
+def out_of_range(metrics: dict[str, float]) -> str | None:
+    """The reason to leave out a run whose fractions (:func:`is_fraction`) are not in [0, 1], naming them."""
+    bad = [f"{k}={v:g}" for k, v in sorted(metrics.items()) if is_fraction(k) and math.isfinite(v)
+           and not 0.0 <= v <= 1.0]
+    if not bad:
+        return None
+    return (f"{', '.join(bad)} outside [0, 1], where accuracies and IoUs are: not a fraction (a percentage, a "
+            "hand-edited or corrupt record); fix or remove the record")
+
+
 def split_record(values: dict[str, float]) -> tuple[dict, dict]:
     """(metrics, cost): the run record's other numbers (compile time and graphs) are neither."""
     return ({k: v for k, v in values.items() if k not in COST_KEYS and k not in RECORD_KEYS},
@@ -209,6 +229,8 @@ def read_run_dir(folder: Path) -> Run | LeftOut | None:
     if not resolved.is_file() or not isinstance(config, dict):
         return LeftOut(str(folder), "no resolved_config.yaml (not a run.py run folder)")
     metrics, cost = split_record(numbers(data))
+    if (wrong := out_of_range(metrics)) is not None:
+        return LeftOut(str(folder), f"metrics.json ({metrics_file}) holds {wrong}")
     recorded = isinstance(data.get("protocol"), dict)
     if recorded:
         proto = data["protocol"]
@@ -282,6 +304,9 @@ def read_wandb(path: str, api=None) -> tuple[list[Run], list[LeftOut], int]:
             left_out.append(LeftOut(where, "no task in its config (not a run.py run)"))
             continue
         metrics, cost = split_record(summary)
+        if (wrong := out_of_range(metrics)) is not None:
+            left_out.append(LeftOut(where, f"its W&B summary holds {wrong}"))
+            continue
         recorded = isinstance(config.get("protocol"), dict)
         proto = config["protocol"] if recorded else derive_protocol(config, "best")
         runs.append(Run(where, config, metrics, cost, proto, recorded, wrun))
@@ -731,9 +756,23 @@ def check_metric(runs: list[Run], left_out: list[LeftOut], metric: str | None) -
     if not kept:
         available = sorted(set().union(*(r.metrics for r in runs))) if runs else []
         wanted = task_metric(runs[0], metric) if runs else metric
-        raise UserError(f"none of the runs has the compared metric ({wanted}). Metrics they have: "
-                        f"{', '.join(available) or 'none'}. Pass one with report.metric=.")
+        if available:
+            raise UserError(f"none of the runs has the compared metric ({wanted}). Metrics they have: "
+                            f"{', '.join(available)}. Pass one with report.metric=.")
+        raise UserError(f"none of the runs has the compared metric ({wanted}), nor any other metric: "
+                        + "; ".join(f"{x.path}: {x.reason}" for x in left_out)
+                        + ". Check that these are finished runs (each metrics.json holds the test metrics that "
+                        "`python run.py` printed at its end), or pass other folders to report.runs.")
     return kept
+
+
+def check_confidence(value) -> float:
+    """``report.confidence``, the level of every confidence interval: a number strictly between 0 and 1."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+        raise UserError(f"report.confidence={value!r} is not a confidence level: it must be a number strictly "
+                        "between 0 and 1 (0.95 gives 95% intervals). Fix it on the command line or in "
+                        "configs/report/default.yaml, e.g. `python run.py mode=report report.confidence=0.95`.")
+    return float(value)
 
 
 def check_baseline(baseline: str | None, groups: list[Group]) -> None:
@@ -748,6 +787,7 @@ def check_baseline(baseline: str | None, groups: list[Group]) -> None:
 def report(cfg, api=None) -> dict:
     """``mode=report``: read, group, compare, write. Returns the JSON document it writes (NaN as None)."""
     rc = cfg.report
+    confidence = check_confidence(rc.get("confidence", 0.95))
     roots = [Path(p) for p in as_list(rc.get("runs"))]
     if not roots and not rc.get("wandb"):
         raise UserError("mode=report needs runs: `report.runs=<dir>[,<dir>...]` (Hydra run or multirun folders) or "
@@ -773,7 +813,6 @@ def report(cfg, api=None) -> dict:
     groups = group_runs(runs)
     baseline = rc.get("baseline")
     check_baseline(baseline, groups)
-    confidence = float(rc.get("confidence", 0.95))
     rows = build_rows(groups, baseline, metric, confidence)
 
     if rc.get("out"):

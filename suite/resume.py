@@ -4,7 +4,8 @@
 fails if there is none; ``resume=true`` does the same but starts afresh when
 there is nothing yet (what a job script that may be requeued wants). Under
 SLURM, Lightning's own ``hpc_ckpt_<n>.ckpt`` (written on the pre-emption
-signal) counts too, whichever is newest wins. The W&B run id is kept in
+signal) counts too, whichever is newest wins, and a requeued job resumes
+without being told (:func:`suite.run_dirs.slurm_restart`). The W&B run id is kept in
 ``checkpoints/wandb_run_id`` so a resumed run logs into the same W&B run.
 
 Lightning restores model, optimisers, schedulers, loops and callbacks, but not
@@ -43,10 +44,12 @@ def resume_checkpoint(ckpt_path: str | None, resume: bool, out_dir: Path) -> str
         log.info("resuming from %s", newest)
         return str(newest)
     if ckpt_path == "last":
-        raise UserError(f"ckpt_path=last found no checkpoint in {out_dir / 'checkpoints'}: resume in the directory "
-                        "of the run to continue with `hydra.run.dir=<that run's directory>` (it is printed at the "
-                        "start of every run and holds .hydra/ and checkpoints/), or use resume=true to start afresh "
-                        "when there is nothing to resume.")
+        raise UserError(f"ckpt_path=last found no checkpoint in {out_dir / 'checkpoints'}: it takes the newest "
+                        "checkpoint of the run whose directory is given as `hydra.run.dir=<run dir>` (by default "
+                        "outputs/<task>/<attn>/<start time>/, the folder holding that run's checkpoints/ and .hydra/; "
+                        "a run logs its `last checkpoint: <run dir>/checkpoints/last.ckpt`), or pass a checkpoint "
+                        "file as `ckpt_path=<file>.ckpt`. In a job script that may start from nothing, use "
+                        "resume=true, which starts afresh when there is nothing to resume.")
     log.info("resume=true: no checkpoint in %s yet, starting from scratch", out_dir / "checkpoints")
     return None
 

@@ -1,5 +1,5 @@
 """Types and ranges of the options every run shares: ``trainer`` (Lightning's and the suite's own ``compile*``),
-``optim`` and the data modules' common options.
+``optim``, the data modules' common options and the point networks' sampling options.
 
 Each group is a dataclass whose fields are the options it knows, annotated with the type the consumer accepts
 (Lightning's ``Trainer`` signature, torch's optimiser and scheduler constructors, the data modules) and, in
@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
@@ -140,6 +140,18 @@ class OptimOptions:
 
 
 @dataclass
+class ModelOptions:
+    """The point networks' sampling options (``model`` of task=modelnet / shapenet; the other tasks' networks have
+    none of these keys): checked here, before any data is read, as the networks would only fail in their first
+    forward pass (``knn`` of 0 neighbours)."""
+
+    WHERE = "the model block of configs/task/<task>.yaml (or of the experiment file that sets it)"
+
+    samples: list[int] = option("[512,256]", ge=1, note="the farthest-point-sampled centres of each stage")
+    neighbours: int = option(32, ge=1, note="the nearest neighbours grouped around each centre")
+
+
+@dataclass
 class DataOptions:
     """Options common to the data modules (``configs/data/*.yaml``); each module checks its own ones itself."""
 
@@ -158,10 +170,13 @@ class DataOptions:
     lr: float = option(0.01, gt=0, note="the recipe's learning rate, read by the task")
 
 
-def check(values: Mapping, schema: type, prefix: str, given: Mapping | None = None) -> None:
+def check(values: Mapping, schema: type, prefix: str, given: Mapping | None = None,
+          added: Collection[str] = ()) -> None:
     """Every option of ``schema`` present in ``values`` (a resolved config group, ``prefix`` its path) has its
     type and range; the first that has not raises a UserError naming it, what it must be and an example.
-    ``given``, the group unresolved, lets the message name the interpolation a bad value came through."""
+    ``given``, the group unresolved, lets the message name the interpolation a bad value came through; ``added``,
+    the keys the command line added with ``+``, get their example as ``++key=`` (a plain ``key=`` is refused by
+    Hydra for a key the config files lack)."""
     hints = typing.get_type_hints(schema, include_extras=False)
     for field in dataclasses.fields(schema):
         if field.name not in values:
@@ -175,7 +190,8 @@ def check(values: Mapping, schema: type, prefix: str, given: Mapping | None = No
         through = f" (set through {source}: fix that one)" if isinstance(source, str) and "${" in source else ""
         raise UserError(
             f"{key}={value!r}{through} is not valid: {key} must be {describe(hints[field.name], meta)}{note}. Fix it "
-            f"on the command line or in {schema.WHERE}, e.g. `python run.py {key}={meta['example']}`."
+            f"on the command line or in {schema.WHERE}, e.g. `python run.py {'++' if key in added else ''}{key}="
+            f"{meta['example']}`."
         )
 
 

@@ -8,17 +8,18 @@
 - ``bench``: what every attention variant costs on this machine (``benchmarks/cost.py``);
 - ``report``: the comparison of finished runs (``suite/report.py``).
 
-Train and test print their metrics and write ``metrics.json`` to the run directory, with the run's wall time, peak
-memory, params and FLOPs per sample, training throughput and evaluation protocol (``suite/run_record.py``).
-Checkpoints (best by ``monitor``, ``last.ckpt`` however fit ends, the run's identity in each) are
-``suite/checkpoints.py``'s; resuming is ``suite/resume.py``'s.
+Train and test print their metrics and write ``metrics.json`` to the run directory (a test of a directory holding
+a run already: to its ``test-<time>/`` folder), with the run's wall time, peak memory, params and FLOPs per sample,
+training throughput and evaluation protocol (``suite/run_record.py``). No run overwrites another's results
+(``suite/run_dirs.py``). Checkpoints (best by ``monitor``, ``last.ckpt`` however fit ends, the run's identity in
+each) are ``suite/checkpoints.py``'s; resuming is ``suite/resume.py``'s. A run stopped by SIGTERM says so and exits
+with code 143; one that took no training step is refused.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 import warnings
 from pathlib import Path
@@ -50,38 +51,74 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> dict:
     reset_peak_memory()  # before the data is read: a run's peak includes its data and network
     quiet_libraries()
     from suite.compose import compose
+    from suite.distributed import is_rank_zero
+    from suite.run_dirs import slurm_restart
+    from suite.run_dirs import check_fresh_run, record_dir
 
+    # Where this run's record goes (a test of a finished run's directory: a test-<time>/ folder in it), and for a
+    # training run, that it does not overwrite another run's results (checked by Hydra's callback already for a
+    # single run; here for the jobs of a multirun): both before anything of the run is written.
+    run_dir, out_dir = out_dir, record_dir(out_dir, cfg.mode)
+    if cfg.mode == "train":
+        check_training_length(cfg.trainer)
+        check_fresh_run(run_dir, resume=bool(cfg.get("resume")), ckpt_path=cfg.get("ckpt_path"),
+                        overwrite=bool(cfg.get("overwrite")), slurm_restart=slurm_restart(run_dir),
+                        delete=is_rank_zero())
     composed = compose(cfg, overrides, out_dir)
     if cfg.mode == "summary":
         from suite.summary import print_summaries
 
         return print_summaries(composed.module)
-    return fit_and_test(cfg, composed, out_dir, started)
+    return fit_and_test(cfg, composed, run_dir, out_dir, started)
+
+
+def check_training_length(trainer: DictConfig) -> None:
+    """Refuse ``trainer.max_epochs=0`` / ``max_steps=0`` in mode=train: fit would return at once and the untrained
+    network be tested as if it were the run's result."""
+    for key in ("max_epochs", "max_steps"):
+        if trainer.get(key) == 0:
+            raise UserError(f"trainer.{key}=0 trains nothing, and mode=train would then test the untrained network as "
+                            f"its result. Give a positive trainer.{key} (-1: no limit), or test a checkpoint or "
+                            "published weights with mode=test (ckpt_path=... or model.weights=...).")
 
 
 def quiet_libraries() -> None:
     """Library chatter a user cannot act on: Lightning's own pytree deprecation and the litlogger advertisement.
     Lightning's messages (restored checkpoints, SLURM requeues) go once each through Hydra's console and run.log
-    handlers: any handler of Lightning's own, which would print every line twice, is dropped."""
+    handlers: the console handler that ``import lightning`` adds, which would print every line twice, is dropped
+    (after that import, which adds it). Lightning's warnings about a non-empty checkpoint or CSV log directory are
+    dropped too: ``suite/run_dirs.py`` refuses a fresh run in a directory holding another run's results, and a
+    resumed run's files there are its own (``suite.loggers.HistoryCSVLogger`` keeps its history)."""
+    import lightning  # noqa: F401 - adds the handler removed below
+
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+    warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+    warnings.filterwarnings("ignore", message=r"Experiment logs directory .* exists and is not empty")
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda r: "litlogger" not in r.getMessage())
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).handlers.clear()
         logging.getLogger(name).propagate = True
 
 
-def fit_and_test(cfg: DictConfig, composed, out_dir: Path, started: float) -> dict:
+def fit_and_test(cfg: DictConfig, composed, run_dir: Path, out_dir: Path, started: float) -> dict:
     """``mode=train``: fit (resuming when asked), then test the best checkpoint; ``mode=test``/``eval``: test
-    ``ckpt_path``. Writes ``metrics.json`` on rank zero and returns the metrics."""
-    from suite.checkpoints import check_checkpoint
+    ``ckpt_path``. Checkpoints and resuming use ``run_dir``; the record (``metrics.json``, loggers' files) goes to
+    ``out_dir`` (the same for a training run, ``suite/run_dirs.py``). Writes ``metrics.json`` on rank zero and
+    returns the metrics. A SIGTERM ends the run with exit code 143 and a line saying how to resume
+    (:func:`interrupted`)."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from suite.checkpoints import check_checkpoint, checkpoint_step
     from suite.distributed import is_rank_zero
     from suite.loggers import build_loggers, close_loggers
     from suite.resume import resume_checkpoint, save_wandb_run_id, wandb_run_id
+    from suite.run_dirs import slurm_restart
 
     config, datamodule, module = composed.config, composed.datamodule, composed.module
     ckpt = cfg.get("ckpt_path")
-    if cfg.mode == "train" or ckpt == "last":
-        ckpt = resume_checkpoint(ckpt, cfg.mode == "train" and bool(cfg.get("resume")), out_dir)
+    if cfg.mode == "train" or ckpt == "last":  # a requeued SLURM job resumes as with resume=true
+        resume = cfg.mode == "train" and (bool(cfg.get("resume")) or (ckpt is None and slurm_restart(run_dir)))
+        ckpt = resume_checkpoint(ckpt, resume, run_dir)
     # Published weights (model.weights=PATH, loaded when the task was built) are a model to test on their own.
     weights = [f"model.{k}" for k in type(module).weights_options if config["model"].get(k)]
     if (ckpt or (cfg.mode in ("test", "eval") and not weights)) and not (ckpt and Path(ckpt).is_file()):
@@ -92,32 +129,38 @@ def fit_and_test(cfg: DictConfig, composed, out_dir: Path, started: float) -> di
     identity = {"task": cfg.task.name, "attn": config["attn"]}
     if ckpt:
         check_checkpoint(ckpt, identity)
-    # A resumed run (ckpt_path=last / resume=true, or a SLURM requeue, whose hpc checkpoint Lightning finds
-    # itself) logs into the W&B run it started, whose id is kept beside its checkpoints.
-    resuming = cfg.mode == "train" and (ckpt is not None or (
-        bool(os.environ.get("SLURM_JOB_ID")) and any(out_dir.glob("hpc_ckpt_*.ckpt"))))
-    run_id = wandb_run_id(out_dir, resuming) if cfg.logger.get("name") == "wandb" else None
+    # A resumed run (ckpt_path=last, resume=true, a requeued SLURM job) logs into the W&B run it started, whose id
+    # is kept beside its checkpoints, and keeps its CSV history up to the step it resumes from.
+    resuming = cfg.mode == "train" and ckpt is not None
+    run_id = wandb_run_id(run_dir, resuming) if cfg.logger.get("name") == "wandb" else None
     if run_id and cfg.mode == "train" and is_rank_zero():
-        save_wandb_run_id(out_dir, run_id)
-    loggers = build_loggers(cfg.logger, out_dir, config, run_id=run_id, resuming=resuming)
-    trainer, parts = build_trainer(config, module, out_dir, loggers, identity)
+        save_wandb_run_id(run_dir, run_id)
+    loggers = build_loggers(cfg.logger, out_dir, config, run_id=run_id, resuming=resuming,
+                            resume_step=checkpoint_step(ckpt) if resuming else None)
+    trainer, parts = build_trainer(config, module, run_dir, loggers, identity)
     if cfg.mode == "train":
         from suite.distributed import apply_lr_scaling
 
         apply_lr_scaling(module.hparams.optim, trainer, int(datamodule.batch_size))
 
     metrics: dict[str, float] = {}
-    if cfg.mode == "train":
-        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)  # resumes when ckpt_path is given
-        metrics.update(_floats(trainer.callback_metrics))
-        best = parts["best"].best_model_path or None
-        results = trainer.test(module, datamodule=datamodule, ckpt_path=best, weights_only=True)
-        if best:
-            log.info("tested best checkpoint %s", best)
-        tested = best
-    else:
-        results = trainer.test(module, datamodule=datamodule, ckpt_path=ckpt, weights_only=True)
-        tested = ckpt
+    try:
+        if cfg.mode == "train":
+            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)  # resumes when ckpt_path is given
+            if trainer.global_step == 0:
+                close_loggers(loggers)
+                raise UserError(trained_nothing(trainer))
+            metrics.update(_floats(trainer.callback_metrics))
+            best = parts["best"].best_model_path or None
+            results = trainer.test(module, datamodule=datamodule, ckpt_path=best, weights_only=True)
+            if best:
+                log.info("tested best checkpoint %s", best)
+            tested = best
+        else:
+            results = trainer.test(module, datamodule=datamodule, ckpt_path=ckpt, weights_only=True)
+            tested = ckpt
+    except SIGTERMException:  # Lightning stopped at the end of a batch; last.ckpt is written (suite/checkpoints.py)
+        raise SystemExit(interrupted(trainer, run_dir, cfg.mode)) from None
     for result in results:
         metrics.update(_floats(result))
     metrics = finish_metrics(metrics, parts["guard"], datamodule)
@@ -127,6 +170,42 @@ def fit_and_test(cfg: DictConfig, composed, out_dir: Path, started: float) -> di
                       parts["meter"] if cfg.mode == "train" else None, out_dir, loggers, parts["compiler"])
     close_loggers(loggers)
     return metrics
+
+
+# A run ended by SIGTERM exits as a process killed by it would (128 + 15): a scheduler sees it did not finish.
+SIGTERM_EXIT = 143
+
+
+def interrupted(trainer, run_dir: Path, mode: str) -> int:
+    """Say, once (rank zero), that a SIGTERM stopped the run, where its weights are and how it continues; returns
+    the exit code. A requeued SLURM job (Lightning's handler of the time-limit signal has saved an hpc checkpoint
+    and called ``scontrol requeue``) resumes by itself (``suite.run_dirs.slurm_restart``)."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    if trainer.is_global_zero and mode != "train":
+        log.error("interrupted by SIGTERM while testing: no metrics.json was written; run the same command again. "
+                  "Exit code %d.", SIGTERM_EXIT)
+    elif trainer.is_global_zero:
+        last = run_dir / "checkpoints" / "last.ckpt"
+        kept = f"its weights are in {last} (step {trainer.global_step})" if last.is_file() else \
+            "it wrote no checkpoint (no training step was taken)"
+        how = f"continue it with the same command plus `hydra.run.dir={run_dir} resume=true`"
+        if SLURMEnvironment.detect():
+            how = f"a requeued SLURM job resumes by itself from its newest checkpoint there; by hand, {how}"
+        if trainer.state.fn == "test":
+            how = f"{how} (training had finished; that tests its best checkpoint)"
+        log.error("interrupted by SIGTERM at step %d (epoch %d), before the run finished (no metrics.json): %s; %s. "
+                  "Exit code %d.", trainer.global_step, trainer.current_epoch, kept, how, SIGTERM_EXIT)
+    return SIGTERM_EXIT
+
+
+def trained_nothing(trainer) -> str:
+    """The message for a fit that ended without a single training step (nothing to test as a trained network)."""
+    return (f"mode=train took no training step: the training loop got no batch (on {trainer.world_size} "
+            "process(es)), so there is no trained network to test and no checkpoint was written. Typical causes: "
+            "++trainer.limit_train_batches=0, or fewer training batches than processes (lower trainer.devices or "
+            "data.batch_size, or use more training data). To test weights without training, use mode=test with "
+            "ckpt_path=... or model.weights=....")
 
 
 def build_trainer(config: dict, module, out_dir: Path, loggers: list, identity: dict):
@@ -142,6 +221,7 @@ def build_trainer(config: dict, module, out_dir: Path, loggers: list, identity: 
     from suite.checkpoint_io import SafeCheckpointIO
     from suite.checkpoints import checkpoint_callbacks
     from suite.compile import CompileNetworks, take_options
+    from suite.determinism import configure as configure_determinism
     from suite.distributed import adjust_trainer_kwargs, check_launch
     from suite.guard import NonFiniteGuard
     from suite.resume import RandomState
@@ -166,6 +246,7 @@ def build_trainer(config: dict, module, out_dir: Path, loggers: list, identity: 
     if loggers:
         callbacks.append(L.pytorch.callbacks.LearningRateMonitor(logging_interval="epoch"))
     adjust_trainer_kwargs(trainer_kwargs, module)
+    configure_determinism(trainer_kwargs)  # trainer.deterministic: CUBLAS_WORKSPACE_CONFIG before CUDA starts
     # Checkpoints are written atomically (temporary file, fsync, rename) and read with weights_only=True.
     plugins = list(trainer_kwargs.pop("plugins", None) or []) + [SafeCheckpointIO()]
     trainer = L.Trainer(**trainer_kwargs, callbacks=callbacks, logger=loggers or False, plugins=plugins,

@@ -13,8 +13,9 @@ its own checks as a ``check_config(cfg)`` classmethod of ``tasks.base.Task`` (ca
 - ``trainer.on_nan`` not one of stop | skip | off;
 - ``trainer.compile_backend`` not a torch.compile backend, or ``trainer.compile_mode`` given to another backend
   than inductor (``suite/compile.py``);
-- a trainer, optim or data option of the wrong type or out of range (``trainer.max_epochs=abc``,
-  ``optim.optimizer.lr=-1``, ``data.num_workers=-1``), against the schemas of ``suite.schema``;
+- a trainer, optim, data or model option of the wrong type or out of range (``trainer.max_epochs=abc``,
+  ``optim.optimizer.lr=-1``, ``data.num_workers=-1``, ``model.neighbours=0``), against the schemas of
+  ``suite.schema``;
 - ``ckpt_path`` a file that is no torch checkpoint at all (``ckpt_path=/etc/passwd``);
 - a weights file of the task's ``weights_options`` (``model.weights=PATH``) that does not exist or is no torch
   file (whether its tensors fit the network is checked when they are loaded, after the data).
@@ -32,6 +33,7 @@ import attention
 from attention.errors import UserError
 
 EVAL_SIZE_KEYS = ("num_val", "num_test", "val_samples", "test_samples")
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def validate_config(cfg: DictConfig, overrides: Iterable[str]) -> None:
@@ -42,23 +44,73 @@ def validate_config(cfg: DictConfig, overrides: Iterable[str]) -> None:
     if on_nan not in MODES:
         raise UserError(f"trainer.on_nan={on_nan!r} is not known: use stop (end the run at the first NaN/inf "
                         "loss), skip (drop such batches and count them) or off (no check).")
-    check_option_types(cfg)
+    check_option_types(cfg, overrides)
     check_compile_options(OmegaConf.to_container(cfg.trainer, resolve=True))
     check_checkpoint_format(cfg.get("ckpt_path"))
     task_cls = get_class(cfg.task._target_)
-    check_weights_files(cfg, task_cls.weights_options)
+    check_weights_files(cfg, task_cls)
     check_layout_options(cfg, overrides, task_cls.layout)
     check_eval_sizes(cfg)
     task_cls.check_config(cfg)
 
 
-def check_option_types(cfg: DictConfig) -> None:
-    """The trainer, optim and data groups against their schemas (known options only; others pass through)."""
+def check_seed(seed) -> None:
+    """``seed``: a whole number in the range Lightning's ``seed_everything`` takes (numpy's 32 bits)."""
+    from lightning.fabric.utilities.seed import max_seed_value, min_seed_value
+
+    if isinstance(seed, bool) or not isinstance(seed, int) or not min_seed_value <= seed <= max_seed_value:
+        raise UserError(f"seed={seed!r} is not a seed: it must be a whole number from {min_seed_value} to "
+                        f"{max_seed_value} (it seeds python, numpy, torch and the data-loader workers). Fix it on the "
+                        "command line or in configs/config.yaml, e.g. `python run.py seed=0` (several seeds: "
+                        "`python run.py -m seed=0,1,2`).")
+
+
+def check_resolves(cfg: DictConfig) -> None:
+    """Every interpolation of the composed config resolves; one that names a key the chosen groups lack (a data set
+    of another task: task=modelnet data=ade20k has no ``data.npoints``) is a UserError naming both ends."""
+    from omegaconf.errors import InterpolationKeyError, InterpolationResolutionError
+
+    try:
+        OmegaConf.to_container(cfg, resolve=True)
+    except InterpolationKeyError as err:
+        key, missing = err.full_key, str(err.msg).split("'")[1] if "'" in str(err.msg) else str(err.msg)
+        group = missing.split(".", 1)[0]
+        choice = chosen(group)
+        having = sorted(p.stem for p in (CONFIGS / group).glob("*.yaml")
+                        if missing.split(".", 1)[-1] in (OmegaConf.load(p) or {})) if (CONFIGS / group).is_dir() else []
+        raise UserError(
+            f"{key} is set to ${{{missing}}}, but the {group} config chosen"
+            + (f" ({choice})" if choice else "") + f" has no {missing}: it does not fit task={cfg.task.name}. "
+            + (f"Choose a {group} config that has it ({', '.join(having)}), e.g. `python run.py task={cfg.task.name} "
+               f"{group}={having[0]}`, or drop the {group}= override to use the task's default."
+               if having else f"Drop the {group}= override to use the task's default.")
+        ) from None
+    except InterpolationResolutionError as err:
+        raise UserError(f"{err.full_key} cannot be resolved: {' '.join(str(err.msg).split())}. Fix it (or the option "
+                        "it refers to) on the command line or in configs/; `python run.py --cfg job` prints the "
+                        "composed config.") from None
+
+
+def chosen(group: str) -> str | None:
+    """The config of ``group`` that Hydra composed this run with (``data=ade20k``: ade20k); None outside a run."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    return HydraConfig.get().runtime.choices.get(group)
+
+
+def check_option_types(cfg: DictConfig, overrides: Iterable[str] = ()) -> None:
+    """The trainer, optim, data and model groups against their schemas (known options only; others pass through).
+    An option that the command line added (``+trainer.limit_train_batches=...``) is not in the config files, so
+    its example fix is given as ``++key=``, which Hydra accepts whether the key is there or not."""
     from suite import schema
+
+    added = {o.split("=", 1)[0].lstrip("+") for o in overrides if o.startswith("+")}
 
     def group(node: DictConfig, options: type, prefix: str) -> None:
         schema.check(OmegaConf.to_container(node, resolve=True), options, prefix,
-                     given=OmegaConf.to_container(node, resolve=False))
+                     given=OmegaConf.to_container(node, resolve=False), added=added)
 
     group(cfg.trainer, schema.TrainerOptions, "trainer")
     group(cfg.trainer, schema.CompileOptions, "trainer")
@@ -69,6 +121,8 @@ def check_option_types(cfg: DictConfig) -> None:
     if optim:
         group(optim, schema.OptimOptions, "optim")
     group(cfg.data, schema.DataOptions, "data")
+    if isinstance(cfg.get("model"), DictConfig):
+        group(cfg.model, schema.ModelOptions, "model")
 
 
 def check_checkpoint_format(ckpt_path) -> None:
@@ -80,10 +134,10 @@ def check_checkpoint_format(ckpt_path) -> None:
         check_torch_file(ckpt_path, f"ckpt_path={ckpt_path}")
 
 
-def check_weights_files(cfg: DictConfig, options: Iterable[str]) -> None:
+def check_weights_files(cfg: DictConfig, task_cls) -> None:
     from suite.checkpoint_io import check_torch_file
 
-    for option in options:
+    for option in task_cls.weights_options:
         path = (cfg.get("model") or {}).get(option)
         if path and not Path(str(path)).is_file():
             raise UserError(f"model.{option}={path} is not a file: pass the path of a weights file (a published "
@@ -92,9 +146,11 @@ def check_weights_files(cfg: DictConfig, options: Iterable[str]) -> None:
             try:
                 check_torch_file(str(path), f"model.{option}={path}")
             except UserError:
+                released = task_cls.released_weights(cfg, option)
+                expected = (f"the released weights ({released}) or a state dict of the network saved with torch.save"
+                            if released else "a state dict of the network saved with torch.save")
                 raise UserError(f"model.{option}={path} is not a PyTorch file (torch.save writes a zip archive that "
-                                "starts with b'PK'): it is truncated, corrupt or something else. Pass the released "
-                                "weights file (e.g. PCT_Pytorch's model.t7) or a state dict saved with torch.save."
+                                f"starts with b'PK'): it is truncated, corrupt or something else. Pass {expected}."
                                 ) from None
 
 

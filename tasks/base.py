@@ -27,7 +27,7 @@ from typing import ClassVar
 
 import lightning as L
 import torch
-from torchmetrics import MaxMetric, MinMetric
+from torchmetrics import MaxMetric, MeanMetric, MinMetric
 
 LAYOUTS = ("grid", "points")
 MODES = {"max": MaxMetric, "min": MinMetric}
@@ -94,6 +94,14 @@ class Task(L.LightningModule):
         """Start-up checks of the composed config (``cfg``: the whole run config), before any data is read.
         Raise :class:`attention.errors.UserError` naming the option; the default checks nothing."""
 
+    @classmethod
+    def released_weights(cls, cfg, option: str) -> str | None:
+        """The released files that ``model.<option>`` loads (e.g. PCT_Pytorch's model.t7), named by the start-up
+        checks' messages before any network is built; None when the network has none."""
+        from .nets.weights import released_weights
+
+        return released_weights(cfg.task.name, cfg.model, option)
+
     def summaries(self) -> list[tuple[str, torch.nn.Module, torch.Tensor | tuple]]:
         """(name, network, example input for one sample) of each network counted by ``mode=summary``; a task
         with one network returns it unnamed."""
@@ -132,3 +140,20 @@ class Task(L.LightningModule):
     def _is_best_key(key: str) -> bool:
         head, _, tail = key.partition(".")
         return head.endswith("_best") and tail in ("max_value", "min_value")
+
+
+class TrainLoss(MeanMetric):
+    """The running mean of the training loss, updated without a host synchronisation: ``train_loss(loss)``.
+
+    torchmetrics' ``MeanMetric`` drops NaN values by asking the host (``if nans.any()``), a wait for the GPU in every
+    training step (and its ``nan_strategy="disable"`` ignores the weights). Here a non-finite loss (NaN or infinite:
+    a batch that ``trainer.on_nan=skip`` drops) enters with weight 0 instead, decided on the device: the mean is
+    that of the finite losses, and a step's own value (the ``on_step`` log) is NaN when its loss was not finite.
+    """
+
+    def update(self, value: torch.Tensor, weight: torch.Tensor | float = 1.0) -> None:
+        value = value.detach().to(self.mean_value.dtype)
+        finite = torch.isfinite(value)
+        weight = finite * torch.as_tensor(weight, dtype=self.weight.dtype, device=value.device)
+        self.mean_value += (torch.where(finite, value, 0.0) * weight).sum()
+        self.weight += weight.sum()

@@ -99,6 +99,9 @@ def test_checkpoint_that_is_no_torch_file_is_named(env, absent_data, tmp_path): 
     (["data.num_workers=abc"], ["data.num_workers='abc'", "an integer >= 0"]),
     (["data.on_bad_file=sometimes"], ["data.on_bad_file='sometimes'", "'error', 'skip'"]),
     (["task=gan", "data.val_samples=0"], ["data.val_samples=0"]),
+    (["model.neighbours=0"], ["model.neighbours=0", "an integer >= 1", "`python run.py model.neighbours=32`"]),
+    (["model.samples=[512,0]"], ["model.samples=[512, 0]", "a list of integers, each >= 1"]),
+    (["++trainer.limit_train_batches=1.5"], ["`python run.py ++trainer.limit_train_batches=0.25`"]),
     (["trainer.compile=maybe"], ["trainer.compile='maybe'", "true or false"]),
     (["trainer.compile_mode=fast"], ["trainer.compile_mode='fast'", "'reduce-overhead', 'max-autotune'"]),
     (["trainer.compile_dynamic=sometimes"], ["trainer.compile_dynamic='sometimes'", "true, false or null"]),
@@ -196,7 +199,7 @@ def params():
 
 @pytest.mark.parametrize("build, needles", [
     (lambda: trainer(limit_val_batches=1.5), ["trainer.limit_val_batches=1.5", "[0.0, 1.0]",
-                                               "`python run.py trainer.limit_val_batches=0.25`"]),
+                                               "`python run.py ++trainer.limit_val_batches=0.25`"]),
     (lambda: trainer(precision="99"), ["trainer.precision='99'", "Precision '99' is invalid"]),
     (lambda: trainer(max_epochs=-2), ["trainer.max_epochs=-2", "non-negative integer or -1"]),
     (lambda: trainer(strategy="nonsense"), ["trainer.strategy='nonsense'"]),

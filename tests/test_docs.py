@@ -67,3 +67,43 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
     assert anchors(page) == {"weights--biases"}
     assert anchor("What a crash, a NaN or a bad file costs") == "what-a-crash-a-nan-or-a-bad-file-costs"
     assert not relative("https://hydra.cc/docs/") and relative("docs/scale.md#resume")
+
+
+# --- numbers quoted in the docs, against the commands beside them -----------------------------------------------------
+def summary_params(overrides: list[str], out_dir: Path) -> dict[str, int]:
+    """What ``python run.py mode=summary <overrides>`` counts as parameters (suite/summary.py: the trainable
+    parameters of each network the task summarises), composed as run.py composes it; no FLOPs (the expensive part)."""
+    from hydra import compose, initialize_config_dir
+
+    from suite.compose import compose as compose_run
+
+    args = ["mode=summary", "logger=none", *overrides]
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("config", overrides=args)
+    import torch
+
+    with torch.device("meta"):  # shapes only: no memory, no weight initialisation, same parameter counts
+        module = compose_run(cfg, args, out_dir).module
+    return {name: sum(p.numel() for p in net.parameters() if p.requires_grad)
+            for name, net, _ in module.summaries()}
+
+
+def number(text: str) -> int:
+    return int(text.replace(",", ""))
+
+
+def test_parameter_counts_in_running_md_are_what_mode_summary_counts(tmp_path):
+    """docs/running.md quotes mode=summary's parameter counts of the segmentation network (three heads) and the GAN
+    (two variants, G and D); each is recounted from the network the command builds."""
+    text = " ".join((ROOT / "docs" / "running.md").read_text().split())
+    seg = re.search(r"ResNet-50 \+ external-attention head ([\d,]+) parameters .*?`attn=self` ([\d,]+) and .*?"
+                    r"`model.head=none` ([\d,]+) and", text)
+    gan = re.search(r"`attn=self` \(SAGAN, CIFAR-10 conditional\) has G ([\d,]+) and D ([\d,]+) parameters, "
+                    r"`attn=external` \(EAGAN\) G ([\d,]+) and D ([\d,]+)\.", text)
+    assert seg and gan, "the sentences quoting the counts were reworded: update this test with them"
+    base = ["task=segmentation", "model.pretrained=false"]
+    for quoted, overrides in zip(seg.groups(), [["attn=external"], ["attn=self"], ["model.head=none"]]):
+        assert sum(summary_params([*base, *overrides], tmp_path).values()) == number(quoted), overrides
+    for (g, d), attn in zip([gan.groups()[:2], gan.groups()[2:]], ["self", "external"]):
+        counts = summary_params(["task=gan", f"attn={attn}"], tmp_path)
+        assert (counts["G"], counts["D"]) == (number(g), number(d)), attn

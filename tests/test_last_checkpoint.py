@@ -1,6 +1,7 @@
 """The end of fit always leaves ``checkpoints/last.ckpt`` (suite/checkpoints.py's LastCheckpoint), and says where:
 at max_steps and at max_time without any validation, when a run is interrupted (Ctrl-C, SIGTERM) between
-validations, and at the normal end (max_epochs reached, the interrupted runs' resumption)."""
+validations, and at the normal end (max_epochs reached, the interrupted runs' resumption). A SIGTERM ends the run
+with exit code 143 and one line saying how to resume (suite/train.py)."""
 
 from __future__ import annotations
 
@@ -68,6 +69,11 @@ def test_interrupted_run_leaves_last_checkpoint_and_resumes_from_it(env, tmp_pat
     assert not (tmp_path / "metrics.json").exists()  # the run did not go on to test
     if how == "ctrl_c":
         assert proc.returncode == 1  # Lightning's graceful shutdown after Ctrl-C
+    else:  # as a process killed by SIGTERM: a scheduler must not take the job as finished (it exited 0)
+        assert proc.returncode == 143, proc.stdout[-3000:] + proc.stderr[-3000:]
+        (said,) = [line for line in (proc.stdout + proc.stderr).splitlines() if "interrupted by SIGTERM" in line]
+        assert "at step 3 (epoch 0)" in said and f"its weights are in {last} (step 3)" in said
+        assert f"hydra.run.dir={tmp_path} resume=true" in said and "Traceback" not in proc.stderr
     resumed = run([*args, "ckpt_path=last"], env)
     out = resumed.stdout + resumed.stderr
     assert f"resuming from {last}" in out

@@ -314,6 +314,47 @@ def test_default_metric_and_welch_when_the_seeds_differ(sweep, tmp_path, capsys)
     assert "report written to" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("confidence", [2, 0, 1, -0.5, "high", True])
+def test_confidence_outside_zero_one_is_refused(confidence):
+    with pytest.raises(UserError) as err:
+        rep.report(cfg(confidence=confidence))  # refused before any run is read
+    assert f"report.confidence={confidence!r}" in str(err.value) and "strictly between 0 and 1" in str(err.value)
+
+
+def test_accuracy_outside_zero_one_is_left_out_naming_file_and_key(sweep, tmp_path):
+    out, _ = sweep
+    jobs = copy_runs(out, tmp_path / "runs")
+    wrong = jobs[("self", 1)] / "metrics.json"
+    wrong.write_text(json.dumps({**json.loads(wrong.read_text()), "test/oa": 7.5}))
+    document = rep.report(cfg(runs=[str(tmp_path / "runs")], out=str(tmp_path / "rep"), baseline="offset"))
+    rows = {row["attn"]: row for row in document["rows"]}
+    assert rows["self"]["n"] == 1 and rows["self"]["seeds"] == [0]  # 7.5 is not averaged as an accuracy
+    (left,) = document["left_out"]
+    assert left["path"] == str(jobs[("self", 1)]) and str(wrong) in left["reason"] and "test/oa=7.5" in left["reason"]
+    for job in jobs.values():  # every run out of range: one error naming each run, its file and key
+        path = job / "metrics.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "test/macc": -0.25}))
+    with pytest.raises(UserError) as err:
+        rep.report(cfg(runs=[str(tmp_path / "runs")], out=str(tmp_path / "rep2")))
+    for job in jobs.values():
+        assert f"{job}: metrics.json ({job / 'metrics.json'}) holds" in str(err.value)
+    assert "test/macc=-0.25" in str(err.value)
+    assert rep.is_fraction("val/oa_best") and rep.is_fraction("test/iou/Airplane") and not rep.is_fraction("test/fid")
+
+
+def test_runs_without_any_metric_are_listed_with_what_is_wrong(sweep, tmp_path):
+    out, _ = sweep
+    jobs = copy_runs(out, tmp_path / "runs")
+    for job in jobs.values():  # valid JSON, but no number in it
+        (job / "metrics.json").write_text(json.dumps({"test/oa": "n/a", "protocol": {}}))
+    with pytest.raises(UserError) as err:
+        rep.report(cfg(runs=[str(tmp_path / "runs")], out=str(tmp_path / "rep")))
+    message = str(err.value)
+    assert "Metrics they have: none" not in message
+    for job in jobs.values():
+        assert f"{job}: no finite test/oa in its metrics" in message
+
+
 def test_baseline_by_name_and_unknown_baseline(sweep, tmp_path):
     out, _ = sweep
     runs = str(out / "multirun")

@@ -58,13 +58,13 @@ class CIFARClassification(ClassificationDataModule):
         self.class_names = list(self.release.default_names) or None  # else read from the meta file in setup
 
     def _folder(self) -> Path:
-        """The release folder, downloaded first when incomplete and ``download`` is set; UserError listing the
-        expected layout if a file is still missing."""
-        return self.release.fetch(self.root, self.download, self.url, self.md5, offline="tiny")
+        """The release folder; UserError listing the expected layout if a file is missing (the download is
+        :meth:`prepare_data`'s, which Lightning runs on one process per node only)."""
+        return self.release.locate(self.root, self.url, "tiny", self.download)
 
     def prepare_data(self) -> None:
         """Check the layout; when it is incomplete and ``download`` is set, download and extract first."""
-        self._folder()
+        self.release.fetch(self.root, self.download, self.url, self.md5, offline="tiny")
 
     def _sources(self) -> dict[str, ArraySource]:
         release = self.release

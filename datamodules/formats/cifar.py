@@ -31,7 +31,7 @@ import numpy as np
 
 from attention.errors import UserError
 from datamodules.base import DataError
-from datamodules.download import ensure_release
+from datamodules.download import ensure_release, how_to_get
 
 IMAGE_SHAPE = (3, 32, 32)  # a row of b"data" is these planes, row-major
 ROW = 3 * 32 * 32
@@ -64,23 +64,24 @@ class Release:
         """How to repair a bad file of the release at ``path``."""
         return f"Delete {path.parent} and use data.download=true, or unpack the official {self.archive} there."
 
-    def locate(self, root: str, url: str, offline: str) -> Path:
+    def locate(self, root: str, url: str, offline: str, download: bool = False) -> Path:
         """The release folder under ``root`` (or ``root`` itself when it holds the files); UserError naming the
-        missing files, ``data.root``, the download and ``offline`` (the data config to run without it)."""
+        missing files, ``data.root``, the download (``download``: whether ``data.download`` is set) and ``offline``
+        (the data config to run without it)."""
         base = Path(root).expanduser()
         folder = base if any((base / n).is_file() for n in self.files) else base / self.folder
         missing = [n for n in self.files if not (folder / n).is_file()]
         if missing:
             state = f"lacks {', '.join(missing)}" if folder.is_dir() else "does not exist"
             raise UserError(f"{self.name} not found: {folder} {state}. Expected {self.folder}/ with {self.listing} "
-                            f"under data.root={root}. Set data.download=true to fetch it ({url}), unpack "
-                            f"{self.archive} there by hand, or run offline with data={offline}.")
+                            f"under data.root={root}. " + how_to_get(download, url, self.archive, offline))
         return folder
 
     def fetch(self, root: str, download: bool, url: str, md5: str | None, offline: str) -> Path:
         """The release folder (:meth:`locate`); when it is incomplete and ``download`` is set, ``url`` is
         downloaded (md5-checked unless ``md5`` is None) and safely extracted into ``root`` first."""
-        return ensure_release(lambda: self.locate(root, url, offline), download, url, Path(root).expanduser(), md5)
+        return ensure_release(lambda: self.locate(root, url, offline, download), download, url, Path(root).expanduser(),
+                              md5)
 
 
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]

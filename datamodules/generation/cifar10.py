@@ -51,13 +51,13 @@ class CIFAR10(ImageDataModule):
         self.class_names = list(cifar.CIFAR10_CLASSES)
 
     def _folder(self) -> Path:
-        """The release folder, downloaded first when incomplete and ``download`` is set; UserError listing the
-        expected layout if a file is still missing."""
-        return cifar.CIFAR10.fetch(self.root, self.download, self.url, self.md5, offline="digits")
+        """The release folder; UserError listing the expected layout if a file is missing (the download is
+        :meth:`prepare_data`'s, which Lightning runs on one process per node only)."""
+        return cifar.CIFAR10.locate(self.root, self.url, "digits", self.download)
 
     def prepare_data(self) -> None:
         """Check the layout; when it is incomplete and ``download`` is set, download and extract first."""
-        self._folder()
+        cifar.CIFAR10.fetch(self.root, self.download, self.url, self.md5, offline="digits")
 
     def _load(self) -> tuple[torch.Tensor, torch.Tensor]:
         folder = self._folder()

@@ -32,7 +32,7 @@ import numpy as np
 from attention.errors import UserError
 from datamodules.base import SPLITS, BadFiles, DataError, bool_option
 from datamodules.cache import read_cache, write_cache
-from datamodules.download import ensure_release
+from datamodules.download import ensure_release, how_to_get
 from datamodules.formats.shapenet_txt import read_shape_txt
 from datamodules.partseg.base import PackedSource
 from datamodules.partseg.shapenet import CATEGORY_NAMES, SYNSETS, TXT_FOLDER, TXT_URL, ShapeNetPartModule, part_range
@@ -44,15 +44,14 @@ CACHE_VERSION = 2  # bump when the parsing or preprocessing of the txt release c
 ENTRY = re.compile(r"shape_data/([^/]+)/([^/]+)")
 
 
-def _txt_layout(where: str, url: str) -> str:
+def _txt_layout(where: str, url: str, download: bool) -> str:
     return (
         f"Expected under data.root={where}:\n"
         f"  {TXT_FOLDER}/\n"
         f"    synsetoffset2category.txt\n"
         f"    02691156/<id>.txt ...  (16 synset folders; rows 'x y z nx ny nz part')\n"
         f"    train_test_split/shuffled_{{train,val,test}}_file_list.json\n"
-        f"Set data.download=true to fetch it ({url}), unzip {TXT_FOLDER}.zip there by hand, "
-        f"or run offline with data=parts."
+        + how_to_get(download, url, f"{TXT_FOLDER}.zip", offline="parts")
     )
 
 
@@ -98,9 +97,8 @@ class ShapeNetPart(ShapeNetPartModule):
         ]
         for path in needed:
             if not path.exists():
-                raise UserError(
-                    f"ShapeNetPart data not found: {path} does not exist. {_txt_layout(self.root, self.url)}"
-                )
+                raise UserError(f"ShapeNetPart data not found: {path} does not exist. "
+                                + _txt_layout(self.root, self.url, self.download))
         return folder
 
     def prepare_data(self) -> None:

@@ -6,6 +6,8 @@ zip unpacks to) or ``root`` itself::
     <root>/shapenet_part_seg_hdf5_data/
         ply_data_train0.h5 ... ply_data_train5.h5, ply_data_val0.h5, ply_data_test0.h5, ply_data_test1.h5
             "data": (n, 2048, 3) float32, "label": (n, 1) uint8 category, "pid": (n, 2048) uint8 global part
+        {train,val,test}_hdf5_file_list.txt   the files of each split, one a line: every file they list must be
+                                              there (a missing one is refused)
 
 Validation: the release's val split; ``trainval=True`` trains on train + val and validates on test.
 Categories, batches, point sampling and augmentation: :mod:`datamodules.partseg.shapenet`,
@@ -21,7 +23,7 @@ import numpy as np
 
 from attention.errors import UserError
 from datamodules.base import SPLITS, BadFiles, DataError, bool_option
-from datamodules.download import ensure_release
+from datamodules.download import check_file_lists, ensure_release, how_to_get
 from datamodules.formats.h5 import read_h5
 from datamodules.partseg.base import PackedSource
 from datamodules.partseg.shapenet import (CATEGORY_NAMES, H5_FOLDER, H5_URL, H5_ZIP_FOLDER, ShapeNetPartModule,
@@ -76,9 +78,10 @@ class ShapeNetPartH5(ShapeNetPartModule):
                 f"ShapeNetPart HDF5 data not found: {folder} {state}. Expected {H5_FOLDER}/ with "
                 f"ply_data_train0.h5..ply_data_train5.h5, ply_data_val0.h5, ply_data_test0.h5 and "
                 f"ply_data_test1.h5 under data.root={self.root} ({H5_ZIP_FOLDER}/, as the zip unpacks, works too). "
-                f"Set data.download=true to fetch it ({self.url}), unzip {H5_FOLDER}.zip there by hand, or run "
-                f"offline with data=parts."
+                + how_to_get(self.download, self.url, f"{H5_FOLDER}.zip", offline="parts")
             )
+        check_file_lists(folder, [f"{split}_hdf5_file_list.txt" for split in SPLITS], "ShapeNetPart HDF5",
+                         f"{H5_FOLDER}.zip", self.root, self.url)
         return files
 
     def prepare_data(self) -> None:

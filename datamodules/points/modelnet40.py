@@ -7,6 +7,8 @@ the release folder itself::
         ply_data_train0.h5 ... ply_data_train4.h5   "data": (n, 2048, 3) float32
         ply_data_test0.h5, ply_data_test1.h5        "label": (n, 1) uint8 in [0, 40)
         shape_names.txt                             40 class names, one a line
+        train_files.txt, test_files.txt             the shards of each split, one a line: every file they
+                                                    list must be there (a missing shard is refused)
 
 Get it with ``data.download=true`` (fetches ``url``, ~415 MB) or unzip
 ``modelnet40_ply_hdf5_2048.zip`` into ``data.root`` by hand.
@@ -26,7 +28,7 @@ import numpy as np
 
 from attention.errors import UserError
 from datamodules.base import BadFiles, DataError, bool_option
-from datamodules.download import ensure_release
+from datamodules.download import check_file_lists, ensure_release, how_to_get
 from datamodules.formats.h5 import read_h5
 from datamodules.points.base import ArraySource, PointCloudDataModule, PointSource
 
@@ -38,6 +40,7 @@ MODELNET40_CLASSES = [
 ]  # fmt: skip
 HDF5_FOLDER = "modelnet40_ply_hdf5_2048"
 HDF5_URL = "https://shapenet.cs.stanford.edu/media/modelnet40_ply_hdf5_2048.zip"
+FILE_LISTS = ("train_files.txt", "test_files.txt")  # the release's lists of its shards, checked when present
 
 
 class ModelNet40(PointCloudDataModule):
@@ -79,9 +82,10 @@ class ModelNet40(PointCloudDataModule):
             raise UserError(
                 f"ModelNet40 HDF5 data not found: {folder} {state}. Expected {HDF5_FOLDER}/ with "
                 f"ply_data_train0.h5..ply_data_train4.h5, ply_data_test0.h5, ply_data_test1.h5 and "
-                f"shape_names.txt under data.root={self.root}. Set data.download=true to fetch it "
-                f"({self.url}), unzip {HDF5_FOLDER}.zip there by hand, or run offline with data=shapes."
+                f"shape_names.txt under data.root={self.root}. "
+                + how_to_get(self.download, self.url, f"{HDF5_FOLDER}.zip", offline="shapes")
             )
+        check_file_lists(folder, FILE_LISTS, "ModelNet40", f"{HDF5_FOLDER}.zip", self.root, self.url)
         return folder, train, test
 
     def prepare_data(self) -> None:

@@ -37,6 +37,31 @@ from torch import nn
 
 from attention.errors import UserError
 
+# task -> {weights option -> the network class it loads into}, by import path; task=classification's network is the
+# backbone its model config names (tasks/nets/backbones/registry.py). Read by :func:`released_weights`.
+NETWORKS = {
+    "modelnet": {"weights": "tasks.nets.pct.PCT"},
+    "shapenet": {"weights": "tasks.nets.pct.PCTPartSeg"},
+    "gan": {"g_weights": "tasks.nets.sagan.Generator", "g_ema_weights": "tasks.nets.sagan.Generator",
+            "d_weights": "tasks.nets.sagan.Discriminator"},
+}
+
+
+def released_weights(task: str, model: Mapping, option: str) -> str | None:
+    """The released files that ``model.<option>`` of ``task`` loads (the network's ``official_weights``), found
+    before the network is built, for the messages of the start-up checks; None when it has none."""
+    from hydra.utils import get_class
+
+    if task == "classification" and option == "weights":
+        from .backbones import registry
+
+        cls = registry.get(str(model.get("name"))) if model.get("name") in registry.names() else None
+    else:
+        path = NETWORKS.get(task, {}).get(option)
+        cls = get_class(path) if path else None
+    return getattr(cls, "official_weights", None)
+
+
 CONTAINER_KEYS = ("state_dict", "model", "net", "model_state_dict")  # where checkpoints keep their weights
 WRAPPER_PREFIXES = ("module.",)  # nn.DataParallel / DDP: on every key
 TASK_PREFIXES = ("net.", "model.", "backbone.", "backbone.net.")  # a network inside a task or wrapper checkpoint

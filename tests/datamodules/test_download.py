@@ -1,13 +1,17 @@
-"""download_and_extract and ModelNet40(download=True) against a local HTTP server."""
+"""download_and_extract, the data sets' data.download=true on the run's path, and releases checked against
+their file lists, against a local HTTP server."""
 
 import hashlib
+import inspect
 import io
 import socket
 import tarfile
 import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from attention.errors import UserError
 from datamodules import ModelNet40, download_and_extract
@@ -238,3 +242,190 @@ def test_md5_is_pinned_at_first_use_when_none_is_configured(tmp_path, range_serv
         download_and_extract(server.url, tmp_path)
     assert hashlib.md5(server.payload).hexdigest() in str(err.value)
     assert not (tmp_path / "release.zip").exists()
+
+
+# --- data.download=true on the run's own path (suite.compose), for every data set that offers it ---------------------
+def zip_folder(folder, archive, prefix):
+    with zipfile.ZipFile(archive, "w") as zf:
+        for path in sorted(folder.rglob("*")):
+            zf.write(path, f"{prefix}/{path.relative_to(folder)}")
+
+
+def tar_folder(folder, archive, prefix):
+    with tarfile.open(archive, "w:gz") as tf:
+        tf.add(folder, arcname=prefix)
+
+
+def write_cifar100(folder, n=6, seed=0):
+    import pickle
+
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True)
+    for name in ("train", "test"):
+        batch = {b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+                 b"fine_labels": [int(x) for x in rng.integers(0, 100, n)]}
+        (folder / name).write_bytes(pickle.dumps(batch, protocol=2))
+    (folder / "meta").write_bytes(pickle.dumps({b"fine_label_names": [f"c{i}".encode() for i in range(100)]}, 2))
+    return n
+
+
+def modelnet_archive(source, served, fixtures):
+    written = fixtures["modelnet_release"](source)
+    zip_folder(source, served / f"{HDF5_FOLDER}.zip", HDF5_FOLDER)
+    return f"{HDF5_FOLDER}.zip", len(written["train"][1])
+
+
+def shapenet_txt_archive(source, served, fixtures):
+    from datamodules.partseg.shapenet import TXT_FOLDER
+
+    written = fixtures["shapenet_txt_release"](source, counts={"train": 2, "val": 1, "test": 1})
+    zip_folder(source, served / f"{TXT_FOLDER}.zip", TXT_FOLDER)
+    return f"{TXT_FOLDER}.zip", len(written["train"])
+
+
+def shapenet_h5_archive(source, served, fixtures):
+    from datamodules.partseg.shapenet import H5_FOLDER, H5_ZIP_FOLDER
+
+    written = fixtures["shapenet_h5_release"](source, points=64)
+    zip_folder(source, served / f"{H5_FOLDER}.zip", H5_ZIP_FOLDER)  # as the official zip unpacks
+    return f"{H5_FOLDER}.zip", len(written["train"][1])
+
+
+def cifar10_archive(source, served, fixtures):
+    from test_generation import write_cifar
+
+    data, _ = write_cifar(source)
+    tar_folder(source, served / "cifar-10-python.tar.gz", "cifar-10-batches-py")
+    return "cifar-10-python.tar.gz", len(data)
+
+
+def cifar100_archive(source, served, fixtures):
+    n = write_cifar100(source)
+    tar_folder(source, served / "cifar-100-python.tar.gz", "cifar-100-python")
+    return "cifar-100-python.tar.gz", n
+
+
+# data config -> (the task it belongs to, the archive writer, how many training samples the data module holds)
+DOWNLOADS = {
+    "modelnet40": ("modelnet data.npoints=32", modelnet_archive, lambda dm: len(dm.train_set)),
+    "shapenet_part": ("shapenet", shapenet_txt_archive, lambda dm: len(dm.train_set)),
+    "shapenet_part_h5": ("shapenet", shapenet_h5_archive, lambda dm: len(dm.train_set)),
+    "cifar10": ("gan", cifar10_archive, lambda dm: len(dm.train_labels)),
+    "cifar10_cls": ("classification", cifar10_archive, lambda dm: len(dm.train_set)),
+    "cifar100": ("classification", cifar100_archive, lambda dm: len(dm.train_set)),
+}
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def compose_data(overrides):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        return compose("config", overrides=overrides)
+
+
+def test_every_data_set_that_offers_a_download_is_tested():
+    from hydra.utils import get_class
+
+    offering = set()
+    for path in (CONFIGS / "data").glob("*.yaml"):
+        target = yaml.safe_load(path.read_text())["_target_"]
+        if "download" in inspect.signature(get_class(target)).parameters:
+            offering.add(path.stem)
+    assert offering == set(DOWNLOADS)
+
+
+@pytest.mark.parametrize("name", list(DOWNLOADS))
+def test_the_run_downloads_with_data_download_true(name, tmp_path, http_folder, modelnet_release,
+                                                   shapenet_txt_release, shapenet_h5_release, monkeypatch):
+    """What run.py composes (suite.compose.build_datamodule) downloads the release from data.url, md5-checked,
+    and reads it; the same archive with a wrong data.md5 is refused before anything is read."""
+    from suite.compose import build_datamodule
+
+    for var in ("LOCAL_RANK", "NODE_RANK", "SLURM_LOCALID", "SLURM_NODEID"):
+        monkeypatch.delenv(var, raising=False)
+    served, base = http_folder
+    task, write, count = DOWNLOADS[name]
+    fixtures = {"modelnet_release": modelnet_release, "shapenet_txt_release": shapenet_txt_release,
+                "shapenet_h5_release": shapenet_h5_release}
+    archive, train_size = write(tmp_path / "source", served, fixtures)
+    digest = md5(served / archive)
+    root = tmp_path / "data"
+    overrides = [*f"task={task}".split(), f"data={name}", f"data.root={root}", "data.download=true",
+                 f"++data.url={base}/{archive}", f"++data.md5={'0' * 32}"]
+    with pytest.raises(UserError, match="Checksum mismatch"):
+        build_datamodule(compose_data(overrides), "fit")
+    overrides[-1] = f"++data.md5={digest}"
+    dm = build_datamodule(compose_data(overrides), "fit")
+    assert md5(root / archive) == digest
+    assert count(dm) == train_size
+
+
+@pytest.mark.parametrize("name", list(DOWNLOADS))
+def test_only_the_preparing_process_downloads_and_the_others_are_told_why(name, tmp_path, http_folder, modelnet_release,
+                                                                          shapenet_txt_release, shapenet_h5_release,
+                                                                          monkeypatch):
+    """A second process of a node (LOCAL_RANK=1) never downloads (Lightning prepares data on the first one); its
+    missing-data message does not tell the user to set data.download=true, which is set."""
+    from suite.compose import build_datamodule
+
+    served, base = http_folder
+    task, write, _ = DOWNLOADS[name]
+    fixtures = {"modelnet_release": modelnet_release, "shapenet_txt_release": shapenet_txt_release,
+                "shapenet_h5_release": shapenet_h5_release}
+    archive, _ = write(tmp_path / "source", served, fixtures)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    root = tmp_path / "data"
+    cfg = compose_data([*f"task={task}".split(), f"data={name}", f"data.root={root}", "data.download=true",
+                        f"++data.url={base}/{archive}", f"++data.md5={md5(served / archive)}"])
+    with pytest.raises(UserError) as err:
+        build_datamodule(cfg, "fit")
+    message = str(err.value)
+    assert "data.download=true is set" in message and "Set data.download=true" not in message
+    assert "trainer.devices=1" in message
+    assert not root.exists() or not list(root.iterdir())
+
+
+def test_release_that_stays_incomplete_after_the_download_names_the_url(tmp_path, http_folder):
+    served, base = http_folder
+    (tmp_path / "source").mkdir()
+    (tmp_path / "source" / "readme.txt").write_text("not the release")
+    zip_folder(tmp_path / "source", served / "other.zip", "other")
+    with pytest.raises(UserError) as err:
+        ModelNet40(root=str(tmp_path / "data"), download=True, url=f"{base}/other.zip").prepare_data()
+    message = str(err.value)
+    assert f"data.url={base}/other.zip" in message and "still incomplete" in message
+    assert "Set data.download=true" not in message
+
+
+# --- a release checked against its own file lists ------------------------------------------------------------------
+def test_modelnet_release_missing_a_listed_shard_is_refused(tmp_path, modelnet_release):
+    folder = tmp_path / HDF5_FOLDER
+    modelnet_release(folder, train_sizes=(3, 2, 2), test_sizes=(2, 2))
+    (folder / "train_files.txt").write_text("".join(f"data/{HDF5_FOLDER}/ply_data_train{i}.h5\n" for i in range(3)))
+    (folder / "test_files.txt").write_text("".join(f"data/{HDF5_FOLDER}/ply_data_test{i}.h5\n" for i in range(2)))
+    dm = ModelNet40(root=str(tmp_path), npoints=32)
+    dm.setup()
+    assert len(dm.train_set) == 7  # complete: every listed shard is read
+    (folder / "ply_data_train1.h5").unlink()
+    (folder / "ply_data_test1.h5").unlink()
+    with pytest.raises(UserError) as err:
+        ModelNet40(root=str(tmp_path), npoints=32).setup()
+    message = str(err.value)
+    assert "ply_data_train1.h5 listed in train_files.txt is missing" in message
+    assert "ply_data_test1.h5 listed in test_files.txt is missing" in message
+    assert str(folder) in message and f"{HDF5_FOLDER}.zip" in message and "data.download=true" in message
+
+
+def test_missing_shard_is_restored_from_the_kept_archive_with_download(tmp_path, release_zip):
+    url, digest, written = release_zip
+    root = tmp_path / "data"
+    ModelNet40(root=str(root), npoints=32, download=True, url=url, md5=digest).prepare_data()
+    folder = root / HDF5_FOLDER
+    (folder / "train_files.txt").write_text("ply_data_train0.h5\nply_data_train1.h5\n")
+    (folder / "ply_data_train1.h5").unlink()
+    dead = url.replace(url.split("/")[2], "127.0.0.1:1")  # the kept archive is used: no network
+    dm = ModelNet40(root=str(root), npoints=32, download=True, url=dead, md5=digest)
+    dm.prepare_data()
+    dm.setup()
+    assert len(dm.train_set) == len(written["train"][1])

@@ -1,0 +1,146 @@
+"""Run directories: no run overwrites another run's results.
+
+- A **training run** (``mode=train``) writes into its run directory. A directory that already holds a run's
+  checkpoints or results (``checkpoints/*.ckpt``, ``hpc_ckpt_*.ckpt``, ``metrics.json``) is refused
+  (:func:`check_fresh_run`; for a single run by :class:`CheckRunDir` as soon as Hydra has composed it, before
+  Hydra writes its ``.hydra/`` files over the old run's) unless this run continues that one (``resume=true``,
+  ``ckpt_path=last`` or a checkpoint of that directory, a requeued SLURM job: :func:`slurm_restart`) or
+  is told to replace it (``overwrite=true``, which deletes the old run's checkpoints, ``metrics.json`` and logged
+  history first, so that no old best checkpoint is left beside the new ones).
+- A **test** (``mode=test``/``eval``) in a directory that holds a run already, as
+  ``mode=test ckpt_path=last hydra.run.dir=<a training run>`` does, writes its own record into
+  ``<run dir>/test-<time>/`` (:func:`record_dir`): ``metrics.json``, ``resolved_config.yaml``, Hydra's ``.hydra/``
+  (``hydra.output_subdir`` in configs/config.yaml asks :func:`hydra_subdir`) and its loggers' files. The training
+  run's files stay as they were; its log lines are appended to the run's ``run.log``. ``mode=report`` reads the
+  training run's record and does not descend into the test records of a run folder.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from datetime import datetime
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+
+log = logging.getLogger(__name__)
+TESTS = ("test", "eval")
+_RECORDS: dict[str, Path] = {}  # run directory -> this process's record directory, decided once per run
+
+
+def register_resolvers() -> None:
+    """The resolvers configs/config.yaml names, registered before Hydra composes it (run.py does this first):
+    ``${run_stamp:}`` (the run directory's last part) and ``${hydra_subdir:...}`` (where Hydra writes .hydra/)."""
+    from omegaconf import OmegaConf
+
+    OmegaConf.register_new_resolver("run_stamp", run_stamp, replace=True)
+    OmegaConf.register_new_resolver("hydra_subdir", hydra_subdir, replace=True)
+
+
+def run_stamp() -> str:
+    """The last part of a run's directory (``${run_stamp:}`` in configs/config.yaml): the start time, or
+    ``slurm-<job id>`` inside a SLURM batch job (interactive ``bash`` / ``interactive`` allocations, which host
+    many runs, keep the time, as Lightning's SLURM detection does)."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if job and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
+        return f"slurm-{job}"
+    return datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+
+
+def results_in(run_dir: Path) -> list[str]:
+    """What of a run's results ``run_dir`` holds (paths relative to it): checkpoints and metrics.json."""
+    found = sorted(p for p in (run_dir / "checkpoints").glob("*.ckpt") if p.is_file())
+    found += sorted(p for p in run_dir.glob("hpc_ckpt_*.ckpt") if p.is_file())
+    if (run_dir / "metrics.json").is_file():
+        found.append(run_dir / "metrics.json")
+    return [str(p.relative_to(run_dir)) for p in found]
+
+
+def record_dir(run_dir: Path, mode: str) -> Path:
+    """Where a run writes its record: the run directory, or for a test of a directory holding a run's results or
+    config, a new ``test-<time>`` folder in it. Decided on the first call for a directory (Hydra's, through
+    :func:`hydra_subdir`, before anything of this run is written) and the same for the rest of the process."""
+    run_dir = Path(run_dir).absolute()
+    if mode not in TESTS:
+        return run_dir
+    if str(run_dir) not in _RECORDS:
+        record = run_dir
+        if results_in(run_dir) or (run_dir / "resolved_config.yaml").is_file():
+            stamp = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+            record, n = run_dir / f"test-{stamp}", 1
+            while record.exists():  # two tests started within a second
+                record, n = run_dir / f"test-{stamp}-{n}", n + 1
+        _RECORDS[str(run_dir)] = record
+    return _RECORDS[str(run_dir)]
+
+
+def hydra_subdir(output_dir: str, mode: str) -> str:
+    """``hydra.output_subdir`` (the ``${hydra_subdir:...}`` resolver): ``.hydra`` in the run's record directory."""
+    return str((record_dir(Path(output_dir), str(mode)) / ".hydra").relative_to(Path(output_dir).absolute()))
+
+
+def check_fresh_run(run_dir: Path, *, resume: bool, ckpt_path: str | None, overwrite: bool,
+                    slurm_restart: bool, delete: bool = True) -> None:
+    """Refuse a fresh training run in a directory holding another run's results, unless told (module docstring);
+    with ``overwrite=true`` delete those results first (when ``delete``: rank zero of a multi-process run).
+    Called before this run writes anything."""
+    from attention.errors import UserError  # here, not at the top: run.py imports this module before every
+    # check, and the attention package brings torch (3 s a start, for a refusal that needs none of it)
+
+    found = results_in(run_dir)
+    if resume and overwrite:
+        raise UserError("resume=true continues the run in hydra.run.dir and overwrite=true replaces it: pass one "
+                        "of them.")
+    continuing = resume or ckpt_path == "last" or slurm_restart or (
+        ckpt_path is not None and Path(ckpt_path).absolute().is_relative_to(run_dir.absolute()))
+    if not found or continuing:
+        return
+    if not overwrite:
+        listed = ", ".join(found[:4]) + (" ..." if len(found) > 4 else "")
+        raise UserError(f"hydra.run.dir={run_dir} holds another run's results ({listed}): a fresh training run "
+                        "would overwrite them. Add `resume=true` to continue that run from its newest checkpoint, "
+                        "or `overwrite=true` to delete its checkpoints, metrics.json and logged history and start "
+                        "afresh there; or leave hydra.run.dir out to start in a new directory.")
+    if not delete:
+        return
+    log.warning("overwrite=true: deleting the previous run's results in %s (%s)", run_dir, ", ".join(found))
+    for path in [*run_dir.glob("hpc_ckpt_*.ckpt"), run_dir / "metrics.json"]:
+        path.unlink(missing_ok=True)
+    for folder in ("checkpoints", "csv", "wandb_fallback"):
+        shutil.rmtree(run_dir / folder, ignore_errors=True)
+
+
+def slurm_restart(run_dir: Path) -> bool:
+    """Whether this is a SLURM job started again (requeued) in its run directory, which then resumes as with
+    resume=true: under SLURM (as Lightning detects it), with Lightning's ``hpc_ckpt_*.ckpt`` in the directory, or in
+    the job's own ``slurm-<job id>`` directory (:func:`run_stamp`) holding its checkpoints (a job requeued
+    without the SIGUSR1 warning, e.g. on pre-emption or a node failure)."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    if not SLURMEnvironment.detect():
+        return False
+    run_dir = Path(run_dir)
+    own = run_dir.name == f"slurm-{os.environ.get('SLURM_JOB_ID')}"
+    return any(run_dir.glob("hpc_ckpt_*.ckpt")) or (own and bool(results_in(run_dir)))
+
+
+class CheckRunDir(Callback):
+    """Hydra callback (``hydra.callbacks`` in configs/config.yaml): :func:`check_fresh_run` for a single training run
+    before Hydra writes anything into its directory; a refusal ends the run as every user error does."""
+
+    def on_run_start(self, config, **kwargs) -> None:
+        if config.get("mode") != "train":
+            return
+        from attention.errors import UserError
+        from suite.cli import exit_with_message
+        from suite.distributed import is_rank_zero
+
+        run_dir = Path(str(config.hydra.run.dir)).absolute()
+        try:
+            check_fresh_run(run_dir, resume=bool(config.get("resume")), ckpt_path=config.get("ckpt_path"),
+                            overwrite=bool(config.get("overwrite")), slurm_restart=slurm_restart(run_dir),
+                            delete=is_rank_zero())
+        except UserError as err:
+            exit_with_message(str(err))

@@ -1,0 +1,91 @@
+"""Run directories (suite/run_dirs.py): no run overwrites another run's results, runs that train nothing are refused,
+and a normal run prints each line once without a warning. (A resumed run's whole history: tests/test_resume.py.)"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from fixture_cache import once_per_worker
+from suite.report import read_folders
+from test_run import TINY, env, run, user_error  # noqa: F401 - env is a fixture
+
+# Two epochs of 10 steps, logged to W&B (offline) with the CSV history beside it.
+ARGS = [*TINY, "trainer.max_epochs=2", "logger=wandb"]
+# What a run leaves that no later run in its directory may change.
+KEPT = ("metrics.json", "resolved_config.yaml", "csv/metrics.csv", ".hydra/config.yaml", ".hydra/overrides.yaml",
+        "checkpoints/last.ckpt")
+
+
+@pytest.fixture(scope="module")
+def trained(env, tmp_path_factory):
+    """(run directory, its run.py process) of one training run, made once per worker; copy it before changing it."""
+    return once_per_worker(tmp_path_factory, "run-dirs-trained", lambda out: run([*ARGS, f"hydra.run.dir={out}"], env))
+
+
+def copy_run(trained, tmp_path) -> Path:
+    folder = tmp_path / "run"
+    shutil.copytree(trained[0], folder)
+    return folder
+
+
+def digests(folder: Path) -> dict[str, str]:
+    return {name: hashlib.sha256((folder / name).read_bytes()).hexdigest() for name in KEPT}
+
+
+def test_a_normal_run_prints_each_line_once_and_no_directory_warning(trained):
+    """A fresh W&B run writes its W&B id beside the checkpoints first: Lightning's "Checkpoint directory ... exists
+    and is not empty" warning printed on every such run, and Lightning's own console handler printed each of its
+    INFO lines a second time (as `INFO: ...` on stderr)."""
+    out = trained[1].stdout + trained[1].stderr
+    assert "exists and is not empty" not in out
+    for line in ("Seed set to 42", "`Trainer.fit` stopped: `max_epochs=2` reached.", "GPU available: False"):
+        assert out.count(line) == 1, (line, out[-3000:])
+
+
+def test_a_test_of_a_training_run_writes_its_own_record(trained, env, tmp_path):
+    """`mode=test ckpt_path=last hydra.run.dir=<a training run>` (the documented way to test a run's last
+    checkpoint) writes test-<time>/ in it and changes none of the training run's files; mode=report still reads
+    the training run, once."""
+    folder = copy_run(trained, tmp_path)
+    before = digests(folder)
+    training = json.loads((folder / "metrics.json").read_text())
+    proc = run([*TINY, "logger=csv", "mode=test", "ckpt_path=last", f"hydra.run.dir={folder}"], env)
+    assert digests(folder) == before
+    (record,) = folder.glob("test-*")
+    tested = json.loads((record / "metrics.json").read_text())
+    assert tested["protocol"]["checkpoint"] == "last" and 0.0 <= tested["test/oa"] <= 1.0
+    assert (record / "resolved_config.yaml").is_file() and (record / ".hydra" / "overrides.yaml").is_file()
+    assert "mode=test" in (record / ".hydra" / "overrides.yaml").read_text()
+    assert f"metrics written to {record / 'metrics.json'}" in proc.stdout
+    runs, left_out, _ = read_folders([folder])
+    assert [r.path for r in runs] == [str(folder)] and not left_out
+    assert runs[0].metrics["test/oa"] == training["test/oa"] and runs[0].config["mode"] == "train"
+
+
+def test_a_fresh_run_refuses_a_directory_holding_a_run(trained, env, tmp_path):
+    folder = copy_run(trained, tmp_path)
+    before = digests(folder)
+    user_error([*ARGS, f"hydra.run.dir={folder}"], env, f"hydra.run.dir={folder} holds another run's results",
+               "checkpoints/last.ckpt", "resume=true", "overwrite=true")
+    assert digests(folder) == before  # Hydra's .hydra/ files too: refused before Hydra writes them
+    # Told to: the old run's checkpoints and results are gone, none of them left beside the new ones.
+    old_best = {p.name for p in (folder / "checkpoints").glob("best-*.ckpt")}
+    run([*TINY, "logger=none", "++trainer.limit_train_batches=3", "overwrite=true", f"hydra.run.dir={folder}"], env)
+    assert {p.name for p in (folder / "checkpoints").glob("*.ckpt")} == {"best-epoch000-step000003.ckpt", "last.ckpt"}
+    assert old_best and not old_best & {"best-epoch000-step000003.ckpt"}
+    assert not (folder / "csv").exists()  # the old history (this run logs nothing)
+    assert json.loads((folder / "metrics.json").read_text())["protocol"]["checkpoint"].startswith("best")
+
+
+def test_a_run_that_trains_nothing_is_refused(env, tmp_path):
+    user_error([*TINY, "trainer.max_epochs=0", "logger=none", f"hydra.run.dir={tmp_path / 'a'}"], env,
+               "trainer.max_epochs=0 trains nothing", "mode=test")
+    # No training batch at all: refused after fit instead of testing the untrained network as "last".
+    user_error([*TINY, "++trainer.limit_train_batches=0", "logger=none", f"hydra.run.dir={tmp_path / 'b'}"], env,
+               "took no training step", "no checkpoint was written")
+    assert not (tmp_path / "b" / "metrics.json").exists() and not (tmp_path / "b" / "checkpoints").exists()
