@@ -6,6 +6,9 @@
 #                more overrides with ARGS, e.g. make bench ARGS='bench.dtypes=[float32,bfloat16]'
 # make results - same set-up, then the comparison in docs/recipes.md#results: every variant x seeds 0, 1, 2 on
 #                generated shapes (experiment=compare, one thread a run), then mode=report into docs/results/compare
+# make test-gpu - on a machine with a CUDA GPU, in GPU_PYTHON (default python3: the GPU image's own torch, not the
+#                lock's; needs no .venv): every `cuda` test (tests/gpu/, the kernels' in tests/attention/), then the
+#                rest of the suite with GPU_WORKERS workers (docs/scale.md#testing-on-a-gpu)
 # make lock    - resolve pyproject.toml (+ requirements/tools.in, under requirements/pins.txt) into
 #                requirements/lock.txt again, keeping every pin that still fits; make lock UPGRADE=1 moves every
 #                package to the newest release the constraints admit
@@ -15,7 +18,10 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 LOCK   := requirements/lock.txt
 
-.PHONY: install demo test bench results lock clean
+GPU_PYTHON  ?= python3
+GPU_WORKERS ?= 8
+
+.PHONY: install demo test test-gpu bench results lock clean
 
 # The lock is made for CPython 3.11 on x86_64 Linux; another Python may need other wheels than it names.
 $(STAMP): $(LOCK) pyproject.toml
@@ -35,6 +41,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadgroup --durations=30   # two workers: CI has 2 cores (see tests/conftest.py)
+
+# The GPU image's torch differs from the lock's: ATTENTION_UNLOCKED=1 says so to tests/test_environment.py. PYTHONPATH
+# carries the checkout (and whatever the caller put there) into the tests' run.py subprocesses.
+test-gpu:
+	@$(GPU_PYTHON) -c 'import sys, torch; torch.cuda.is_available() or sys.exit("make test-gpu needs a CUDA GPU, and torch.cuda.is_available() is False in $(GPU_PYTHON)")'
+	ATTENTION_UNLOCKED=1 PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PYTHON) -m pytest -m cuda -p no:cacheprovider
+	ATTENTION_UNLOCKED=1 PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PYTHON) -m pytest -m "not cuda" -n $(GPU_WORKERS) --dist loadgroup -p no:cacheprovider
 
 bench: $(STAMP)
 	$(PY) run.py mode=bench bench.tasks=true bench.table_dir=benchmarks 'hydra.run.dir=outputs/bench/$${run_stamp:}' $(ARGS)

@@ -20,6 +20,10 @@ mode) each get their graphs in the first epoch, so the count stops growing after
 holds it to that). Each network keeps its own recompile budget (``isolate_recompiles``): the GAN's G and D share
 ``nn.Module``'s call code, and would otherwise share one limit per code object; that limit is
 :data:`RECOMPILE_LIMIT` rather than torch's 8 (see there). Past it, dynamo warns and runs the call eagerly.
+torch releases before ``torch.compile`` took ``isolate_recompiles`` and ``recompile_limit`` (2.11, the declared
+floor, among them) get the same budget the one way they offer, dynamo's process-wide ``recompile_limit`` raised to
+:data:`RECOMPILE_LIMIT` per compiled network (:func:`compile_in_place`; which form is used is feature-detected from
+``torch.compile``'s signature, never from the version number).
 
 Cost: the seconds dynamo spent compiling (tracing, the backend's compilation, the backward's, lazily at the first
 backward pass), from torch's own counters, and the number of graphs compiled, are logged after every training
@@ -81,6 +85,32 @@ def check_options(trainer: Mapping) -> None:
                         f"{mode}`.")
 
 
+def isolates_recompiles() -> bool:
+    """Whether this torch's ``torch.compile`` gives each compiled function its own recompile budget
+    (``isolate_recompiles`` and ``recompile_limit`` arguments; torch 2.11 has neither)."""
+    import inspect
+
+    return {"isolate_recompiles", "recompile_limit"} <= set(inspect.signature(torch.compile).parameters)
+
+
+def compile_in_place(net: torch.nn.Module, backend: str = "inductor", mode: str | None = None,
+                     dynamic: bool | None = None, networks: int = 1) -> None:
+    """``net.compile(...)`` with a budget of :data:`RECOMPILE_LIMIT` compilations, ``networks`` being how many
+    networks of the task are compiled alike. Where ``torch.compile`` takes ``isolate_recompiles``, the budget is the
+    network's own; elsewhere the networks share ``nn.Module``'s call code and so one process-wide limit, which is
+    raised (never lowered) to ``RECOMPILE_LIMIT * networks``: the same budget for each network while they share
+    it evenly."""
+    if isolates_recompiles():
+        net.compile(backend=backend, mode=mode, dynamic=dynamic, isolate_recompiles=True,
+                    recompile_limit=RECOMPILE_LIMIT)
+        return
+    import torch._dynamo.config
+
+    limit = RECOMPILE_LIMIT * max(int(networks), 1)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+    net.compile(backend=backend, mode=mode, dynamic=dynamic)
+
+
 def compile_seconds() -> float:
     """Seconds this process has spent compiling so far: dynamo's whole-frame compilations (tracing and the backend's
     forward compilation) and AOTAutograd's lazy backward compilations, from torch's own counters."""
@@ -111,9 +141,9 @@ class CompileNetworks(L.pytorch.callbacks.Callback):
         if self._start is not None:
             return
         self._start = (compile_seconds(), compiled_graphs())
-        for name, net in pl_module.networks():
-            net.compile(backend=self.backend, mode=self.mode, dynamic=self.dynamic, isolate_recompiles=True,
-                        recompile_limit=RECOMPILE_LIMIT)
+        networks = pl_module.networks()
+        for name, net in networks:
+            compile_in_place(net, self.backend, self.mode, self.dynamic, networks=len(networks))
             self.names.append(name or type(net).__name__)
         log.info("trainer.compile: %s compiled with torch.compile (backend %s, mode %s, dynamic %s); compilation "
                  "happens at each network's first calls", ", ".join(self.names), self.backend, self.mode or "default",

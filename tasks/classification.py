@@ -40,7 +40,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from attention.errors import UserError
 
-from .base import Task
+from .base import Task, TrainLoss
 from .nets.backbones import build_backbone
 
 MIXUP_DEFAULTS = {"enabled": True, "mixup_alpha": 0.8, "cutmix_alpha": 1.0, "cutmix_minmax": None, "prob": 1.0,
@@ -119,7 +119,7 @@ class ImageClassification(Task):
             self.train_criterion = torch.nn.CrossEntropyLoss()
         self.ema = self._build_ema(dict(EMA_DEFAULTS, **dict(ema or {})))
         self._ema_step = 0  # the optimiser step the EMA last saw
-        self.train_loss = MeanMetric()
+        self.train_loss = TrainLoss()  # updated on the device: no host sync in the step
         # Evaluation losses as torchmetrics means weighted by batch size: exact across ranks that evaluate
         # different numbers of samples.
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()

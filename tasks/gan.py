@@ -19,7 +19,10 @@ training split unless ``eval.num_samples`` says otherwise. With
 ``ema.enabled`` the exponential moving average of the generator is evaluated.
 Batches of the evaluation loaders are ``{"index": (B,)}``: which of the fixed
 latents to generate, so ranks under DDP split the work and features are
-gathered, de-duplicated by index and scored once.
+gathered, de-duplicated by index and scored once. The features (and their
+indices) are kept on the CPU, where the extractors return them and the
+metrics are computed, so that a whole test split's features never hold GPU
+memory; under DDP they visit the device only to be gathered.
 """
 
 from __future__ import annotations
@@ -261,8 +264,8 @@ class GAN(Task):
         return self._aux["vgg16"].to(self.device)
 
     def _eval_inputs(self, stage: str, n: int):
-        """Fixed latents and labels of the ``n`` evaluation samples of ``stage`` (cached)."""
-        key = (stage, n)
+        """Fixed latents and labels of the ``n`` evaluation samples of ``stage`` (cached, on this module's device)."""
+        key = (stage, n, self.device)
         if self._aux.get("inputs_key") != key:
             gen = torch.Generator().manual_seed(2026 if stage == "val" else 2027)
             self._aux["inputs_key"], self._aux["inputs"] = key, self.sample_inputs(n, generator=gen)
@@ -300,27 +303,31 @@ class GAN(Task):
         z, y = self._eval_inputs(stage, n)
         images = fid.to_uint8(self.generator(z[index], y[index] if self.num_classes else None))
         with torch.autocast(self.device.type, enabled=False):  # float32 features, as the reference statistics
-            pool, logits = fid.inception_features(self._inception(), images, batch_size=len(images))
+            pool, logits = fid.inception_features(self._inception(), images, batch_size=len(images))  # on the CPU
             vgg = prc.vgg16_features(self._vgg16(), images, batch_size=len(images)) \
-                if self.metrics_cfg.get("prc", False) else torch.empty(len(images), 0)  # (B, 4096) or (B, 0)
+                if self.metrics_cfg.get("prc", False) else pool.new_empty(len(images), 0)  # (B, 4096) or (B, 0)
+        index = index.cpu()  # with the features it indexes (``_score``); the extractors synchronised already
         self._features.append((index, pool, logits, vgg))
         folder = self.eval_cfg.get("save_samples") if stage == "test" else None
         if folder:
-            for i, image in zip(index.tolist(), images):
-                fid.save_pngs(image[None].cpu(), folder, start=i)
+            for i, image in zip(index.tolist(), images.cpu()):
+                fid.save_pngs(image[None], folder, start=i)
+
+    def _gathered(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows of ``t`` (a CPU tensor), on the CPU: through the device, which NCCL needs. Ranks may
+        hold one more or one fewer (torchmetrics' gather allows that, Lightning's all_gather does not)."""
+        from torchmetrics.utilities.distributed import gather_all_tensors
+
+        return torch.cat(gather_all_tensors(t.to(self.device))).cpu()
 
     def _score(self, stage: str) -> dict[str, float]:
-        index, pool, logits, vgg = (torch.cat(t) for t in zip(*self._features))
+        index, pool, logits, vgg = (torch.cat(t) for t in zip(*self._features))  # all on the CPU (_eval_step)
         self._features = []
-        if self.trainer.world_size > 1:
-            # Every rank's samples; ranks may hold one more or one fewer (torchmetrics' gather allows that,
-            # Lightning's all_gather does not). De-duplicating by index also undoes any sampler padding.
-            from torchmetrics.utilities.distributed import gather_all_tensors
-
-            index, pool, logits = (torch.cat(gather_all_tensors(t)) for t in (index, pool, logits))
-            vgg = torch.cat(gather_all_tensors(vgg)) if self.metrics_cfg.get("prc") else vgg.new_empty(len(index), 0)
+        if self.trainer.world_size > 1:  # every rank's samples; de-duplicating by index undoes sampler padding
+            index, pool, logits = (self._gathered(t) for t in (index, pool, logits))
+            vgg = self._gathered(vgg) if self.metrics_cfg.get("prc") else vgg.new_empty(len(index), 0)
         keep = first_of_each(index)
-        pool, logits, vgg = pool[keep].cpu(), logits[keep].cpu(), vgg[keep]
+        pool, logits, vgg = pool[keep], logits[keep], vgg[keep]
         cfg = self.metrics_cfg
         names = ["fid", "is", "is_std"] + (["kid", "kid_std"] if cfg.get("kid") else []) \
             + (["precision", "recall"] if cfg.get("prc") else [])

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
 
-from .base import Task
+from .base import Task, TrainLoss
 from .nets.pct import PCT
 from .optim import build_optimizers
 from .voting import check_voting, draw_scales, vote_generator, voted_probabilities
@@ -53,7 +53,7 @@ class PointCloudClassification(Task):
         self.class_names = list(class_names)
         self.smoothing = reference_smoothing(label_smoothing, num_classes)
         self.log_samples = log_samples
-        self.train_loss = MeanMetric()
+        self.train_loss = TrainLoss()  # updated on the device: no host sync in the step
         # Evaluation losses as torchmetrics means weighted by batch size: exact across ranks that evaluate
         # different numbers of samples (self.log's sync_dist would average the ranks' means).
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()

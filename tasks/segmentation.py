@@ -16,10 +16,10 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from hydra.utils import instantiate
 from torch import nn
 
+from . import deterministic
 from .base import Task
 from .nets.segnet import SegNet
 from .metrics.segmentation import SegConfusion, predict, scores
@@ -81,10 +81,10 @@ class Segmentation(Task):
     def training_step(self, batch, batch_idx):
         out = self.net(batch["image"])
         logits, aux = out if isinstance(out, tuple) else (out, None)
-        loss = F.cross_entropy(logits, batch["mask"], ignore_index=self.ignore_index)
+        loss = deterministic.cross_entropy(logits, batch["mask"], ignore_index=self.ignore_index)
         self.log("train/loss_main", loss.detach(), on_step=True, on_epoch=False, sync_dist=True)
         if aux is not None:
-            aux_loss = F.cross_entropy(aux, batch["mask"], ignore_index=self.ignore_index)
+            aux_loss = deterministic.cross_entropy(aux, batch["mask"], ignore_index=self.ignore_index)
             self.log("train/loss_aux", aux_loss.detach(), on_step=True, on_epoch=False, sync_dist=True)
             loss = loss + self.aux_weight * aux_loss
         self.log("train/loss", loss.detach(), on_step=True, on_epoch=False, prog_bar=True, sync_dist=True)

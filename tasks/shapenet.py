@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
-import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
-from .base import Task
+from . import deterministic
+from .base import Task, TrainLoss
 from .metrics.part_iou import PartIoU, category_part_mask, restrict_to_category
 from .nets.pct import PCTPartSeg
 from .optim import build_optimizers
@@ -49,7 +49,7 @@ class PartSegmentation(Task):
         self.restrict = restrict_to_category
         self.category_names = list(category_names)
         self.register_buffer("part_mask", category_part_mask(category_parts, num_parts), persistent=False)
-        self.train_loss = MeanMetric()
+        self.train_loss = TrainLoss()  # updated on the device: no host sync in the step
         # Evaluation losses as torchmetrics means weighted by batch size: exact across ranks that evaluate
         # different numbers of samples (self.log's sync_dist would average the ranks' means).
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
@@ -77,7 +77,7 @@ class PartSegmentation(Task):
         if logits is None:
             logits = self(self._inputs(batch), batch["category"])
         scores = logits if scores is None else scores
-        loss = F.cross_entropy(logits, batch["parts"], label_smoothing=self.hparams.label_smoothing)
+        loss = deterministic.cross_entropy(logits, batch["parts"], label_smoothing=self.hparams.label_smoothing)
         pred = restrict_to_category(scores, batch["category"], self.part_mask) if self.restrict \
             else scores.argmax(1)
         return loss, pred

@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 
-from suite.compile import compiled_graphs
+from suite.compile import compile_in_place, compiled_graphs, isolates_recompiles
 from test_run import env, run  # noqa: F401 - env is a fixture
 
 OPTIM = {"optimizer": {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.01}}
@@ -47,7 +47,7 @@ def test_compiled_network_matches_eager_and_stops_recompiling(one_thread):
     [(name, net)] = task.networks()
     assert net is task.net
     keys = list(net.state_dict())
-    net.compile(backend="aot_eager", isolate_recompiles=True)
+    compile_in_place(net, backend="aot_eager")
     assert list(net.state_dict()) == keys  # in place: checkpoints keep their keys
     steps = [(True, 8), (True, 5), (False, 8), (False, 3)]  # (training, batch size): full and last partial batch
 
@@ -92,8 +92,37 @@ def test_the_gan_compiles_both_of_its_networks():
     assert gan.networks() == [("G", gan.G), ("D", gan.D)]
     keys = list(gan.state_dict())
     for _, net in gan.networks():
-        net.compile(backend="aot_eager", isolate_recompiles=True)
+        compile_in_place(net, backend="aot_eager", networks=2)
     assert list(gan.state_dict()) == keys
+
+
+def test_a_torch_without_isolated_recompiles_gets_the_same_budget(monkeypatch, one_thread):
+    """torch 2.11 (the declared floor) has no ``isolate_recompiles``/``recompile_limit`` in ``torch.compile``: there the
+    GAN's two networks share dynamo's process-wide limit, raised to RECOMPILE_LIMIT for each of them (never lowered),
+    and the compiled networks give the eager outputs. Where torch has the arguments, the global limit is untouched."""
+    import torch._dynamo.config as dynamo_config
+
+    import suite.compile as compile_module
+    from tasks.gan import GAN
+
+    monkeypatch.setattr(dynamo_config, "recompile_limit", 8)
+    if isolates_recompiles():  # the lock's torch: each network's own budget, the process-wide limit as it was
+        compile_in_place(tiny_task().net, backend="aot_eager")
+        assert dynamo_config.recompile_limit == 8
+    monkeypatch.setattr(compile_module, "isolates_recompiles", lambda: False)  # as on torch 2.11
+    torch.manual_seed(0)
+    gan = GAN(num_classes=2, class_names=["a", "b"], resolution=32, attn={"name": "external"}, optim={},
+              model={"z_dim": 16, "g_channels": 16, "d_channels": 16}).eval()
+    z, y = torch.randn(3, 16), torch.tensor([0, 1, 1])
+    with torch.no_grad():
+        expected = gan.D(gan.G(z, y), y)
+        for _, net in gan.networks():
+            compile_in_place(net, backend="aot_eager", networks=2)
+        assert dynamo_config.recompile_limit == 2 * compile_module.RECOMPILE_LIMIT
+        torch.testing.assert_close(gan.D(gan.G(z, y), y), expected, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(dynamo_config, "recompile_limit", 1000)
+    compile_in_place(tiny_task().net, backend="aot_eager", networks=2)
+    assert dynamo_config.recompile_limit == 1000  # raised, never lowered
 
 
 def test_inductor_forward_matches_eager(one_thread):
@@ -101,7 +130,7 @@ def test_inductor_forward_matches_eager(one_thread):
     forward of the generated code equals the eager one to float32 tolerance."""
     task = tiny_task().eval()
     eager = copy.deepcopy(task.net)
-    task.net.compile(backend="inductor", isolate_recompiles=True)
+    compile_in_place(task.net, backend="inductor")
     x = torch.randn(4, 32, 3, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(task.net(x), eager(x), rtol=1e-4, atol=1e-5)

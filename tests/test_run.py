@@ -239,10 +239,12 @@ def test_test_mode_reproduces_the_tested_checkpoint(wandb_run, env, tmp_path):
 
 
 def test_seed_makes_cpu_runs_reproducible(env, tmp_path):
+    """On the CPU (pinned: with a GPU, accelerator=auto would take it; GPU runs repeat with trainer.deterministic=true,
+    tests/gpu/test_cuda_tasks.py)."""
     results = []
     for name in ("a", "b", "c"):
         seed = "seed=7" if name != "c" else "seed=8"
-        run([*TINY, seed, "logger=csv", f"hydra.run.dir={tmp_path / name}"], env)
+        run([*TINY, seed, "trainer.accelerator=cpu", "logger=csv", f"hydra.run.dir={tmp_path / name}"], env)
         results.append(quality_metrics(json.loads((tmp_path / name / "metrics.json").read_text())))
     assert results[0] == results[1]
     assert results[0] != results[2]

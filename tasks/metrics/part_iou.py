@@ -67,6 +67,6 @@ class PartIoU(Metric):
         per_category = torch.where(seen, self.iou_sum / self.shapes.clamp_min(1), torch.nan)
         return {
             "instance_miou": self.iou_sum.sum() / self.shapes.sum().clamp_min(1),
-            "class_miou": per_category[seen].mean() if seen.any() else torch.tensor(torch.nan),
+            "class_miou": per_category.nanmean(),  # over seen categories (NaN if none), on the states' device
             "per_category": per_category,
         }

@@ -448,7 +448,9 @@ class PCTPartSeg(nn.Module):
             x = block(x, layout)
             outs.append(x)
         x = self.fuse(torch.cat(outs, dim=-1))  # (B, N, 1024)
-        one_hot = F.one_hot(category, self.num_categories).to(x.dtype)  # (B, categories)
+        # one-hot by a scatter: F.one_hot reads the categories' min and max on the host (a GPU sync); a scatter
+        # checks its indices itself (an IndexError on the CPU, a device-side assert on a GPU)
+        one_hot = x.new_zeros(len(category), self.num_categories).scatter_(1, category[:, None], 1.0)  # (B, cats)
         glob = torch.cat([x.max(dim=1).values, x.mean(dim=1), self.category(one_hot)], dim=-1)  # (B, 2048 + 64)
         # The head's first conv sees [x, glob] at every point: W = [W_x | W_g] gives W_x x + W_g glob, W_g glob
         # once per shape, instead of a (B, N, 3136) input (equal in exact arithmetic).

@@ -58,6 +58,7 @@ from torch import nn
 import attention
 from attention.errors import UserError
 
+from ..deterministic import resize_bilinear
 from .backbones import MODELS, build_backbone, native_attn
 from .backbones.common import attn_defaults
 from .blocks import EANetResidual, ScaledResidual
@@ -167,7 +168,7 @@ class TransformerBackbone(nn.Module):
         if len(features) < 3:
             return features[-1], features[-1]
         c3, c4 = features[-2], features[-1]
-        up = F.interpolate(c4, size=c3.shape[-2:], mode="bilinear", align_corners=False)  # (B, C4, H/16, W/16)
+        up = resize_bilinear(c4, c3.shape[-2:])  # (B, C4, H/16, W/16)
         return features[-3], torch.cat([c3, up], dim=1)  # (B, C2, H/8, W/8), (B, C3 + C4, H/16, W/16)
 
 
@@ -204,8 +205,8 @@ class SegNet(nn.Module):
         size = image.shape[-2:]
         c3, c4 = self.backbone(image)
         logits = self.classifier(self.attention(self.reduce(c4)))  # (B, K, H/8, W/8) (transformers: H/16)
-        logits = F.interpolate(logits, size=size, mode="bilinear", align_corners=False)[..., :h, :w]
+        logits = resize_bilinear(logits, size)[..., :h, :w]
         if self.training and self.aux is not None:
-            aux = F.interpolate(self.aux(c3), size=size, mode="bilinear", align_corners=False)[..., :h, :w]
+            aux = resize_bilinear(self.aux(c3), size)[..., :h, :w]
             return logits, aux
         return logits

@@ -427,6 +427,6 @@ def test_cost_counts_the_kernel():
     mixer = attention.build("dilated", dim=C)
     expected = 2 * B * n * (3 * C * C + C * C) + 2 * B * n * K * 2 * C
     assert mixer.cost(n, batch=B, layout="grid")["flops"] == expected
-    # on points the same attention work (as batched matmuls); kNN's distances are coordinate differences
-    # (torch.cdist without its matmul shortcut, attention.pointops.distance), which the FLOP counter skips
+    # on points the same attention work (as batched matmuls); kNN's distances are elementwise coordinate
+    # differences (attention.pointops.square_distance), which the FLOP counter skips
     assert mixer.cost(n, batch=B, layout="points")["flops"] == expected

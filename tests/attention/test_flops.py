@@ -47,6 +47,11 @@ def test_forward_kernel_counted(op):
 @pytest.mark.parametrize("op", [op for op in FORWARD if any(f"{op.__name__}_backward" == b.__name__ for b in BACKWARD)],
                          ids=lambda op: op.__name__)
 def test_backward_kernel_counted(op):
+    backward = getattr(torch.ops.aten, f"{op.__name__}_backward").default
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(backward.name(), "Meta"):
+        # torch 2.11's overrideable kernel (for out-of-tree privateuse1 backends) has no meta backward: nothing can
+        # run it without such a backend. Its formula is still registered (the first test of this file).
+        pytest.skip(f"{backward.name()} has no meta kernel in torch {torch.__version__}")
     d_v = D if "flash" in op.__name__ else DV  # the flash kernels need d == d_v
     q, k, v = _meta_qkv(d_v)
     out = op(q, k, v, *((None, True) if _needs_lse(op) else ()))[0]

@@ -1,0 +1,28 @@
+"""``trainer.deterministic=true`` (suite/determinism.py): what it sets before the Trainer and CUDA start. That two GPU
+runs of one seed are identical, and a resumed one equals an uninterrupted one, is tests/gpu/test_cuda_tasks.py's to
+show on the GPU; the formulations that replace the ops without a deterministic CUDA kernel are checked against the
+torch ops in tests/tasks/test_deterministic.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from suite import determinism
+
+
+@pytest.mark.parametrize("setting, given, expected", [
+    (True, None, ":4096:8"),        # set for cuBLAS before CUDA starts
+    ("warn", None, ":4096:8"),      # Lightning's warn_only mode too
+    (True, ":16:8", ":16:8"),       # the user's own setting is kept
+    (False, None, None),            # not deterministic: nothing set
+])
+def test_configure_sets_the_cublas_workspace_unless_given(monkeypatch, setting, given, expected):
+    if given is None:
+        monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    else:
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", given)
+    determinism.configure({"deterministic": setting, "accelerator": "auto"})
+    assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") == expected
+
