@@ -41,20 +41,28 @@ def history(out: Path) -> list[str]:
     return [",".join(v for i, v in enumerate(line.split(",")) if i != drop) for line in lines]
 
 
+def kill_after_a_checkpoint(args: list[str], env: dict, run_dir: Path) -> int:
+    """Start ``run.py args`` in ``run_dir``, SIGKILL it as soon as its last.ckpt holds an epoch before the run's end
+    (of 4), and return that epoch (tests/gpu/test_cuda_tasks.py does the same on a GPU)."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args, f"hydra.run.dir={run_dir}"],
+                            cwd=env["HOME"], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    last, deadline = run_dir / "checkpoints" / "last.ckpt", time.monotonic() + 300
+    while checkpoint_epoch(last) is None and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    stopped_at = checkpoint_epoch(last)
+    assert stopped_at is not None and stopped_at < 4, "the run was not interrupted before its end"
+    return stopped_at
+
+
 @pytest.mark.xdist_group("resume")
 def test_sigkill_then_resume_matches_an_uninterrupted_run(env, tmp_path):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     run([*ARGS, f"hydra.run.dir={straight}"], env)
 
-    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *ARGS, f"hydra.run.dir={killed}"], cwd=env["HOME"],
-                            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    last, deadline = killed / "checkpoints" / "last.ckpt", time.monotonic() + 300
-    while checkpoint_epoch(last) is None and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    stopped_at = checkpoint_epoch(last)
-    assert stopped_at is not None and stopped_at < 4, "the run was not interrupted before its end"
+    kill_after_a_checkpoint(ARGS, env, killed)
     assert not (killed / "metrics.json").exists()
     first_id = (killed / "checkpoints" / "wandb_run_id").read_text().strip()
 

@@ -19,11 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -31,8 +26,8 @@ import torch
 from suite.run_record import quality_metrics
 from task_steps import TASKS, CudaSyncErrors, train_watched
 from test_resume import ARGS as RESUME_ARGS
-from test_resume import checkpoint_epoch
-from test_run import GAN_TINY, ROOT, SEG_TINY, TINY, env, run  # noqa: F401 - env is a fixture
+from test_resume import kill_after_a_checkpoint
+from test_run import GAN_TINY, SEG_TINY, TINY, env, run  # noqa: F401 - env is a fixture
 
 pytestmark = pytest.mark.cuda
 GPU = ["trainer.accelerator=gpu", "trainer.devices=1"]
@@ -134,15 +129,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run_on_cuda(env, tmp_path)
             "trainer.deterministic=true", "logger=none"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     run([*args, f"hydra.run.dir={straight}"], env)
-    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args, f"hydra.run.dir={killed}"], cwd=env["HOME"],
-                            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    last, deadline = killed / "checkpoints" / "last.ckpt", time.monotonic() + 300
-    while checkpoint_epoch(last) is None and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    stopped_at = checkpoint_epoch(last)
-    assert stopped_at is not None and stopped_at < 4, "the run was not interrupted before its end"
+    kill_after_a_checkpoint(args, env, killed)
     run([*args, f"hydra.run.dir={killed}", "resume=true"], env)
     a, b = quality_metrics(metrics_of(straight)), quality_metrics(metrics_of(killed))
     assert a == b
