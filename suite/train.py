@@ -52,8 +52,7 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> dict:
     quiet_libraries()
     from suite.compose import compose
     from suite.distributed import is_rank_zero
-    from suite.run_dirs import slurm_restart
-    from suite.run_dirs import check_fresh_run, record_dir
+    from suite.run_dirs import check_fresh_run, record_dir, slurm_restart
 
     # Where this run's record goes (a test of a finished run's directory: a test-<time>/ folder in it), and for a
     # training run, that it does not overwrite another run's results (checked by Hydra's callback already for a
