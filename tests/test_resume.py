@@ -67,7 +67,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(env, tmp_path):
     first_id = (killed / "checkpoints" / "wandb_run_id").read_text().strip()
 
     resumed = run([*ARGS, f"hydra.run.dir={killed}", "resume=true"], env)
-    assert f"resuming from {last}" in resumed.stdout + resumed.stderr
+    assert f"resuming from {killed / 'checkpoints' / 'last.ckpt'}" in resumed.stdout + resumed.stderr
 
     a = quality_metrics(json.loads((straight / "metrics.json").read_text()))
     b = quality_metrics(json.loads((killed / "metrics.json").read_text()))
