@@ -93,7 +93,7 @@ class OffsetChunked(torch.autograd.Function):
     rows).
 
     Each query's softmax row needs only its own row, and the column sums c_j are sums over the rows, so
-    pass 1 accumulates c chunk by chunk and pass 2 accumulates U = A^T v; out_j = U_j / (eps + c_j) (the division
+    one pass over the chunks accumulates both c and U = A^T v; out_j = U_j / (eps + c_j) (the division
     moved after the sum: equal in exact arithmetic, about 1e-16 relative apart in float64). Backward, with
     D = eps + c and G the output's gradient: dU = G / D and dD_j = -(G_j . out_j) / D_j; per chunk of rows,
     recomputing A: dv = A dU, dA_ij = v_i . dU_j + dD_j, dS = A (dA - rowsum(A dA)) (softmax's backward, row by
@@ -105,12 +105,11 @@ class OffsetChunked(torch.autograd.Function):
         n = q.shape[-2]
         kt = k.transpose(-2, -1)  # (B, h, d, M)
         colsum = q.new_zeros(*k.shape[:-1])  # (B, h, M)
-        for i in range(0, n, rows):
-            colsum += torch.softmax(q[..., i:i + rows, :] @ kt, dim=-1).sum(dim=-2)  # (B, h, rows, M) summed
         out = v.new_zeros(*k.shape[:-1], v.shape[-1])  # (B, h, M, d_v)
         out_3d = out.view(-1, *out.shape[-2:])  # (B h, M, d_v)
-        for i in range(0, n, rows):
+        for i in range(0, n, rows):  # one pass: the division by the column sums comes after both sums
             attn = torch.softmax(q[..., i:i + rows, :] @ kt, dim=-1)  # (B, h, rows, M)
+            colsum += attn.sum(dim=-2)
             out_3d.baddbmm_(attn.flatten(0, 1).transpose(1, 2), v[..., i:i + rows, :].flatten(0, 1))  # += A^T v
         out /= (colsum + eps).unsqueeze(-1)
         ctx.save_for_backward(q, k, v, colsum, out)
