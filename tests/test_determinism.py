@@ -19,8 +19,9 @@ from suite import determinism
     (False, None, None),            # not deterministic: nothing set
 ])
 def test_configure_sets_the_cublas_workspace_unless_given(monkeypatch, setting, given, expected):
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")  # so that monkeypatch restores what configure sets
     if given is None:
-        monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+        monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
     else:
         monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", given)
     determinism.configure({"deterministic": setting, "accelerator": "auto"})
