@@ -9,6 +9,9 @@
 # make test-gpu - on a machine with a CUDA GPU, in GPU_PYTHON (default python3: the GPU image's own torch, not the
 #                lock's; needs no .venv): every `cuda` test (tests/gpu/, the kernels' in tests/attention/), then the
 #                rest of the suite with GPU_WORKERS workers (docs/scale.md#testing-on-a-gpu)
+# make bench-gpu - on a machine with a CUDA GPU, in GPU_PYTHON: what every attention variant costs there in float32
+#                and bf16 (benchmarks/cost-cuda.*), and PCT, FPS and kNN against PCT_Pytorch with its pointnet2_ops
+#                (benchmarks/pct-cuda.*; PCT_PYTORCH=<its checkout, pointnet2_ops_lib built in place>, docs/cost.md)
 # make lock    - resolve pyproject.toml (+ requirements/tools.in, under requirements/pins.txt) into
 #                requirements/lock.txt again, keeping every pin that still fits; make lock UPGRADE=1 moves every
 #                package to the newest release the constraints admit
@@ -20,8 +23,12 @@ LOCK   := requirements/lock.txt
 
 GPU_PYTHON  ?= python3
 GPU_WORKERS ?= 8
+PCT_PYTORCH ?=
+GPU_ENV     := ATTENTION_UNLOCKED=1 PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}"
+HAS_CUDA     = @$(GPU_PYTHON) -c 'import importlib.util, sys; importlib.util.find_spec("torch") or sys.exit("make $@: $(GPU_PYTHON) has no torch; set GPU_PYTHON to the Python of the GPU machine'"'"'s environment"); \
+	import torch; torch.cuda.is_available() or sys.exit("make $@ needs a CUDA GPU, and torch.cuda.is_available() is False in $(GPU_PYTHON)")'
 
-.PHONY: install demo test test-gpu bench results lock clean
+.PHONY: install demo test test-gpu bench bench-gpu results lock clean
 
 # The lock is made for CPython 3.11 on x86_64 Linux; another Python may need other wheels than it names.
 $(STAMP): $(LOCK) pyproject.toml
@@ -45,12 +52,17 @@ test: $(STAMP)
 # The GPU image's torch differs from the lock's: ATTENTION_UNLOCKED=1 says so to tests/test_environment.py. PYTHONPATH
 # carries the checkout (and whatever the caller put there) into the tests' run.py subprocesses.
 test-gpu:
-	@$(GPU_PYTHON) -c 'import sys, torch; torch.cuda.is_available() or sys.exit("make test-gpu needs a CUDA GPU, and torch.cuda.is_available() is False in $(GPU_PYTHON)")'
-	ATTENTION_UNLOCKED=1 PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PYTHON) -m pytest -m cuda -p no:cacheprovider
-	ATTENTION_UNLOCKED=1 PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PYTHON) -m pytest -m "not cuda" -n $(GPU_WORKERS) --dist loadgroup -p no:cacheprovider
+	$(HAS_CUDA)
+	$(GPU_ENV) $(GPU_PYTHON) -m pytest -m cuda -n $(GPU_WORKERS) --dist loadgroup -p no:cacheprovider
+	$(GPU_ENV) $(GPU_PYTHON) -m pytest -m "not cuda" -n $(GPU_WORKERS) --dist loadgroup -p no:cacheprovider
 
 bench: $(STAMP)
 	$(PY) run.py mode=bench bench.tasks=true bench.table_dir=benchmarks 'hydra.run.dir=outputs/bench/$${run_stamp:}' $(ARGS)
+
+bench-gpu:
+	$(HAS_CUDA)
+	$(GPU_ENV) $(GPU_PYTHON) run.py mode=bench bench.device=cuda 'bench.dtypes=[float32,bfloat16]' bench.table_dir=benchmarks logger=none 'hydra.run.dir=outputs/bench/$${run_stamp:}' $(ARGS)
+	$(GPU_ENV) $(GPU_PYTHON) -m benchmarks.pct_cuda $(if $(PCT_PYTORCH),--reference $(PCT_PYTORCH))
 
 results: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) run.py -m experiment=compare 'attn=glob(*)' seed=0,1,2 hydra.sweep.dir=multirun/compare

@@ -167,6 +167,74 @@ def test_pct_comparison_times_both_networks_alternately(one_thread):
     assert ours.blocks[0].norm.num_batches_tracked == base.blocks[0].norm.num_batches_tracked > 0  # both trained
 
 
+# A stand-in for a PCT_Pytorch checkout, as benchmarks.pct_cuda imports one: ``model.Pct(args, output_channels)`` on
+# (B, 3, N) points and ``pointnet2_ops.pointnet2_utils.furthest_point_sample``. It counts its forward calls.
+STUB_MODEL = """
+import torch
+from torch import nn
+from pointnet2_ops import pointnet2_utils
+
+CALLS = []
+
+
+class Pct(nn.Module):
+    def __init__(self, args, output_channels=40):
+        super().__init__()
+        self.dropout = args.dropout
+        self.head = nn.Linear(3, output_channels)
+
+    def forward(self, x):  # (B, 3, N)
+        CALLS.append(tuple(x.shape))
+        centres = pointnet2_utils.furthest_point_sample(x.transpose(1, 2).contiguous(), 4).long()  # (B, 4)
+        return self.head(x.transpose(1, 2).gather(1, centres[..., None].expand(-1, -1, 3)).mean(1))
+"""
+STUB_FPS = """
+from attention.pointops import farthest_point_sample
+
+
+def furthest_point_sample(xyz, m):
+    return farthest_point_sample(xyz, m, like_kernel=True).int()
+"""
+
+
+def test_pct_cuda_benchmark_runs_against_a_reference_checkout(tmp_path):
+    """benchmarks.pct_cuda (make bench-gpu's PCT table) on the CPU, against a stand-in checkout: the reference is
+    imported from the folder given and called in every mode, and the markdown and JSON carry every section."""
+    ref = tmp_path / "PCT_Pytorch"
+    (ref / "pointnet2_ops_lib" / "pointnet2_ops").mkdir(parents=True)
+    (ref / "model.py").write_text(STUB_MODEL)
+    (ref / "pointnet2_ops_lib" / "pointnet2_ops" / "__init__.py").write_text('__version__ = "stub"\n')
+    (ref / "pointnet2_ops_lib" / "pointnet2_ops" / "pointnet2_utils.py").write_text(STUB_FPS)
+    out = tmp_path / "pct-cuda.md"
+    code = ("import sys, json; from benchmarks import pct_cuda; pct_cuda.main(sys.argv[1:]); import model; "
+            "print('CALLS', json.dumps(model.CALLS))")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", code, "--device", "cpu", "--quick", "--no-compile", "--points", "64",
+                           "--reference", str(ref), "--out", str(out)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    calls = json.loads(proc.stdout.split("CALLS", 1)[1])
+    assert calls and all(shape[1:] == [3, 64] for shape in calls)  # the reference took (B, 3, N)
+    text, data = out.read_text(), json.loads(out.with_suffix(".json").read_text())
+    assert "PCT_Pytorch at" in data["reference"] and "pointnet2_ops stub" in data["reference"]
+    assert [(r["network"], r["mode"], r["form"]) for r in data["pct"]] == [
+        ("PCT", "train", "float32"), ("PCT", "train", "bfloat16"), ("PCT", "eval", "float32"),
+        ("PCT", "eval", "bfloat16"), ("PCTPartSeg", "train", "float32"), ("PCTPartSeg", "eval", "float32")]
+    for r in data["pct"]:
+        assert r["reference_s"] > 0 and r["suite_s"] > 0 and r["ratio"] == pytest.approx(r["reference_s"] / r["suite_s"])
+        assert f"| {r['network']} | 2 x {r['points']} | {r['mode']} | {r['form']} |" in text
+    assert data["knn"] and data["knn"][0]["suite_s"] > 0 and data["fps"] == [] and data["syncs"] is None
+    assert "Not measured: only a CUDA device" in text and "aten::" in text  # no sync count on a CPU; the profile
+
+
+def test_pct_cuda_benchmark_refuses_a_folder_that_is_no_checkout(tmp_path):
+    from benchmarks import pct_cuda
+
+    with pytest.raises(SystemExit, match="no model.py there"):
+        pct_cuda.load_reference(tmp_path)
+    assert pct_cuda.load_reference(None)[0] is None
+
+
 # --------------------------------------------------------------------------------------------
 # End to end: python run.py mode=bench bench.quick=true
 # --------------------------------------------------------------------------------------------

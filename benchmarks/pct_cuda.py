@@ -1,0 +1,449 @@
+"""PCT on a GPU against PCT_Pytorch as its users run it, with pointnet2_ops' CUDA FPS (issue 28 §1-3).
+
+    python -m benchmarks.pct_cuda --reference DIR     # writes benchmarks/pct-cuda.md and pct-cuda.json
+    python -m benchmarks.pct_cuda --quick ...         # batch 2, small FPS/kNN sizes: prints unless --out is given
+
+``DIR`` is a checkout of PCT_Pytorch (github: Strawberry-Eat-Mango/PCT_Pytorch) whose ``pointnet2_ops_lib`` was
+built in place (``python setup.py build_ext --inplace``; docs/scale.md#benchmarks-on-a-gpu): its ``model.Pct`` and
+``pointnet2_ops.pointnet2_utils.furthest_point_sample`` are what this compares with. Nothing of it is copied here; it
+is imported from ``DIR`` at run time. Without ``--reference`` (or where pointnet2_ops is not built) the sections that
+need it say so and the others still run.
+
+What it measures, each pair alternating step by step in one process, timed with CUDA events after warm-up (a step
+is queued after the GPU has drained, so host overhead counts as the user sees it), the median over rounds:
+
+1. ModelNet40's PCT at batch 16 and 32 (1,024 points, 512/256 centres, 32 neighbours): a training step (forward,
+   label-smoothed cross-entropy 0.2, backward, SGD with momentum) and an eval forward, in float32, under bf16
+   autocast and both ``torch.compile``d. The suite's network is ``tasks.nets.pct.PCT`` (``attn=offset``,
+   ``fps=kernel``: pointnet2_ops' indices); the reference is ``model.Pct``. Goals: train and eval >= 1.5x the
+   reference's float32 step, bf16 >= 2x the reference's float32 step, compiled >= 2x the reference's float32 step
+   (both-compiled beside it).
+2. ShapeNet part's network (2,048 points, batch 16) against ``benchmarks.baselines.ChannelFirstPCTPartSeg``, the
+   authors' Jittor network in PyTorch with the suite's weights (PCT_Pytorch has no part segmentation): >= 1.3x.
+3. Host synchronisations inside one training step of the suite's PCT (CUDA's sync debug mode): the goal is none.
+4. FPS: the suite's Triton kernel (``like_kernel``) against pointnet2_ops from 512 to 65,536 points, and whether
+   the two return the same indices (issue 27 §5): points uniform in [-1, 1]^3, one of them near the origin.
+5. kNN: ``attention.pointops.knn`` against the reference's matmul + ``topk``, time and peak memory, at PCT's sizes
+   and at 65,536 points.
+6. Where the suite's float32 training step spends its GPU time (``torch.profiler``), the top kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import statistics
+import sys
+import time
+import warnings
+from argparse import Namespace
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import measure  # noqa: E402
+from benchmarks.baselines import channel_first, topk_knn  # noqa: E402
+
+GOALS = {"float32": 1.5, "bfloat16": 2.0, "compiled": 2.0, "partseg": 1.3}  # issue 28: reference fp32 / suite
+FPS_SIZES = [(32, 512, 256), (32, 1024, 512), (16, 2048, 1024), (8, 8192, 2048), (2, 65536, 8192)]  # (B, N, M)
+KNN_SIZES = [(32, 512, 1024, 32), (32, 256, 512, 32), (1, 16384, 16384, 16), (1, 65536, 65536, 36)]  # (B, M, N, k)
+
+
+# --------------------------------------------------------------------------------------------
+# The reference, imported from its checkout
+# --------------------------------------------------------------------------------------------
+
+def load_reference(path: Path | None) -> tuple[object | None, Callable | None, str]:
+    """(PCT_Pytorch's ``model`` module or None, pointnet2_ops' FPS or None, what was found) from a checkout."""
+    if path is None:
+        return None, None, "no --reference given"
+    path = Path(path).resolve()
+    if not (path / "model.py").is_file():
+        raise SystemExit(f"--reference {path}: no model.py there; expected a checkout of PCT_Pytorch "
+                         "(github: Strawberry-Eat-Mango/PCT_Pytorch) with pointnet2_ops_lib built in place.")
+    for p in (path / "pointnet2_ops_lib", path):
+        if str(p) not in sys.path:
+            sys.path.insert(0, str(p))
+    try:
+        fps = importlib.import_module("pointnet2_ops.pointnet2_utils").furthest_point_sample
+        model = importlib.import_module("model")
+    except Exception as error:  # pointnet2_ops not built: model.py imports util, which imports it
+        return None, None, f"PCT_Pytorch at {path} does not import ({error!r}); build pointnet2_ops_lib in place"
+    return model, fps, f"PCT_Pytorch at {path}, pointnet2_ops {getattr(sys.modules.get('pointnet2_ops'), '__version__', '?')}"
+
+
+class ReferencePCT(torch.nn.Module):
+    """PCT_Pytorch's ``Pct`` taking the suite's (B, N, 3) points: its own forward on the (B, 3, N) transpose, as its
+    ``main.py`` feeds it (``data.permute(0, 2, 1)``, inside the step, as there)."""
+
+    def __init__(self, model_module, classes: int = 40):
+        super().__init__()
+        self.net = model_module.Pct(Namespace(dropout=0.5, emb_dims=1024, k=20), output_channels=classes)
+
+    def forward(self, xyz):
+        return self.net(xyz.permute(0, 2, 1))
+
+
+# --------------------------------------------------------------------------------------------
+# Timing
+# --------------------------------------------------------------------------------------------
+
+def timed(step: Callable[[], None], device: torch.device) -> float:
+    """Seconds of one call of ``step``, queued once the device is idle (CUDA events on a GPU)."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        step()
+        return time.perf_counter() - start
+    torch.cuda.synchronize(device)
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    step()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / 1e3
+
+
+def alternate(steps: dict[str, Callable[[], None]], rounds: int, device, warmup: int = 3) -> dict[str, list[float]]:
+    """Seconds of each step over ``rounds`` rounds, one call of every step per round in turn, after ``warmup``
+    untimed rounds (the first call of a compiled step compiles: timed separately by the caller)."""
+    for _ in range(warmup):
+        for step in steps.values():
+            step()
+    times = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            times[name].append(timed(step, device))
+    return times
+
+
+def train_step(net, loss, inputs, target, autocast: bool) -> Callable[[], None]:
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    device = inputs[0].device.type
+
+    def step():
+        net.train()
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            out = net(*inputs)
+        loss(out.float(), target).backward()
+        opt.step()
+
+    return step
+
+
+def eval_step(net, inputs, autocast: bool) -> Callable[[], None]:
+    device = inputs[0].device.type
+
+    def step():
+        net.eval()
+        with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            net(*inputs)
+
+    return step
+
+
+def first_call(step: Callable[[], None], device) -> float:
+    """Seconds of a compiled step's first call: compilation and one step."""
+    return timed(step, device)
+
+
+# --------------------------------------------------------------------------------------------
+# 1-3: the networks
+# --------------------------------------------------------------------------------------------
+
+def pct_rows(model_module, batch: int, points: int, rounds: int, device, samples=(512, 256), neighbours: int = 32,
+             compile_too: bool = True) -> list[dict]:
+    """Rows {network, batch, mode, form, reference_s, suite_s, ratio, goal, ...} of ModelNet40's PCT."""
+    from tasks.modelnet import reference_smoothing
+    from tasks.nets.pct import PCT
+
+    torch.manual_seed(0)
+    suite = PCT(40, {"name": "offset"}, samples=list(samples), neighbours=neighbours).to(device)
+    reference = ReferencePCT(model_module).to(device)
+    g = torch.Generator().manual_seed(batch)
+    xyz = (torch.rand(batch, points, 3, generator=g) * 2 - 1).to(device)
+    target = torch.randint(0, 40, (batch,), generator=g).to(device)
+    smoothing = reference_smoothing(0.2, 40)
+
+    def loss(logits, y):  # PCT_Pytorch's cal_loss, as the suite computes it (tests/test_bench.py: the same)
+        return F.cross_entropy(logits, y, label_smoothing=smoothing)
+
+    rows = []
+    for mode in ("train", "eval"):
+        def make(net, bf16=False):
+            return (train_step(net, loss, (xyz,), target, bf16) if mode == "train"
+                    else eval_step(net, (xyz,), bf16))
+
+        steps = {"reference": make(reference), "suite": make(suite), "reference_bf16": make(reference, True),
+                 "suite_bf16": make(suite, True)}
+        first = {}
+        if compile_too:
+            compiled = {"reference_compiled": make(torch.compile(reference)), "suite_compiled": make(torch.compile(suite))}
+            first = {k: first_call(s, device) for k, s in compiled.items()}
+            steps.update(compiled)
+        times = {k: statistics.median(v) for k, v in alternate(steps, rounds, device).items()}
+        base = times["reference"]
+        forms = [("float32", "suite", base, "reference fp32"), ("bfloat16", "suite_bf16", base, "reference fp32")]
+        if compile_too:
+            forms.append(("compiled", "suite_compiled", base, "reference fp32"))
+        for form, key, ref, against in forms:
+            goal = GOALS[form]
+            row = {"network": "PCT", "batch": batch, "points": points, "mode": mode, "form": form,
+                   "against": against, "reference_s": ref, "suite_s": times[key], "ratio": ref / times[key],
+                   "goal": goal}
+            twin = {"bfloat16": "reference_bf16", "compiled": "reference_compiled"}.get(form)
+            if twin:  # the reference in the same form, for the like-for-like ratio
+                row["same_form_reference_s"] = times[twin]
+                row["same_form_ratio"] = times[twin] / times[key]
+            if form == "compiled":
+                row["compile_s"] = {k: first[k] - times[k] for k in first}
+            rows.append(row)
+    return rows
+
+
+def partseg_rows(batch: int, points: int, rounds: int, device) -> list[dict]:
+    """Rows of ShapeNet part's network against the channel-first formulation of the authors' network."""
+    from tasks.nets.pct import PCTPartSeg
+
+    torch.manual_seed(0)
+    suite = PCTPartSeg(50, 16, {"name": "offset"}).to(device)
+    reference = channel_first(suite)
+    g = torch.Generator().manual_seed(batch)
+    xyz = (torch.rand(batch, points, 3, generator=g) * 2 - 1).to(device)
+    category = torch.randint(0, 16, (batch,), generator=g).to(device)
+    target = torch.randint(0, 50, (batch, points), generator=g).to(device)
+    rows = []
+    for mode in ("train", "eval"):
+        steps = {name: (train_step(net, F.cross_entropy, (xyz, category), target, False) if mode == "train"
+                        else eval_step(net, (xyz, category), False))
+                 for name, net in (("reference", reference), ("suite", suite))}
+        times = {k: statistics.median(v) for k, v in alternate(steps, rounds, device).items()}
+        rows.append({"network": "PCTPartSeg", "batch": batch, "points": points, "mode": mode, "form": "float32",
+                     "against": "channel-first (authors' network)", "reference_s": times["reference"],
+                     "suite_s": times["suite"], "ratio": times["reference"] / times["suite"],
+                     "goal": GOALS["partseg"]})
+    return rows
+
+
+def host_syncs(batch: int, points: int, device, samples=(512, 256), neighbours: int = 32) -> list[str]:
+    """The synchronising CUDA calls inside one training step of the suite's PCT (after a warm-up step), as CUDA's
+    sync debug mode reports them: where each was called from."""
+    from tasks.modelnet import reference_smoothing
+    from tasks.nets.pct import PCT
+
+    net = PCT(40, {"name": "offset"}, samples=list(samples), neighbours=neighbours).to(device)
+    xyz = (torch.rand(batch, points, 3) * 2 - 1).to(device)
+    target = torch.randint(0, 40, (batch,)).to(device)
+    smoothing = reference_smoothing(0.2, 40)
+    step = train_step(net, lambda o, y: F.cross_entropy(o, y, label_smoothing=smoothing), (xyz,), target, False)
+    step()
+    torch.cuda.synchronize(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0]}" for w in caught
+            if "synchroniz" in str(w.message)]
+
+
+# --------------------------------------------------------------------------------------------
+# 4-5: FPS and kNN
+# --------------------------------------------------------------------------------------------
+
+def fps_rows(op: Callable, rounds: int, device, sizes=FPS_SIZES) -> list[dict]:
+    """The suite's FPS (Triton, ``like_kernel``) against pointnet2_ops' ``furthest_point_sample``."""
+    from attention.pointops import farthest_point_sample
+
+    rows = []
+    for b, n, m in sizes:
+        g = torch.Generator().manual_seed(n)
+        xyz = torch.rand(b, n, 3, generator=g) * 2 - 1
+        xyz[:, 1] = 1e-3  # a point near the origin: pointnet2_ops never samples it
+        xyz = xyz.to(device)
+        theirs = op(xyz, m).long()
+        ours = farthest_point_sample(xyz, m, like_kernel=True)
+        steps = {"pointnet2_ops": lambda: op(xyz, m), "suite": lambda: farthest_point_sample(xyz, m, like_kernel=True)}
+        times = {k: statistics.median(v) for k, v in alternate(steps, max(3, rounds // (4 if n > 8192 else 1)),
+                                                                device, warmup=1).items()}
+        same = (theirs == ours).all(dim=1)  # (B,)
+        rows.append({"batch": b, "points": n, "samples": m, "reference_s": times["pointnet2_ops"],
+                     "suite_s": times["suite"], "ratio": times["pointnet2_ops"] / times["suite"],
+                     "same_samples": int(same.sum()), "first_difference": _first_difference(theirs, ours)})
+    return rows
+
+
+def _first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    diff = (a != b).any(dim=0).nonzero()
+    return int(diff[0]) if len(diff) else None
+
+
+def knn_rows(rounds: int, device, sizes=KNN_SIZES) -> list[dict]:
+    """``attention.pointops.knn`` against matmul + ``topk`` (PCT_Pytorch's ``knn_point``): time and peak memory."""
+    from attention.pointops import knn
+
+    rows = []
+    for b, m, n, k in sizes:
+        g = torch.Generator().manual_seed(m + n)
+        points = (torch.rand(b, n, 3, generator=g) * 2 - 1).to(device)
+        query = points[:, :m].contiguous()
+        steps = {"reference": lambda: topk_knn(query, points, k), "suite": lambda: knn(query, points, k)}
+        times = {k_: statistics.median(v) for k_, v in alternate(steps, rounds, device, warmup=1).items()}
+        peak = {k_: measure.peak_bytes(s, device) for k_, s in steps.items()}
+        rows.append({"batch": b, "queries": m, "points": n, "k": k, "reference_s": times["reference"],
+                     "suite_s": times["suite"], "ratio": times["reference"] / times["suite"],
+                     "reference_peak_bytes": peak["reference"], "suite_peak_bytes": peak["suite"]})
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# 6: profile
+# --------------------------------------------------------------------------------------------
+
+def profile_table(batch: int, points: int, device, samples=(512, 256), neighbours: int = 32, rows: int = 15) -> str:
+    """torch.profiler's table of one float32 training step of the suite's PCT, by GPU time (CPU: CPU time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tasks.nets.pct import PCT
+
+    net = PCT(40, {"name": "offset"}, samples=list(samples), neighbours=neighbours).to(device)
+    xyz = (torch.rand(batch, points, 3) * 2 - 1).to(device)
+    target = torch.randint(0, 40, (batch,)).to(device)
+    step = train_step(net, F.cross_entropy, (xyz,), target, False)
+    for _ in range(3):
+        step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    measure.sync(device)
+    with profile(activities=activities) as prof:
+        step()
+        measure.sync(device)
+    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
+
+
+# --------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------
+
+def markdown(out: dict) -> str:
+    lines = [
+        "# PCT on a GPU against PCT_Pytorch with pointnet2_ops (issue 28)", "",
+        f"Generated by `python -m benchmarks.pct_cuda {' '.join(out['argv'])}`".rstrip() + f" on {out['date']}; do not "
+        "edit by hand (`benchmarks/pct_cuda.py` says what each section measures).", "",
+        f"- device: {out['device']}",
+        f"- libraries: {out['libraries']}",
+        f"- reference: {out['reference']}",
+        f"- method: each pair alternates step by step, {out['rounds']} timed rounds after 3 untimed, "
+        + ("CUDA events around each step queued on an idle GPU" if out["cuda"] else "wall time (a CPU trial run)")
+        + "; ratio = reference median / suite median (> 1: the suite is faster)",
+        "",
+    ]
+    if out["pct"]:
+        lines += ["## Networks", "",
+                  "| network | batch x points | step | suite form | against | reference ms | suite ms | ratio | goal | "
+                  "result | same form: reference ms, ratio | compile s (reference / suite) |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in out["pct"]:
+            same = (f"{1e3 * r['same_form_reference_s']:.1f}, {r['same_form_ratio']:.2f}x"
+                    if "same_form_ratio" in r else "")
+            comp = r.get("compile_s", {})
+            comp = f"{comp['reference_compiled']:.0f} / {comp['suite_compiled']:.0f}" if comp else ""
+            lines.append(f"| {r['network']} | {r['batch']} x {r['points']} | {r['mode']} | {r['form']} | {r['against']} "
+                         f"| {1e3 * r['reference_s']:.2f} | {1e3 * r['suite_s']:.2f} | **{r['ratio']:.2f}x** | "
+                         f">= {r['goal']}x | **{'pass' if r['ratio'] >= r['goal'] else 'miss'}** | {same} | {comp} |")
+        lines.append("")
+    else:
+        lines += [f"## Networks\n\nNot measured: {out['why_no_reference']}.", ""]
+    lines += ["## Host synchronisations in a training step", ""]
+    if out["syncs"] is None:
+        lines += ["Not measured: only a CUDA device reports them (`torch.cuda.set_sync_debug_mode`).", ""]
+    else:
+        lines += [f"{len(out['syncs'])} in one float32 training step of the suite's PCT (goal: none)."
+                  + "".join(f"\n- `{s}`" for s in out["syncs"]), ""]
+    lines += ["## FPS: the suite's Triton kernel (`like_kernel`) against pointnet2_ops", ""]
+    if out["fps"]:
+        lines += ["| B | N | M | pointnet2_ops ms | suite ms | ratio | samples with the op's indices | first differing "
+                  "pick |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['batch']} | {r['points']} | {r['samples']} | {1e3 * r['reference_s']:.3f} | "
+                  f"{1e3 * r['suite_s']:.3f} | **{r['ratio']:.2f}x** | {r['same_samples']} of {r['batch']} | "
+                  f"{'' if r['first_difference'] is None else r['first_difference']} |" for r in out["fps"]]
+    else:
+        lines.append(f"Not measured: {out['why_no_reference']}.")
+    lines += ["", "## kNN: `attention.pointops.knn` against matmul + `topk`", "",
+              "| B | queries | points | k | matmul + topk ms | suite ms | ratio | peak MiB (matmul + topk / suite) |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['batch']} | {r['queries']} | {r['points']} | {r['k']} | {1e3 * r['reference_s']:.3f} | "
+              f"{1e3 * r['suite_s']:.3f} | **{r['ratio']:.2f}x** | {r['reference_peak_bytes'] / 2 ** 20:.0f} / "
+              f"{r['suite_peak_bytes'] / 2 ** 20:.0f} |" for r in out["knn"]]
+    lines += ["", "## Where the suite's float32 training step spends its time", "", "```", out["profile"].rstrip(),
+              "```", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reference", type=Path, help="PCT_Pytorch checkout with pointnet2_ops built in place")
+    parser.add_argument("--batch", type=int, nargs="+", default=[16, 32])
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--no-compile", action="store_true", help="leave out the compiled networks (minutes)")
+    parser.add_argument("--device", default="cuda", help="cuda (default); cpu only to try the script out")
+    parser.add_argument("--quick", action="store_true",
+                        help="batch 2, 2 rounds, small FPS/kNN sizes; prints the table unless --out is given")
+    parser.add_argument("--points", type=int, default=1024,
+                        help="points a cloud (centres: a half and a quarter of them); PCT_Pytorch's code fixes 1024")
+    parser.add_argument("--out", type=Path, help="default: benchmarks/pct-cuda.md (and .json)")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("benchmarks.pct_cuda measures on a GPU, and torch.cuda.is_available() is False here; "
+                         "--device cpu only tries the script out.")
+    points, neighbours = args.points, 32
+    samples = (points // 2, points // 4)  # PCT_Pytorch's 512 and 256 of 1,024, fixed in its code
+    fps_sizes, knn_sizes = FPS_SIZES, KNN_SIZES
+    if args.quick:
+        args.batch, args.rounds = [2], 2
+        fps_sizes, knn_sizes = [(2, 512, 64)], [(2, 64, 256, 16)]
+    model_module, fps_op, found = load_reference(args.reference)
+    out = {"argv": sys.argv[1:] if argv is None else list(argv), "date": time.strftime("%Y-%m-%d %H:%M"),
+           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else measure.cpu_name(),
+           "libraries": measure.environment_line(), "reference": found, "rounds": args.rounds,
+           "why_no_reference": found, "cuda": device.type == "cuda", "pct": [], "fps": [], "knn": [], "syncs": None}
+    if model_module is not None:
+        for batch in args.batch:
+            for row in pct_rows(model_module, batch, points, args.rounds, device, samples, neighbours,
+                                not args.no_compile):
+                out["pct"].append(row)
+                print(f"PCT batch {batch} {row['mode']:5s} {row['form']:8s} reference {1e3 * row['reference_s']:.2f} "
+                      f"ms, suite {1e3 * row['suite_s']:.2f} ms: {row['ratio']:.2f}x", flush=True)
+        out["pct"] += partseg_rows(2 if args.quick else 16, 2 * points, args.rounds, device)
+        if device.type == "cuda":
+            out["fps"] = fps_rows(fps_op, args.rounds, device, fps_sizes)
+    if device.type == "cuda":
+        out["syncs"] = host_syncs(max(args.batch), points, device, samples, neighbours)
+    out["knn"] = knn_rows(args.rounds, device, knn_sizes)
+    out["profile"] = profile_table(max(args.batch), points, device, samples, neighbours)
+    text = markdown(out)
+    if args.out is None and args.quick:
+        print(text)
+    else:
+        args.out = args.out or ROOT / "benchmarks" / "pct-cuda.md"
+        args.out.write_text(text)
+        args.out.with_suffix(".json").write_text(json.dumps({k: v for k, v in out.items() if k != "profile"},
+                                                            indent=2, default=str) + "\n")
+        print(f"written to {args.out}", flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        main()
