@@ -653,9 +653,17 @@ def markdown(rows, exps, roof, tgts, dil, limits, info, s, tasks, plot_paths, co
                   "One short epoch of generated data (the task's demo recipe), data loading included; the first "
                   "batches are warm-up. Attention share: time inside the attention modules' forward and backward "
                   "(module hooks) over the measured steps' time.", ""]
-        lines += _table(["task", "attn", "recipe", "batches", "samples/s", "step ms", "attention share", "status"],
-                        [[t["task"], t["attn"], t["recipe"], t["batches"], f"{t['samples_per_s']:.1f}",
-                          f"{t['step_ms']:.1f}", f"{100 * t['attention_share']:.0f}%", t["status"]] for t in tasks])
+        if s.get("task_deterministic"):
+            lines += ["Each task twice: `trainer.deterministic` off, then on (`bench.task_deterministic=true`); the "
+                      "last column is the deterministic run's samples/s over the other's.", ""]
+        speed = {(t["task"], t["attn"], t.get("deterministic")): t["samples_per_s"] for t in tasks}
+        lines += _table(["task", "attn", "recipe", "deterministic", "batches", "samples/s", "step ms",
+                         "attention share", "status", "deterministic / not"],
+                        [[t["task"], t["attn"], t["recipe"], "yes" if t.get("deterministic") else "no", t["batches"],
+                          f"{t['samples_per_s']:.1f}", f"{t['step_ms']:.1f}", f"{100 * t['attention_share']:.0f}%",
+                          t["status"], f"{t['samples_per_s'] / speed[(t['task'], t['attn'], False)]:.2f}x"
+                          if t.get("deterministic") and (t["task"], t["attn"], False) in speed else ""]
+                         for t in tasks])
     if pct:
         lines += ["", "## PCT against its channel-first formulation", "",
                   "The task's network (`attn=offset`, `bench.task_pct_overrides`) and the channel-first formulation it "

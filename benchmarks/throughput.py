@@ -13,6 +13,10 @@ the same weights; ``benchmarks/pct.py`` has the method): the task built from the
 ``attn=offset`` and ``bench.task_pct_overrides``, one training batch of its data, training steps (forward, the
 task's loss, backward, SGD with momentum 0.9) of the two networks alternating, ``bench.task_pct_rounds`` rounds.
 ``bench.task_compile=true`` measures both under ``torch.compile`` too (steady step and compile time; minutes).
+
+``bench.task_deterministic=true`` measures each task twice, with ``trainer.deterministic`` off and on (deterministic
+kernels, and ``tasks/deterministic.py``'s replacements on a GPU): what the repeatable runs of docs/scale.md cost.
+The bench then sets ``CUBLAS_WORKSPACE_CONFIG`` (as ``suite/determinism.py`` does) before it starts, for both.
 """
 
 from __future__ import annotations
@@ -81,7 +85,7 @@ def _timer_callback(clock: AttentionClock, device):
     return StepTimer()
 
 
-def measure_task(task: str, attn: str, overrides: list[str], s: dict, device) -> dict:
+def measure_task(task: str, attn: str, overrides: list[str], s: dict, device, deterministic: bool = False) -> dict:
     import lightning as L
     from hydra import compose
 
@@ -98,7 +102,7 @@ def measure_task(task: str, attn: str, overrides: list[str], s: dict, device) ->
     trainer = L.Trainer(accelerator="gpu" if device.type == "cuda" else "cpu", devices=1, max_epochs=1,
                         limit_train_batches=s["task_batches"] + s["task_warmup"], limit_val_batches=0,
                         num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[timer], precision="32-true")
+                        enable_model_summary=False, callbacks=[timer], precision="32-true", deterministic=deterministic)
     trainer.fit(module, datamodule=datamodule)
     clock.remove()
     steps = timer.steps[s["task_warmup"]:]
@@ -108,7 +112,7 @@ def measure_task(task: str, attn: str, overrides: list[str], s: dict, device) ->
     first = timer.steps[s["task_warmup"] - 1][1] if s["task_warmup"] else steps[0][0]
     busy = sum(end - start for start, end, _, _ in steps)
     recipe = " ".join(o for o in overrides if o.startswith("experiment="))
-    return {"task": task, "attn": attn, "recipe": recipe, "batches": len(steps),
+    return {"task": task, "attn": attn, "recipe": recipe, "deterministic": deterministic, "batches": len(steps),
             "samples_per_s": sum(n for _, _, n, _ in steps) / (steps[-1][1] - first),
             "step_ms": 1e3 * statistics.median(end - start for start, end, _, _ in steps),
             "attention_share": sum(a for _, _, _, a in steps) / busy, "mixers": len(clock.mixers)}
@@ -121,24 +125,30 @@ def task_throughput(s: dict, device) -> list[dict]:
     for q in quiet:
         q.setLevel(logging.WARNING)
     try:
-        for task in s["task_names"]:
-            for attn in s["task_attn"]:
-                started = time.perf_counter()
-                try:
-                    row = {**measure_task(task, attn, list(s["task_overrides"].get(task) or []), s, device),
-                           "status": "ok"}
-                except Exception as err:  # noqa: BLE001 - one task failing must not lose the benchmark
-                    log.exception("bench: task=%s attn=%s failed", task, attn)
-                    row = {"task": task, "attn": attn, "recipe": "", "batches": 0, "samples_per_s": float("nan"),
-                           "step_ms": float("nan"), "attention_share": float("nan"), "mixers": 0,
-                           "status": f"failed: {type(err).__name__}: {str(err).splitlines()[0][:100]}"}
-                rows.append(row)
-                log.info("task %-12s attn %-10s %8.1f samples/s, step %.1f ms, attention %.0f%% (%.0f s)", task, attn,
-                         row["samples_per_s"], row["step_ms"], 100 * row["attention_share"],
-                         time.perf_counter() - started)
+        runs = [(task, attn, det) for task in s["task_names"] for attn in s["task_attn"]
+                for det in ((False, True) if s.get("task_deterministic") else (False,))]
+        if s.get("task_deterministic"):
+            from suite.determinism import configure
+
+            configure({"deterministic": True})  # CUBLAS_WORKSPACE_CONFIG, for both of each pair
+        for task, attn, det in runs:
+            started = time.perf_counter()
+            try:
+                row = {**measure_task(task, attn, list(s["task_overrides"].get(task) or []), s, device, det),
+                       "status": "ok"}
+            except Exception as err:  # noqa: BLE001 - one task failing must not lose the benchmark
+                log.exception("bench: task=%s attn=%s failed", task, attn)
+                row = {"task": task, "attn": attn, "recipe": "", "deterministic": det, "batches": 0,
+                       "samples_per_s": float("nan"), "step_ms": float("nan"), "attention_share": float("nan"),
+                       "mixers": 0, "status": f"failed: {type(err).__name__}: {str(err).splitlines()[0][:100]}"}
+            rows.append(row)
+            log.info("task %-12s attn %-10s%s %8.1f samples/s, step %.1f ms, attention %.0f%% (%.0f s)", task, attn,
+                     " deterministic" if det else "", row["samples_per_s"], row["step_ms"],
+                     100 * row["attention_share"], time.perf_counter() - started)
     finally:
         for q, level in zip(quiet, levels):
             q.setLevel(level)
+        torch.use_deterministic_algorithms(False)  # Lightning's deterministic Trainer leaves it on
     return rows
 
 

@@ -154,6 +154,43 @@ def test_a_failed_pct_comparison_is_a_row_not_a_lost_benchmark(monkeypatch):
     assert math.isnan(row["speedup"]) and math.isnan(row["suite_samples_per_s"])
 
 
+def test_task_throughput_measures_deterministic_mode_beside_the_default(monkeypatch, one_thread):
+    """bench.task_deterministic: each task twice, the second with trainer.deterministic on (Lightning turns torch's
+    deterministic algorithms on during its steps), and torch left as it was found."""
+    from hydra import initialize_config_dir
+
+    from benchmarks import throughput
+
+    seen = []
+    make_timer = throughput._timer_callback
+
+    def timer(clock, device):
+        t = make_timer(clock, device)
+        start = t.on_train_batch_start
+
+        def on_start(*args):
+            seen.append(torch.are_deterministic_algorithms_enabled())
+            start(*args)
+
+        t.on_train_batch_start = on_start
+        return t
+
+    monkeypatch.setattr(throughput, "_timer_callback", timer)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    s = {"task_names": ["modelnet"], "task_attn": ["external"], "task_deterministic": True, "task_warmup": 1,
+         "task_batches": 2, "task_overrides": {"modelnet": ["experiment=demo", "data.train_per_class=1",
+                                                            "data.val_per_class=1", "data.test_per_class=1",
+                                                            "data.npoints=64", "data.batch_size=2"]}}
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        rows = throughput.task_throughput(s, torch.device("cpu"))
+    assert [(r["task"], r["deterministic"], r["status"]) for r in rows] == [("modelnet", False, "ok"),
+                                                                           ("modelnet", True, "ok")]
+    assert all(r["samples_per_s"] > 0 for r in rows)
+    half = len(seen) // 2
+    assert seen and seen[:half] == [False] * half and seen[half:] == [True] * (len(seen) - half)
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
 def test_pct_comparison_times_both_networks_alternately(one_thread):
     """benchmarks.pct.compare: one row per mode, ratios of the alternating steps' times, finite and positive."""
     from benchmarks import pct
