@@ -9,6 +9,7 @@ runs as one Triton kernel (attention/fps_triton.py) instead of m steps of torch 
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
@@ -287,7 +288,15 @@ def kernel_order(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     t, t + T, ... keeping the first maximum, then a tree reduction halves the threads, the lower half
     winning ties (``__update``), so the last halving (stride 1) decides on bit 0 of t, the one before on
     bit 1, and so on: among tied threads, the one whose bits read backwards are smallest wins.
+
+    Made once per (N, device) and shared: callers only read it. (Made at every call, it was built on the CPU
+    and copied to the GPU in every like_kernel forward, a copy from pageable memory that waits for the GPU.)
     """
+    return _kernel_order(n, torch.device(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _kernel_order(n: int, device: torch.device) -> torch.Tensor:
     threads = max(min(1 << int(math.log(n) / math.log(2.0)), 512), 1)  # the kernel's double arithmetic
     bits = threads.bit_length() - 1
     k = torch.arange(n)

@@ -366,3 +366,11 @@ def test_like_kernel_equals_pointnet2_ops():
         assert torch.equal(farthest_point_sample(xyz.cuda(), m, like_kernel=True).cpu(), want), name
         if xyz.shape[1] <= 8192:
             assert torch.equal(farthest_point_sample(xyz, m, like_kernel=True, backend="torch"), want), name
+
+
+def test_kernel_order_is_made_once_per_size_and_device():
+    # like_kernel reads it in every forward; made afresh, it was a CPU tensor copied to the GPU each time
+    first = pointops.kernel_order(1000, "cpu")
+    assert pointops.kernel_order(1000, torch.device("cpu")) is first
+    assert pointops.kernel_order(1024, "cpu") is not first and len(pointops.kernel_order(1024, "cpu")) == 1024
+    assert sorted(first.tolist()) == list(range(1000)) and first[0] == 0
