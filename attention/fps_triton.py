@@ -37,6 +37,16 @@ import triton.language as tl
 MAX_ONE_BLOCK = 8192
 # Above, each step sweeps the points in chunks of this many, its distances kept in a (B, N) scratch tensor.
 CHUNK = 4096
+# Warps a program runs with; None: ``warps_for``'s rule. Every step ends in an argmax over the program's lanes, a
+# chain of dependent steps (argmax, load the new centre, distances, argmax), so fewer warps reduce with fewer
+# shared-memory round trips and barriers, more warps hold fewer points a thread. Not tuned on a GPU yet:
+# benchmarks/pct_cuda.py times the kernel with 1 to 16 warps beside pointnet2_ops to choose.
+WARPS: int | None = None
+
+
+def warps_for(block: int) -> int:
+    """Warps for a program sweeping ``block`` lanes: 8 points a thread (16 at 8192), 4 to 16 warps, unless ``WARPS``."""
+    return WARPS or min(16, max(4, block // 256))
 
 
 @triton.jit
@@ -134,7 +144,7 @@ def farthest_point_sample(xyz: torch.Tensor, m: int, start: torch.Tensor, dist: 
     start = start.to(device=xyz.device, dtype=torch.long).contiguous()  # (B,)
     out = torch.empty(b, m, dtype=torch.long, device=xyz.device)
     block = triton.next_power_of_2(n) if one_block else CHUNK
-    warps = min(16, max(4, block // 256))  # 8 points a thread (16 at 8192), 4 to 16 warps
+    warps = warps_for(block)
     # Triton launches on the current CUDA device: make it the points' one
     with torch.cuda.device(xyz.device) if xyz.is_cuda else contextlib.nullcontext():
         _fps_kernel[(b,)](planes, dist, start, out, n, m, BLOCK=block, ONE_BLOCK=one_block, FUSED=fused,

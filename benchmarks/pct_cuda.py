@@ -261,9 +261,21 @@ def host_syncs(batch: int, points: int, device, samples=(512, 256), neighbours: 
 # 4-5: FPS and kNN
 # --------------------------------------------------------------------------------------------
 
+FPS_WARPS = (1, 2, 4, 8, 16)  # the kernel's warps a program, timed beside its default (attention.fps_triton.WARPS)
+
+
 def fps_rows(op: Callable, rounds: int, device, sizes=FPS_SIZES) -> list[dict]:
-    """The suite's FPS (Triton, ``like_kernel``) against pointnet2_ops' ``furthest_point_sample``."""
+    """The suite's FPS (Triton, ``like_kernel``) against pointnet2_ops' ``furthest_point_sample``; and the kernel
+    with each of ``FPS_WARPS`` warps a program, to choose its default from."""
+    from attention import fps_triton
     from attention.pointops import farthest_point_sample
+
+    def suite(xyz, m, warps=None):
+        fps_triton.WARPS = warps
+        try:
+            return farthest_point_sample(xyz, m, like_kernel=True)
+        finally:
+            fps_triton.WARPS = None
 
     rows = []
     for b, n, m in sizes:
@@ -272,14 +284,17 @@ def fps_rows(op: Callable, rounds: int, device, sizes=FPS_SIZES) -> list[dict]:
         xyz[:, 1] = 1e-3  # a point near the origin: pointnet2_ops never samples it
         xyz = xyz.to(device)
         theirs = op(xyz, m).long()
-        ours = farthest_point_sample(xyz, m, like_kernel=True)
-        steps = {"pointnet2_ops": lambda: op(xyz, m), "suite": lambda: farthest_point_sample(xyz, m, like_kernel=True)}
+        ours = suite(xyz, m)
+        steps = {"pointnet2_ops": lambda: op(xyz, m), "suite": lambda: suite(xyz, m),
+                 **{f"warps_{w}": (lambda w=w: suite(xyz, m, w)) for w in FPS_WARPS}}
         times = {k: statistics.median(v) for k, v in alternate(steps, max(3, rounds // (4 if n > 8192 else 1)),
                                                                 device, warmup=1).items()}
         same = (theirs == ours).all(dim=1)  # (B,)
         rows.append({"batch": b, "points": n, "samples": m, "reference_s": times["pointnet2_ops"],
                      "suite_s": times["suite"], "ratio": times["pointnet2_ops"] / times["suite"],
-                     "same_samples": int(same.sum()), "first_difference": _first_difference(theirs, ours)})
+                     "same_samples": int(same.sum()), "first_difference": _first_difference(theirs, ours),
+                     "warps_s": {w: times[f"warps_{w}"] for w in FPS_WARPS},
+                     "same_with_warps": all(torch.equal(suite(xyz, m, w), ours) for w in FPS_WARPS)})
     return rows
 
 
@@ -373,10 +388,13 @@ def markdown(out: dict) -> str:
     lines += ["## FPS: the suite's Triton kernel (`like_kernel`) against pointnet2_ops", ""]
     if out["fps"]:
         lines += ["| B | N | M | pointnet2_ops ms | suite ms | ratio | samples with the op's indices | first differing "
-                  "pick |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "pick | " + " | ".join(f"{w} warps ms" for w in FPS_WARPS) + " | same indices at every warp count |",
+                  "| --- " * (9 + len(FPS_WARPS)) + "|"]
         lines += [f"| {r['batch']} | {r['points']} | {r['samples']} | {1e3 * r['reference_s']:.3f} | "
                   f"{1e3 * r['suite_s']:.3f} | **{r['ratio']:.2f}x** | {r['same_samples']} of {r['batch']} | "
-                  f"{'' if r['first_difference'] is None else r['first_difference']} |" for r in out["fps"]]
+                  f"{'' if r['first_difference'] is None else r['first_difference']} | "
+                  + " | ".join(f"{1e3 * r['warps_s'][w]:.3f}" for w in FPS_WARPS)
+                  + f" | {'yes' if r['same_with_warps'] else '**no**'} |" for r in out["fps"]]
     else:
         lines.append(f"Not measured: {out['why_no_reference']}.")
     lines += ["", "## kNN: `attention.pointops.knn` against matmul + `topk`", "",

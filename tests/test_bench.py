@@ -264,6 +264,27 @@ def test_pct_cuda_benchmark_runs_against_a_reference_checkout(tmp_path):
     assert "Not measured: only a CUDA device" in text and "aten::" in text  # no sync count on a CPU; the profile
 
 
+def test_pct_cuda_fps_rows_compare_indices_and_warp_counts(one_thread):
+    """The FPS section (a GPU's, run here on the CPU's torch loop): the op's indices compared sample by sample, the
+    first differing pick found, every warp count timed, and the table carries them."""
+    from attention.pointops import farthest_point_sample
+    from benchmarks import pct_cuda
+
+    def op(xyz, m):  # pointnet2_ops' signature; differs from like_kernel in sample 1 from pick 3 on
+        idx = farthest_point_sample(xyz, m, like_kernel=True).int()
+        idx[1, 3:] = 0
+        return idx
+
+    (row,) = pct_cuda.fps_rows(op, 1, torch.device("cpu"), [(2, 64, 8)])
+    assert row["same_samples"] == 1 and row["first_difference"] == 3 and row["same_with_warps"]
+    assert set(row["warps_s"]) == set(pct_cuda.FPS_WARPS) and min(row["warps_s"].values()) > 0
+    out = {"argv": [], "date": "now", "device": "cpu", "libraries": "", "reference": "stub", "rounds": 1,
+           "cuda": False, "why_no_reference": "", "pct": [], "fps": [row], "knn": [], "syncs": None, "profile": ""}
+    table = pct_cuda.markdown(out).split("## FPS")[1].split("\n## ")[0]
+    lines = [line for line in table.splitlines() if line.startswith("| 2 | 64 | 8 |")]
+    assert len(lines) == 1 and "| 1 of 2 | 3 |" in lines[0] and lines[0].endswith("| yes |")
+
+
 def test_pct_cuda_benchmark_refuses_a_folder_that_is_no_checkout(tmp_path):
     from benchmarks import pct_cuda
 
