@@ -544,7 +544,9 @@ def test_knn_grid_search_is_the_brute_force(monkeypatch, kind, dtype):
 # --- kNN's Triton kernel (attention/knn_triton.py) ------------------------------------------------------------------
 # Under Triton's interpreter (TRITON_INTERPRET=1 takes effect when the kernel is defined, at import, so in a
 # subprocess) the kernel runs on CPU tensors, each float32 operation rounded as the GPU rounds it with
-# enable_fp_fusion=False; it must return knn's torch search, index for index.
+# enable_fp_fusion=False; it must return knn's torch search, index for index, on either path. The interpreter
+# takes about half a second a merged tile (two sorts), a few ms a skipped one: the cases are small, and all run in
+# one subprocess (the fixture below), which also hands back the kernel's per-program work counts.
 KNN_INTERPRET = """
 import sys
 import torch
@@ -554,12 +556,31 @@ from attention import knn_triton, pointops
 
 assert triton.knobs.runtime.interpret and isinstance(knn_triton._knn_kernel, interpreter.InterpretedFunction)
 torch.set_num_threads(1)
-cases = torch.load(sys.argv[1])
-torch.save({name: (knn_triton.knn(q, p, k), pointops.knn(q, p, k)) for name, (q, p, k) in cases.items()}, sys.argv[2])
+default = knn_triton.SORTED_FROM
+out = {}
+for name, (q, p, k, sorted_path) in torch.load(sys.argv[1]).items():
+    knn_triton.SORTED_FROM = 1 if sorted_path else default  # the threshold knn_triton.knn goes by
+    got, work = knn_triton.knn(q, p, k, stats=True)
+    out[name] = (got, pointops.knn(q, p, k), work)
+torch.save(out, sys.argv[2])
 """
 
 
-def test_knn_triton_kernel_is_the_torch_search_index_for_index(tmp_path):
+def morton_neighbours(points: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """The indices (count,) of points (N, 3) at places first .. first + count - 1 of their Morton order: queries
+    like those one program takes when the queries are the points (M = N)."""
+    from attention.knn_triton import morton_codes
+
+    lo = points.amin(0)
+    side = (points.amax(0) - lo).max()
+    return morton_codes(points[None], lo, 1024 / side)[0].argsort()[first:first + count]
+
+
+@pytest.fixture(scope="module")
+def knn_interpreted(tmp_path_factory) -> tuple[dict, dict]:
+    """The cases {name: (query, points, k, sorted path?)} and what one interpreter subprocess made of them,
+    {name: (kernel's indices, knn's torch search, kernel's work (B, programs, 3))}. A case's flag forces the
+    spatially sorted path (SORTED_FROM = 1); without it, N < SORTED_FROM takes the simple one."""
     g = torch.Generator().manual_seed(9)
     grid = torch.cartesian_prod(*[torch.arange(4)] * 3).float()  # integer points: ties everywhere
     tied = grid[torch.randperm(64, generator=g)][None].clone()  # (1, 64, 3)
@@ -567,21 +588,104 @@ def test_knn_triton_kernel_is_the_torch_search_index_for_index(tmp_path):
     tied_queries = torch.randint(-1, 5, (1, 17, 3), generator=g).float()  # 17: two programs, one partial
     centre = torch.rand(1, 3, 3, generator=g)
     shell = (centre[:, :, None] + 0.3 * torch.nn.functional.normalize(torch.randn(1, 3, 13, 3, generator=g), dim=-1))
-    cases = {  # the interpreter takes about half a second a tile of a program: small cases
-        "ties, k=7 (one tile of 16 at a time)": (tied_queries, tied[:, :32], 7),
-        "ties, k=19 (tiles of 32)": (tied_queries[:, :9], tied, 19),
-        "near ties on shells, N=39 (a partial tile), half": (centre.half(), shell.reshape(1, 39, 3).half(), 17),
-        "k = N": (tied_queries[:, :3], tied[:, :20], 20),
+    grid5 = torch.cartesian_prod(*[torch.arange(5)] * 3).float()[torch.randperm(125, generator=g)][None]  # (1, 125, 3)
+    base = torch.rand(1, 40, 3, generator=g)
+    copies = torch.cat([base] * 3, 1)[:, torch.randperm(120, generator=g)]  # (1, 120, 3): each point three times
+    mixed = torch.stack([cloud("clusters", 64, g), cloud("line", 64, g)])  # (2, 64, 3)
+    uniform = torch.rand(1, 2048, 3, generator=g)
+    near = torch.cat([morton_neighbours(uniform[0], 800, 16), morton_neighbours(uniform[0], 1400, 16)])  # (32,)
+    cases = {
+        # the simple path (tiles in index order), as before
+        "ties, k=7 (one tile of 16 at a time)": (tied_queries, tied[:, :32], 7, False),
+        "ties, k=19 (tiles of 32)": (tied_queries[:, :9], tied, 19, False),
+        "near ties on shells, N=39 (a partial tile), half": (centre.half(), shell.reshape(1, 39, 3).half(), 17, False),
+        "k = N": (tied_queries[:, :3], tied[:, :20], 20, False),
+        # the spatially sorted path
+        "sorted: ties, k=19 (tiles of 32)": (tied_queries[:, :9], tied, 19, True),
+        "sorted: random, B=2, M != N, N=150 (a partial tile)":
+            (torch.rand(2, 24, 3, generator=g), torch.rand(2, 150, 3, generator=g), 6, True),
+        "sorted: a 5^3 grid (exact ties), queries on and off it":
+            (torch.randint(-1, 6, (1, 20, 3), generator=g).float(), grid5, 7, True),
+        "sorted: every point three times, queries on them": (copies[:, :16], copies, 9, True),
+        "sorted: clusters far from the origin and a line, B=2, queries are the points, k=1": (mixed, mixed, 1, True),
+        "sorted: k = N": (torch.rand(1, 5, 3, generator=g), torch.rand(1, 18, 3, generator=g), 18, True),
+        "sorted: 2048 uniform points, two programs of Morton neighbours, k=4": (uniform[:, near], uniform, 4, True),
     }
-    torch.save(cases, tmp_path / "cases.pt")
+    path = tmp_path_factory.mktemp("knn_interpreted")
+    torch.save(cases, path / "cases.pt")
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", KNN_INTERPRET, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")],
+    done = subprocess.run([sys.executable, "-c", KNN_INTERPRET, str(path / "cases.pt"), str(path / "out.pt")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    for name, (kernel, search) in torch.load(tmp_path / "out.pt").items():
+    return cases, torch.load(path / "out.pt")
+
+
+def test_knn_triton_kernel_is_the_torch_search_index_for_index(knn_interpreted):
+    cases, results = knn_interpreted
+    assert set(results) == set(cases)
+    for name, (kernel, search, _) in results.items():
         assert kernel.shape == search.shape and torch.equal(kernel, search), name
-    assert torch.load(tmp_path / "out.pt")["ties, k=7 (one tile of 16 at a time)"][1][0].tolist() == \
-        knn_reference(tied_queries, tied[:, :32], 7)[0]
+    for name in ["ties, k=7 (one tile of 16 at a time)", "sorted: a 5^3 grid (exact ties), queries on and off it",
+                 "sorted: every point three times, queries on them"]:  # and the float64 loops' order, ties included
+        query, points, k, _ = cases[name]
+        assert results[name][1].tolist() == knn_reference(query, points, k), name
+
+
+def merges_in_index_order(query: torch.Tensor, points: torch.Tensor, k: int, kp: int) -> list[int]:
+    """A model of the simple path's merges, per program of 16 queries of query (M, 3): the tiles of kp points,
+    in index order, holding a key below some query's k-th best key over the tiles before (none before k keys)."""
+    d = square_distance(query[None], points[None])[0]  # (M, N)
+    key = (d.view(torch.int32).long() << 32) | torch.arange(len(points))  # (M, N) the kernel's keys
+    merges = []
+    for rows in key.split(16):  # (16, N): a program's
+        kth = torch.full((len(rows),), 2 ** 63 - 1)
+        count = 0
+        for start in range(0, len(points), kp):
+            count += bool((rows[:, start:start + kp].amin(1) < kth).any())
+            if start + kp >= k:
+                kth = rows[:, :start + kp].kthvalue(k, dim=1).values
+        merges.append(count)
+    return merges
+
+
+def test_knn_triton_sorted_path_skips_the_far_tiles(knn_interpreted):
+    # The kernel's own counts, per program: tiles visited, tiles whose distances it computed (the others were
+    # ruled out by their bounding boxes), tiles it merged (a key below some query's k-th best).
+    cases, results = knn_interpreted
+    name = "sorted: 2048 uniform points, two programs of Morton neighbours, k=4"
+    work = results[name][2][0]  # (2 programs, 3)
+    assert work[:, 0].tolist() == [128, 128]  # every tile of 16 considered once ...
+    assert (work[:, 1] <= 32).all() and (work[:, 2] <= 16).all(), work  # ... a quarter computed, an eighth merged
+    # the same queries in index order: the model of the simple path, checked against the kernel below
+    query, points, k, _ = cases[name]
+    assert min(merges_in_index_order(query[0], points[0], k, 16)) >= 2 * work[:, 2].max()
+    for name in ["ties, k=7 (one tile of 16 at a time)", "ties, k=19 (tiles of 32)", "k = N"]:
+        query, points, k, _ = cases[name]
+        work = results[name][2][0]  # (programs, 3)
+        assert (work[:, 0] == work[:, 1]).all()  # no boxes on the simple path: every tile computed
+        kp = max(16, 1 << (k - 1).bit_length())
+        assert work[:, 2].tolist() == merges_in_index_order(query[0], points[0], k, kp), name
+
+
+def test_knn_triton_visit_order_takes_every_tile_once_nearest_first():
+    from attention.knn_triton import visit_order
+
+    assert visit_order(3, 9) == [3, 4, 2, 5, 1, 6, 0, 7, 8]
+    assert visit_order(7, 9) == [7, 8, 6, 5, 4, 3, 2, 1, 0]
+    for tiles in range(1, 12):
+        for start in range(tiles):
+            order = visit_order(start, tiles)
+            assert sorted(order) == list(range(tiles))
+            assert [abs(t - start) for t in order] == sorted(abs(t - start) for t in order)  # widening
+
+
+def test_knn_triton_morton_codes_interleave_the_cells_bits():
+    from attention.knn_triton import morton_codes
+
+    cells = torch.tensor([[[1023, 0, 0], [0, 1023, 0], [5, 3, 1], [2000, -5, float("nan")]]])  # (1, 4, 3)
+    codes = morton_codes(cells, torch.zeros(1, 1, 3), torch.ones(1, 1, 1))[0].tolist()
+    x_bits = sum(1 << (3 * i) for i in range(10))
+    assert codes == [x_bits, x_bits << 1, 0b1010111, x_bits]  # 5, 3, 1 -> bits z1 y1 x1 | z0 y1 x0 | x1; clamped
 
 
 KNN_COMPILE = """
@@ -592,23 +696,27 @@ from triton.compiler import ASTSource
 from attention import knn_triton
 
 signature = {"q_ptr": "*fp32", "p_ptr": "*fp32", "out_ptr": "*i64", "m": "i32", "n": "i32", "k": "i32",
-             "BQ": "constexpr", "KP": "constexpr"}
-source = ASTSource(knn_triton._knn_kernel, signature, constexprs={"BQ": knn_triton.BQ, "KP": 32})
-ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False}).asm["ptx"]
-print(" ".join(sorted(set(re.findall(r"^\\s*((?:fma|mul|add|sub)\\.\\S*f32)", ptx, re.M)))))
+             "row_ptr": "*i32", "index_ptr": "*i32", "box_ptr": "*fp32", "start_ptr": "*i32", "stats_ptr": "*i32",
+             "BQ": "constexpr", "KP": "constexpr", "SORTED": "constexpr", "STATS": "constexpr"}
+for sorted_path, kp in [(False, 32), (True, 64)]:
+    constants = {"BQ": knn_triton.BQ, "KP": kp, "SORTED": sorted_path, "STATS": False}
+    source = ASTSource(knn_triton._knn_kernel, signature, constexprs=constants)
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False}).asm["ptx"]
+    print(" ".join(sorted(set(re.findall(r"^\\s*((?:fma|mul|add|sub)\\.\\S*f32)", ptx, re.M)))))
 """
 
 
 def test_knn_triton_kernel_compiles_for_sm90_without_fused_multiply_add(tmp_path):
     # On a GPU, a fused dx*dx + dy*dy would round once where square_distance rounds twice, and reorder near ties;
-    # the interpreter cannot show it. Compiled for an H100 (no GPU needed) as knn_triton.knn launches it (PCT's
-    # k = 32), the float arithmetic is rounded subtractions, multiplications and additions only.
+    # the interpreter cannot show it. Compiled for an H100 (no GPU needed) as knn_triton.knn launches it (the
+    # simple path at PCT's k = 32, the sorted one at the dilated variant's k = 36), the float arithmetic is rounded
+    # subtractions, multiplications and additions only (the sorted path's box bounds included).
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
     env.pop("TRITON_INTERPRET", None)
     done = subprocess.run([sys.executable, "-c", KNN_COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["add.rn.f32", "mul.rn.f32", "sub.rn.f32"]
+    assert done.stdout.splitlines() == ["add.rn.f32 mul.rn.f32 sub.rn.f32"] * 2
 
 
 def test_knn_kernel_failure_warns_and_hands_over_to_torch(monkeypatch):
@@ -627,13 +735,15 @@ def test_knn_kernel_failure_warns_and_hands_over_to_torch(monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("b,m,n,k", [(32, 512, 1024, 32), (32, 256, 512, 32), (1, 65536, 65536, 16)])
-def test_knn_triton_kernel_on_the_gpu_is_the_torch_search(monkeypatch, b, m, n, k):
+@pytest.mark.parametrize("b,m,n,k,kind", [(32, 512, 1024, 32, "uniform"), (32, 256, 512, 32, "uniform"),
+                                          (4, 4096, 4096, 16, "clusters"), (1, 65536, 65536, 36, "uniform")])
+def test_knn_triton_kernel_on_the_gpu_is_the_torch_search(monkeypatch, b, m, n, k, kind):
     from attention import knn_triton, pointops
 
     g = torch.Generator().manual_seed(m)
-    points = torch.rand(b, n, 3, generator=g).cuda()
+    points = torch.stack([cloud(kind, n, g) for _ in range(b)]).cuda()  # (B, N, 3)
     query = points[:, :m] if m == n else torch.rand(b, m, 3, generator=g).cuda()
-    got = knn_triton.knn(query, points, k)
+    got = {sort: knn_triton.knn(query, points, k, sort=sort) for sort in (False, True)}  # both paths
     monkeypatch.setattr(pointops, "KNN_TRITON_USABLE", False)  # knn's torch search, on the GPU
-    assert torch.equal(got, pointops.knn(query, points, k))
+    want = pointops.knn(query, points, k)
+    assert torch.equal(got[False], want) and torch.equal(got[True], want)
