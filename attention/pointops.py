@@ -367,6 +367,10 @@ KNN_GRID_ABOVE = 1 << 24
 SYNC_FREE_DEVICES = ("cuda",)
 
 
+# Not traced by torch.compile, as farthest_point_sample: dynamo would hand the Triton kernel's launch to inductor,
+# which need not keep enable_fp_fusion=False (the distances' exact rounding, so the indices), and the grid search's
+# host-side loops would break the graph anyway; indices carry no gradient.
+@torch.compiler.disable
 @torch.no_grad()
 def knn(query: torch.Tensor, points: torch.Tensor, k: int) -> torch.Tensor:
     """Indices (B, M, k) of the k nearest ``points`` (B, N, 3) of each ``query`` (B, M, 3).
