@@ -70,18 +70,23 @@ def eval_step(net: torch.nn.Module, inputs: tuple, device) -> Callable[[], None]
     return step
 
 
-def interleaved(steps: dict[str, Callable[[], None]], rounds: int, warmup: int = 1) -> dict[str, list[float]]:
+def wall_seconds(step: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    step()
+    return time.perf_counter() - start
+
+
+def interleaved(steps: dict[str, Callable[[], None]], rounds: int, warmup: int = 1,
+                seconds: Callable[[Callable[[], None]], float] = wall_seconds) -> dict[str, list[float]]:
     """Seconds of each step over ``rounds`` rounds, one call of every step per round in turn, after ``warmup``
-    untimed rounds."""
+    untimed rounds; ``seconds(step)`` times one call (wall time: the steps synchronise the device themselves)."""
     for _ in range(warmup):
         for step in steps.values():
             step()
     times = {name: [] for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():
-            start = time.perf_counter()
-            step()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(seconds(step))
     return times
 
 

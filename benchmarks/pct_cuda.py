@@ -51,6 +51,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import measure  # noqa: E402
 from benchmarks.baselines import channel_first, topk_knn  # noqa: E402
+from benchmarks.pct import interleaved  # noqa: E402
 
 GOALS = {"float32": 1.5, "bfloat16": 2.0, "compiled": 2.0, "partseg": 1.3}  # issue 28: reference fp32 / suite
 FPS_SIZES = [(32, 512, 256), (32, 1024, 512), (16, 2048, 1024), (8, 8192, 2048), (2, 65536, 8192)]  # (B, N, M)
@@ -112,16 +113,9 @@ def timed(step: Callable[[], None], device: torch.device) -> float:
 
 
 def alternate(steps: dict[str, Callable[[], None]], rounds: int, device, warmup: int = 3) -> dict[str, list[float]]:
-    """Seconds of each step over ``rounds`` rounds, one call of every step per round in turn, after ``warmup``
-    untimed rounds (the first call of a compiled step compiles: timed separately by the caller)."""
-    for _ in range(warmup):
-        for step in steps.values():
-            step()
-    times = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, step in steps.items():
-            times[name].append(timed(step, device))
-    return times
+    """:func:`benchmarks.pct.interleaved` timed by :func:`timed` (the first call of a compiled step compiles: the
+    caller times it apart, before)."""
+    return interleaved(steps, rounds, warmup, seconds=lambda step: timed(step, device))
 
 
 def train_step(net, loss, inputs, target, autocast: bool) -> Callable[[], None]:
