@@ -77,6 +77,17 @@ def _column(tile, cols, o):
 
 
 @triton.jit
+def _tokens(blocks, heads, h, w, BQ: tl.constexpr):
+    """This program's (sample, head) and block of BQ tokens: the programs are (bh, block) flattened, the blocks of
+    one bh = sample * heads + head consecutive. Returns bh, sample and head (int64), the tokens rn (BQ,) in row-major
+    order, which of them lie on the grid, and their rows y and columns x."""
+    pid = tl.program_id(0)
+    bh = pid // blocks
+    rn = (pid % blocks) * BQ + tl.arange(0, BQ)  # (BQ,) tokens
+    return bh.to(tl.int64), (bh // heads).to(tl.int64), (bh % heads).to(tl.int64), rn, rn < h * w, rn // w, rn % w
+
+
+@triton.jit
 def _forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, attn_ptr,
                     q_sb, q_sh, q_sn, q_sd, k_sb, k_sh, k_sn, k_sd, v_sb, v_sh, v_sn, v_sd,
                     heads, h, w, d, d_v, dilation, scale, blocks,
@@ -89,15 +100,8 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, attn_ptr,
     k_sb, k_sh, k_sn = k_sb * ALIGN, k_sh * ALIGN, k_sn * ALIGN
     v_sb, v_sh, v_sn = v_sb * ALIGN, v_sh * ALIGN, v_sn * ALIGN
     d, d_v = d * ALIGN, d_v * ALIGN
-    pid = tl.program_id(0)
-    bh = pid // blocks  # sample * heads + head
-    b = (bh // heads).to(tl.int64)
-    hd = (bh % heads).to(tl.int64)
+    bhl, b, hd, rn, valid, y, x = _tokens(blocks, heads, h, w, BQ)  # rn: (BQ,) query tokens
     n = h * w
-    rn = (pid % blocks) * BQ + tl.arange(0, BQ)  # (BQ,) query tokens
-    valid = rn < n
-    y = rn // w
-    x = rn % w
     cd = tl.arange(0, DP)
     cv = tl.arange(0, DVP)
     cols = tl.arange(0, KK)
@@ -119,7 +123,6 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, attn_ptr,
     top = tl.max(logits, axis=1)  # (BQ,): finite, the centre is always a candidate
     e = tl.exp(logits - top[:, None])
     attn = e / tl.sum(e, axis=1)[:, None]  # (BQ, KK)
-    bhl = bh.to(tl.int64)
     tl.store(attn_ptr + (bhl * (KS * KS) + cols[None, :]) * n + rn[:, None], attn,
              mask=valid[:, None] & (cols[None, :] < KS * KS))
     acc = tl.zeros((BQ, DVP), tl.float32)
@@ -144,15 +147,8 @@ def _backward_query_kernel(g_ptr, k_ptr, v_ptr, attn_ptr, dlogits_ptr, dq_ptr,
     k_sb, k_sh, k_sn = k_sb * ALIGN, k_sh * ALIGN, k_sn * ALIGN
     v_sb, v_sh, v_sn = v_sb * ALIGN, v_sh * ALIGN, v_sn * ALIGN
     d, d_v = d * ALIGN, d_v * ALIGN
-    pid = tl.program_id(0)
-    bh = pid // blocks
-    b = (bh // heads).to(tl.int64)
-    hd = (bh % heads).to(tl.int64)
+    bhl, b, hd, rn, valid, y, x = _tokens(blocks, heads, h, w, BQ)  # rn: (BQ,) query tokens
     n = h * w
-    rn = (pid % blocks) * BQ + tl.arange(0, BQ)  # (BQ,) query tokens
-    valid = rn < n
-    y = rn // w
-    x = rn % w
     cd = tl.arange(0, DP)
     cv = tl.arange(0, DVP)
     cols = tl.arange(0, KK)
@@ -161,7 +157,6 @@ def _backward_query_kernel(g_ptr, k_ptr, v_ptr, attn_ptr, dlogits_ptr, dq_ptr,
     g_base = g_ptr + b * g_sb + hd * g_sh
     k_base = k_ptr + b * k_sb + hd * k_sh
     v_base = v_ptr + b * v_sb + hd * v_sh
-    bhl = bh.to(tl.int64)
     map_at = (bhl * (KS * KS) + cols[None, :]) * n + rn[:, None]  # (BQ, KK) into attn and dlogits
     map_mask = valid[:, None] & (cols[None, :] < KS * KS)
     attn = tl.load(attn_ptr + map_at, mask=map_mask, other=0.0)  # (BQ, KK)
@@ -194,22 +189,14 @@ def _backward_key_kernel(q_ptr, g_ptr, attn_ptr, dlogits_ptr, dk_ptr, dv_ptr,
     q_sb, q_sh, q_sn = q_sb * ALIGN, q_sh * ALIGN, q_sn * ALIGN
     g_sb, g_sh, g_sn = g_sb * ALIGN, g_sh * ALIGN, g_sn * ALIGN
     d, d_v = d * ALIGN, d_v * ALIGN
-    pid = tl.program_id(0)
-    bh = pid // blocks
-    b = (bh // heads).to(tl.int64)
-    hd = (bh % heads).to(tl.int64)
+    bhl, b, hd, rn, valid, y, x = _tokens(blocks, heads, h, w, BQ)  # rn: (BQ,) key tokens
     n = h * w
-    rn = (pid % blocks) * BQ + tl.arange(0, BQ)  # (BQ,) key tokens
-    valid = rn < n
-    y = rn // w
-    x = rn % w
     cd = tl.arange(0, DP)
     cv = tl.arange(0, DVP)
     md = (cd < d)[None, :]
     mv = (cv < d_v)[None, :]
     q_base = q_ptr + b * q_sb + hd * q_sh
     g_base = g_ptr + b * g_sb + hd * g_sh
-    bhl = bh.to(tl.int64)
     dk = tl.zeros((BQ, DP), tl.float32)
     dv = tl.zeros((BQ, DVP), tl.float32)
     for o in tl.static_range(KS * KS):
