@@ -307,12 +307,22 @@ def knn_rows(rounds: int, device, sizes=KNN_SIZES) -> list[dict]:
         points = (torch.rand(b, n, 3, generator=g) * 2 - 1).to(device)
         query = points[:, :m].contiguous()
         steps = {"reference": lambda: topk_knn(query, points, k), "suite": lambda: knn(query, points, k)}
+        if device.type == "cuda":  # the Triton kernel's two paths (knn_triton.SORTED_FROM chooses), to tune it by
+            from attention import knn_triton
+
+            steps.update(simple=lambda: knn_triton.knn(query, points, k, sort=False),
+                         sorted=lambda: knn_triton.knn(query, points, k, sort=True))
         times = {k_: statistics.median(v) for k_, v in alternate(steps, rounds, device, warmup=1).items()}
-        peak = {k_: measure.peak_bytes(s, device) for k_, s in steps.items()}
+        peak = {k_: measure.peak_bytes(steps[k_], device) for k_ in ("reference", "suite")}
         rows.append({"batch": b, "queries": m, "points": n, "k": k, "reference_s": times["reference"],
                      "suite_s": times["suite"], "ratio": times["reference"] / times["suite"],
-                     "reference_peak_bytes": peak["reference"], "suite_peak_bytes": peak["suite"]})
+                     "reference_peak_bytes": peak["reference"], "suite_peak_bytes": peak["suite"],
+                     "simple_s": times.get("simple"), "sorted_s": times.get("sorted")})
     return rows
+
+
+def _ms(seconds: float | None) -> str:
+    return "" if seconds is None else f"{1e3 * seconds:.3f}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -392,11 +402,13 @@ def markdown(out: dict) -> str:
     else:
         lines.append(f"Not measured: {out['why_no_reference']}.")
     lines += ["", "## kNN: `attention.pointops.knn` against matmul + `topk`", "",
-              "| B | queries | points | k | matmul + topk ms | suite ms | ratio | peak MiB (matmul + topk / suite) |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| B | queries | points | k | matmul + topk ms | suite ms | ratio | peak MiB (matmul + topk / suite) | "
+              "Triton, index order ms | Triton, sorted ms |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['batch']} | {r['queries']} | {r['points']} | {r['k']} | {1e3 * r['reference_s']:.3f} | "
               f"{1e3 * r['suite_s']:.3f} | **{r['ratio']:.2f}x** | {r['reference_peak_bytes'] / 2 ** 20:.0f} / "
-              f"{r['suite_peak_bytes'] / 2 ** 20:.0f} |" for r in out["knn"]]
+              f"{r['suite_peak_bytes'] / 2 ** 20:.0f} | {_ms(r.get('simple_s'))} | {_ms(r.get('sorted_s'))} |"
+              for r in out["knn"]]
     lines += ["", "## Where the suite's float32 training step spends its time", "", "```", out["profile"].rstrip(),
               "```", ""]
     return "\n".join(lines)
