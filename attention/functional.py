@@ -14,6 +14,7 @@ kernels accumulate in float32 themselves.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 
@@ -565,3 +566,200 @@ def _dilated_backward_flops(grad_shape, q_shape, k_shape, v_shape, attn_shape, h
                             out_shape=None, **kwargs):
     B, H, N, d = q_shape
     return 4 * B * H * N * kernel_size ** 2 * (d + v_shape[-1])  # dattn, dv, dq, dk
+
+
+# --------------------------------------------------------------------------------------------
+# Attention over indexed keys (point sets: focal's neighbours and pooled tokens, dilated kNN)
+# --------------------------------------------------------------------------------------------
+
+INDEX_BACKEND = "auto"
+"""Which kernel the point-set paths of ``focal`` (:func:`attention.variants.focal.gathered_attention`) and
+``dilated`` (``DilatedAttention._mix_points``) run their attention over indexed keys with: "auto" the fused Triton
+kernels (:mod:`attention.index_attention_triton`, through :func:`index_attention`) on float32 CUDA tensors where
+Triton works, and the variants' own torch paths otherwise (CPU, float64: unchanged); "torch" always the torch
+paths; "triton" always the Triton kernels, on any device (CPU tensors under ``TRITON_INTERPRET=1``: the tests), and a
+kernel that fails then raises instead of handing over to torch."""
+INDEX_BACKENDS = ("auto", "torch", "triton")
+# Whether "auto" may use the Triton kernels: False once one failed in this process (:func:`_index_triton`).
+INDEX_TRITON_USABLE = True
+# Entries (rows x M x max(C, C_v)) of the keys gathered for one chunk of rows by the op's torch kernel
+# (:func:`_index_forward_torch`), which runs only where a Triton kernel failed or backend "torch" calls the op.
+INDEX_CHUNK_ELEMENTS = 1 << 24
+
+
+def index_backend(tensors, backend: str | None = None) -> str:
+    """"triton" or "torch": what ``backend`` (None: ``INDEX_BACKEND``) picks for these tensors; the variants call
+    :func:`index_attention` on "triton" and keep their torch paths on "torch"."""
+    backend = INDEX_BACKEND if backend is None else backend
+    if backend not in INDEX_BACKENDS:
+        raise ValueError(f"index_attention: backend={backend!r}, expected one of {INDEX_BACKENDS}.")
+    if backend != "auto":
+        return backend
+    # half precision counts as float32: float32_kernel upcasts it before the op
+    if INDEX_TRITON_USABLE and all(t.is_cuda and t.dtype in (torch.float32, *HALF) for t in tensors):
+        from .pointops import triton_usable  # only here: a CPU call imports nothing
+
+        if triton_usable():
+            return "triton"
+    return "torch"
+
+
+def _index_triton(name: str, *args, fallback: bool):
+    """``attention.index_attention_triton.<name>(*args)`` (``forward`` or ``backward``), imported here only. With
+    ``fallback`` (backend "auto"), a kernel that fails to compile or launch warns, turns the Triton kernels off for
+    the process (``INDEX_TRITON_USABLE``: the variants' torch paths take every later call) and returns None (the
+    op's torch kernel finishes this call). Out of memory is not the kernel's fault: it raises."""
+    global INDEX_TRITON_USABLE
+    try:
+        from . import index_attention_triton
+
+        return getattr(index_attention_triton, name)(*args)
+    except Exception as error:
+        if not fallback or isinstance(error, torch.cuda.OutOfMemoryError):
+            raise
+        warnings.warn(f"index_attention: the Triton kernel failed ({error!r}); the torch path takes over.",
+                      stacklevel=3)
+        INDEX_TRITON_USABLE = False
+        return None
+
+
+def _index_fallback(backend) -> bool:
+    return (INDEX_BACKEND if backend is None else backend) != "triton"
+
+
+def _index_forward(q, k, v, index, heads, scale, backend=None):
+    """The op's kernel: the output (R, C_v) and the log-sum-exp (R, heads) of the scaled logits, by the Triton
+    kernel unless ``backend`` (None: ``INDEX_BACKEND``) is "torch" or it failed (:func:`_index_triton`)."""
+    if index_backend((q, k, v), backend) == "triton":
+        result = _index_triton("forward", q, k, v, index, heads, scale, fallback=_index_fallback(backend))
+        if result is not None:
+            return result
+    return _index_forward_torch(q, k, v, index, heads, scale)
+
+
+def _index_chunks(rows: int, m: int, width: int):
+    step = max(1, INDEX_CHUNK_ELEMENTS // max(1, m * width))
+    return [slice(start, start + step) for start in range(0, rows, step)]
+
+
+def _index_forward_torch(q, k, v, index, heads, scale):
+    """:func:`_index_forward` in torch ops, in chunks of rows whose keys are gathered, used and dropped."""
+    rows, m = index.shape
+    d, d_v = q.shape[1] // heads, v.shape[1] // heads
+    out, lse = v.new_empty(rows, heads * d_v), q.new_empty(rows, heads)
+    for sl in _index_chunks(rows, m, max(d, d_v) * heads):
+        idx = index[sl].reshape(-1)  # (r M,)
+        r = idx.numel() // max(1, m)
+        kg, vg = k.index_select(0, idx).view(r, m, heads, d), v.index_select(0, idx).view(r, m, heads, d_v)
+        logits = torch.einsum("rhd,rmhd->rhm", q[sl].reshape(r, heads, d), kg) * scale  # (r, heads, M)
+        lse[sl] = torch.logsumexp(logits, dim=-1)
+        p = torch.exp(logits - lse[sl].unsqueeze(-1))  # (r, heads, M)
+        out[sl] = torch.einsum("rhm,rmhd->rhd", p, vg).reshape(r, -1)  # (r, C_v)
+    return out, lse
+
+
+def _index_backward(grad, q, k, v, index, out, lse, heads, scale, backend=None):
+    """Gradients of :func:`index_attention` w.r.t. q, k, v: the Triton kernels (as in :func:`_index_forward`) or
+    :func:`_index_backward_torch`."""
+    if index_backend((grad, q, k, v), backend) == "triton":
+        result = _index_triton("backward", grad, q, k, v, index, out, lse, heads, scale,
+                               fallback=_index_fallback(backend))
+        if result is not None:
+            return result
+    return _index_backward_torch(grad, q, k, v, index, out, lse, heads, scale)
+
+
+def _index_backward_torch(grad, q, k, v, index, out, lse, heads, scale):
+    """:func:`_index_backward` in torch ops: per chunk of rows p from lse, ds = p (dp - D), dq, and dk, dv summed
+    into the keys by ``index_add_`` (on CUDA in no fixed order: the Triton kernels are the deterministic path)."""
+    rows, m = index.shape
+    d, d_v = q.shape[1] // heads, v.shape[1] // heads
+    dq, dk, dv = torch.empty_like(q, memory_format=torch.contiguous_format), k.new_zeros(k.shape), v.new_zeros(v.shape)
+    delta = (grad * out).view(rows, heads, d_v).sum(-1)  # (R, heads) D = dO . O
+    for sl in _index_chunks(rows, m, max(d, d_v) * heads):
+        idx = index[sl].reshape(-1)  # (r M,)
+        r = idx.numel() // max(1, m)
+        kg, vg = k.index_select(0, idx).view(r, m, heads, d), v.index_select(0, idx).view(r, m, heads, d_v)
+        qc, gc = q[sl].reshape(r, heads, d), grad[sl].reshape(r, heads, d_v)
+        p = torch.exp(torch.einsum("rhd,rmhd->rhm", qc, kg) * scale - lse[sl].unsqueeze(-1))  # (r, heads, M)
+        ds = p * (torch.einsum("rhd,rmhd->rhm", gc, vg) - delta[sl].unsqueeze(-1))  # (r, heads, M)
+        dq[sl] = torch.einsum("rhm,rmhd->rhd", ds, kg).reshape(r, -1) * scale
+        dk.index_add_(0, idx, torch.einsum("rhm,rhd->rmhd", ds, qc).reshape(r * m, -1) * scale)  # (r M, C)
+        dv.index_add_(0, idx, torch.einsum("rhm,rhd->rmhd", p, gc).reshape(r * m, -1))  # (r M, C_v)
+    return dq, dk, dv
+
+
+_LIB.define("index_attention(Tensor q, Tensor k, Tensor v, Tensor index, SymInt heads, float scale) "
+            "-> (Tensor, Tensor)", tags=(torch.Tag.pt2_compliant_tag,))
+_LIB.define("index_attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor index, Tensor out, "
+            "Tensor lse, SymInt heads, float scale) -> (Tensor, Tensor, Tensor)", tags=(torch.Tag.pt2_compliant_tag,))
+_LIB.impl("index_attention", _index_forward, "CompositeExplicitAutograd")
+_LIB.impl("index_attention_backward", _index_backward, "CompositeExplicitAutograd")
+_index_op = torch.ops.attention_suite.index_attention.default
+_index_backward_op = torch.ops.attention_suite.index_attention_backward.default
+
+
+@torch.library.register_fake("attention_suite::index_attention", lib=_LIB)
+def _(q, k, v, index, heads, scale):
+    return v.new_empty(q.shape[0], v.shape[1]), q.new_empty(q.shape[0], heads)
+
+
+@torch.library.register_fake("attention_suite::index_attention_backward", lib=_LIB)
+def _(grad, q, k, v, index, out, lse, heads, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _index_setup_context(ctx, inputs, output):
+    q, k, v, index, heads, scale = inputs
+    ctx.save_for_backward(q, k, v, index, *output)  # the output (for D = dO . O) and lse: no (R, M) tensor
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+    ctx.args = (heads, scale)
+
+
+def _index_grad(ctx, grad, grad_lse):
+    if grad is None:
+        return (None,) * 6
+    q, k, v, index, out, lse = ctx.saved_tensors
+    device = q.device.type  # a backward called under autocast stays in q's dtype; "meta" (FLOP counts) has none
+    with torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else contextlib.nullcontext():
+        dq, dk, dv = _index_backward_op(grad.to(q.dtype), q, k, v, index, out, lse, *ctx.args)
+    return dq, dk, dv, None, None, None
+
+
+def _index_double_grad(ctx, *grads):
+    raise RuntimeError("index_attention: a gradient of its gradients (double backward) is not implemented by the "
+                       "Triton kernels; on the CPU and in float64 the variants' torch paths provide it.")
+
+
+torch.library.register_autograd("attention_suite::index_attention", _index_grad,
+                                setup_context=_index_setup_context, lib=_LIB)
+torch.library.register_autograd("attention_suite::index_attention_backward", _index_double_grad, lib=_LIB)
+
+
+@register_flop_formula(torch.ops.attention_suite.index_attention)
+def _index_flops(q_shape, k_shape, v_shape, index_shape, *args, out_shape=None, **kwargs):
+    rows, m = index_shape
+    return 2 * rows * m * (q_shape[1] + v_shape[1])  # q.k and p v per slot, all heads: as the gathered bmm's
+
+
+@register_flop_formula(torch.ops.attention_suite.index_attention_backward)
+def _index_backward_flops(grad_shape, q_shape, k_shape, v_shape, index_shape, *args, out_shape=None, **kwargs):
+    rows, m = index_shape
+    return 2 * rows * m * (3 * q_shape[1] + 2 * v_shape[1])  # recomputed q.k, dp and dv (C_v), dq and dk (C)
+
+
+@float32_kernel
+def index_attention(q, k, v, index, heads: int, scale: float | None = None):
+    """Softmax attention of each query row over the key rows its row of ``index`` names, one softmax per head.
+
+    q (R, C), k (T, C), v (T, C_v), index (R, M) integer rows of k and v (repeats count once per slot):
+    out[r, h] = sum_j softmax_j(q[r, h] . k[index[r, j], h] * scale) v[index[r, j], h], per head of
+    d = C / heads channels (scale d^-0.5 by default) -> (R, C_v). A ``torch.library`` op (a leaf under
+    torch.compile, its FLOPs counted as the gathered form's): on the Triton path (:mod:`attention.index_attention_
+    triton`: one launch forward, two backward, deterministic, nothing of size R M C held), where ``INDEX_BACKEND``
+    picks it, else in chunked torch ops. The variants call it on the Triton path only (:func:`index_backend`);
+    their own torch paths keep double backward, which this op refuses.
+    """
+    scale = (q.shape[1] // heads) ** -0.5 if scale is None else float(scale)
+    return _index_op(q, k, v, index, heads, scale)[0]  # (R, C_v)

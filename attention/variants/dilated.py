@@ -96,8 +96,17 @@ class DilatedAttention(Mixer):
         return self.proj(rearrange(torch.cat(out, dim=1), "b h n d -> b n (h d)"))
 
     def _mix_points(self, q, k, v, xyz, groups):
+        """Per head group, each point against every r-th of its K*r nearest points: (B, heads / groups, N, d) each.
+
+        Where :func:`functional.index_backend` picks the Triton kernels (float32 or half CUDA tensors), a group's
+        queries, keys and values go to :func:`functional.index_attention` as (B N, heads / groups * d) row views of
+        the qkv projection and its neighbours as indices into them; elsewhere (the CPU, float64) the keys and
+        values of each point's K neighbours are gathered (B, heads / groups, N, K, d) as before.
+        """
         n = xyz.shape[1]
         nearest = knn(xyz, xyz, min(self.neighbours * max(self.dilations), n))  # (B, N, K * r_max), nearest first
+        if functional.index_backend((q, k, v)) == "triton":
+            return self._mix_points_indexed(q, k, v, nearest, groups)
         out = []
         for g, r in zip(groups, self.dilations):
             idx = nearest[:, :, :self.neighbours * r:r]  # (B, N, K): every r-th of the K*r nearest
@@ -105,6 +114,20 @@ class DilatedAttention(Mixer):
                             "b n k (h d) -> b h n k d", d=t.shape[-1])  # (B, heads / groups, N, K, d)
                   for t in (k, v)]
             out.append(functional.dilated_point_attention(q[:, g], *kv))  # (B, heads / groups, N, d)
+        return out
+
+    def _mix_points_indexed(self, q, k, v, nearest, groups):
+        """:meth:`_mix_points` by :func:`functional.index_attention`, one call per head group, never gathering the
+        (B, heads / groups, N, K, d) keys and values. The batch is flattened: sample b's points are rows b N + j."""
+        b, _, n, d = q.shape
+        first = (torch.arange(b, device=nearest.device) * n).view(b, 1, 1)  # (B, 1, 1) first row of each sample
+        out = []
+        for g, r in zip(groups, self.dilations):
+            idx = (nearest[:, :, :self.neighbours * r:r] + first).reshape(b * n, -1)  # (B N, K) rows of the batch
+            # (B, h, N, d) -> (B, N, h, d) -> (B N, h d): views of the qkv projection (rows 3C apart), no copy
+            rows = [t[:, g].transpose(1, 2).reshape(b * n, -1) for t in (q, k, v)]
+            o = functional.index_attention(*rows, idx, g.stop - g.start)  # (B N, h d)
+            out.append(o.view(b, n, -1, d).transpose(1, 2))  # (B, h, N, d)
         return out
 
     def extra_repr(self) -> str:

@@ -304,7 +304,14 @@ def gathered_attention(q, k, v, index, heads: int, scale: float | None = None):
     (R, C). The function of gathering k[index] and v[index] and calling :func:`functional.focal_attention`
     (same logits, same softmax, same key order), without holding the gathered (R, M, C) tensors: memory
     O(R C + T C + R M) for the inputs and indices, and one chunk of keys at a time (``_GatheredAttention``).
+
+    On float32 (or half, upcast) CUDA tensors where Triton works (``functional.INDEX_BACKEND``, see
+    :func:`functional.index_backend`), :func:`functional.index_attention` does the same in fused Triton kernels
+    (one launch forward, two backward, deterministic; no double backward there). The CPU and float64 keep
+    ``_GatheredAttention``, bit for bit as before.
     """
+    if functional.index_backend((q, k, v)) == "triton":
+        return functional.index_attention(q, k, v, index, heads, scale)  # (R, C)
     scale = (q.shape[-1] // heads) ** -0.5 if scale is None else scale
     return _GatheredAttention.apply(q * scale, k.contiguous(), v.contiguous(), index, heads)
 
