@@ -34,9 +34,9 @@ the map's size. Token indices are int64 in the address arithmetic; a dilation at
 max(h, w) (the same windows: every offset but the centre lies outside), so no index overflows int32.
 
 This module imports Triton at its top; :mod:`attention.functional` imports it only when the kernel is wanted
-(``_dilated_triton``). tests/attention/test_dilated_triton.py runs the kernels on CPU tensors under
-``TRITON_INTERPRET=1`` against the torch kernel, compiles them for sm_90 as they are launched, and, marked ``cuda``,
-runs them on a GPU.
+(``DILATED_KERNELS``, :mod:`attention.triton_kernels`). tests/attention/test_dilated_triton.py runs the kernels on
+CPU tensors under ``TRITON_INTERPRET=1`` against the torch kernel, compiles them for sm_90 as they are launched,
+and, marked ``cuda``, runs them on a GPU.
 """
 
 from __future__ import annotations

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import warnings
 
 import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import register_flop_formula
+
+from .triton_kernels import Kernels
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -385,8 +386,8 @@ DILATED_BACKEND = "auto"
 float64); "torch" always the torch kernel; "triton" always the Triton kernels, on any device (CPU tensors under
 ``TRITON_INTERPRET=1``: the tests), and a kernel that fails then raises instead of handing over to torch."""
 DILATED_BACKENDS = ("auto", "torch", "triton")
-# Whether "auto" may use the Triton kernels: False once one failed in this process (:func:`_dilated_triton`).
-DILATED_TRITON_USABLE = True
+# The Triton kernels' family (attention.triton_kernels: imported when wanted, off for the process once one failed).
+DILATED_KERNELS = Kernels("attention.dilated_triton", "dilated_attention", "the torch kernel")
 
 
 def _dilated_backend(tensors, backend: str | None) -> str:
@@ -396,31 +397,9 @@ def _dilated_backend(tensors, backend: str | None) -> str:
         raise ValueError(f"dilated_attention: backend={backend!r}, expected one of {DILATED_BACKENDS}.")
     if backend != "auto":
         return backend
-    if DILATED_TRITON_USABLE and all(t.is_cuda and t.dtype == torch.float32 for t in tensors):
-        from .pointops import triton_usable  # only here: a CPU call imports nothing
-
-        if triton_usable():
-            return "triton"
+    if all(t.is_cuda and t.dtype == torch.float32 for t in tensors) and DILATED_KERNELS.wanted():
+        return "triton"
     return "torch"
-
-
-def _dilated_triton(name: str, *args, fallback: bool):
-    """``attention.dilated_triton.<name>(*args)`` (``forward`` or ``backward``), imported here only, so that
-    attention imports and runs without Triton. With ``fallback`` (backend "auto"), a kernel that fails to compile
-    or launch warns, turns the Triton kernels off for the process (``DILATED_TRITON_USABLE``) and returns None:
-    the torch kernel then does the work. Out of memory is not the kernel's fault: it raises."""
-    global DILATED_TRITON_USABLE
-    try:
-        from . import dilated_triton
-
-        return getattr(dilated_triton, name)(*args)
-    except Exception as error:
-        if not fallback or isinstance(error, torch.cuda.OutOfMemoryError):
-            raise
-        warnings.warn(f"dilated_attention: the Triton kernel failed ({error!r}); the torch kernel takes over.",
-                      stacklevel=3)
-        DILATED_TRITON_USABLE = False
-        return None
 
 
 def _dilated_forward(q, k, v, h, w, kernel_size, dilation, mask, scale, backend=None):
@@ -430,8 +409,8 @@ def _dilated_forward(q, k, v, h, w, kernel_size, dilation, mask, scale, backend=
     (:func:`_dilated_backend`), else :func:`_dilated_forward_torch`.
     """
     if _dilated_backend((q, k, v), backend) == "triton":
-        result = _dilated_triton("forward", q, k, v, h, w, kernel_size, dilation, mask, scale,
-                                 fallback=(DILATED_BACKEND if backend is None else backend) == "auto")
+        result = DILATED_KERNELS.call("forward", q, k, v, h, w, kernel_size, dilation, mask, scale,
+                                      fallback=(DILATED_BACKEND if backend is None else backend) == "auto")
         if result is not None:
             return result
     return _dilated_forward_torch(q, k, v, h, w, kernel_size, dilation, mask, scale)
@@ -475,8 +454,8 @@ def _dilated_backward(grad, q, k, v, attn, h, w, kernel_size, dilation, scale, b
     attention map: the fused Triton kernels where ``backend`` picks them (as in :func:`_dilated_forward`), else
     :func:`_dilated_backward_torch`."""
     if _dilated_backend((grad, q, k, v, attn), backend) == "triton":
-        result = _dilated_triton("backward", grad, q, k, v, attn, h, w, kernel_size, dilation, scale,
-                                 fallback=(DILATED_BACKEND if backend is None else backend) == "auto")
+        result = DILATED_KERNELS.call("backward", grad, q, k, v, attn, h, w, kernel_size, dilation, scale,
+                                      fallback=(DILATED_BACKEND if backend is None else backend) == "auto")
         if result is not None:
             return result
     return _dilated_backward_torch(grad, q, k, v, attn, h, w, kernel_size, dilation, scale)
@@ -580,8 +559,9 @@ Triton works, and the variants' own torch paths otherwise (CPU, float64: unchang
 paths; "triton" always the Triton kernels, on any device (CPU tensors under ``TRITON_INTERPRET=1``: the tests), and a
 kernel that fails then raises instead of handing over to torch."""
 INDEX_BACKENDS = ("auto", "torch", "triton")
-# Whether "auto" may use the Triton kernels: False once one failed in this process (:func:`_index_triton`).
-INDEX_TRITON_USABLE = True
+# The Triton kernels' family (attention.triton_kernels: imported when wanted, off for the process once one failed:
+# the variants' torch paths then take every later call, the op's torch kernel finishes the failed one).
+INDEX_KERNELS = Kernels("attention.index_attention_triton", "index_attention", "the torch path")
 # Entries (rows x M x max(C, C_v)) of the keys gathered for one chunk of rows by the op's torch kernel
 # (:func:`_index_forward_torch`), which runs only where a Triton kernel failed or backend "torch" calls the op.
 INDEX_CHUNK_ELEMENTS = 1 << 24
@@ -596,31 +576,9 @@ def index_backend(tensors, backend: str | None = None) -> str:
     if backend != "auto":
         return backend
     # half precision counts as float32: float32_kernel upcasts it before the op
-    if INDEX_TRITON_USABLE and all(t.is_cuda and t.dtype in (torch.float32, *HALF) for t in tensors):
-        from .pointops import triton_usable  # only here: a CPU call imports nothing
-
-        if triton_usable():
-            return "triton"
+    if all(t.is_cuda and t.dtype in (torch.float32, *HALF) for t in tensors) and INDEX_KERNELS.wanted():
+        return "triton"
     return "torch"
-
-
-def _index_triton(name: str, *args, fallback: bool):
-    """``attention.index_attention_triton.<name>(*args)`` (``forward`` or ``backward``), imported here only. With
-    ``fallback`` (backend "auto"), a kernel that fails to compile or launch warns, turns the Triton kernels off for
-    the process (``INDEX_TRITON_USABLE``: the variants' torch paths take every later call) and returns None (the
-    op's torch kernel finishes this call). Out of memory is not the kernel's fault: it raises."""
-    global INDEX_TRITON_USABLE
-    try:
-        from . import index_attention_triton
-
-        return getattr(index_attention_triton, name)(*args)
-    except Exception as error:
-        if not fallback or isinstance(error, torch.cuda.OutOfMemoryError):
-            raise
-        warnings.warn(f"index_attention: the Triton kernel failed ({error!r}); the torch path takes over.",
-                      stacklevel=3)
-        INDEX_TRITON_USABLE = False
-        return None
 
 
 def _index_fallback(backend) -> bool:
@@ -629,9 +587,9 @@ def _index_fallback(backend) -> bool:
 
 def _index_forward(q, k, v, index, heads, scale, backend=None):
     """The op's kernel: the output (R, C_v) and the log-sum-exp (R, heads) of the scaled logits, by the Triton
-    kernel unless ``backend`` (None: ``INDEX_BACKEND``) is "torch" or it failed (:func:`_index_triton`)."""
+    kernel unless ``backend`` (None: ``INDEX_BACKEND``) is "torch" or it failed (``INDEX_KERNELS``)."""
     if index_backend((q, k, v), backend) == "triton":
-        result = _index_triton("forward", q, k, v, index, heads, scale, fallback=_index_fallback(backend))
+        result = INDEX_KERNELS.call("forward", q, k, v, index, heads, scale, fallback=_index_fallback(backend))
         if result is not None:
             return result
     return _index_forward_torch(q, k, v, index, heads, scale)
@@ -662,8 +620,8 @@ def _index_backward(grad, q, k, v, index, out, lse, heads, scale, backend=None):
     """Gradients of :func:`index_attention` w.r.t. q, k, v: the Triton kernels (as in :func:`_index_forward`) or
     :func:`_index_backward_torch`."""
     if index_backend((grad, q, k, v), backend) == "triton":
-        result = _index_triton("backward", grad, q, k, v, index, out, lse, heads, scale,
-                               fallback=_index_fallback(backend))
+        result = INDEX_KERNELS.call("backward", grad, q, k, v, index, out, lse, heads, scale,
+                                    fallback=_index_fallback(backend))
         if result is not None:
             return result
     return _index_backward_torch(grad, q, k, v, index, out, lse, heads, scale)

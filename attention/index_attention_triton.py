@@ -77,8 +77,8 @@ dilated ~3.6 GB, under 1 ms. Against 1.95 s and 1.26 s before; focal's gathers, 
 row, are what remains between it and the grid variant (where a window's 49 queries share one set of keys).
 
 This module imports Triton at its top; :mod:`attention.functional` imports it only when the kernels are wanted
-(``_index_triton``). tests/attention/test_index_attention_triton.py runs them on CPU tensors under
-``TRITON_INTERPRET=1``, compiles them for sm_90, and, marked ``cuda``, runs them on a GPU.
+(``INDEX_KERNELS``, :mod:`attention.triton_kernels`). tests/attention/test_index_attention_triton.py runs them on
+CPU tensors under ``TRITON_INTERPRET=1``, compiles them for sm_90, and, marked ``cuda``, runs them on a GPU.
 """
 
 from __future__ import annotations

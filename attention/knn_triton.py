@@ -266,3 +266,9 @@ def knn(query: torch.Tensor, points: torch.Tensor, k: int, sort: bool | None = N
     _knn_kernel[(b, programs)](q, p, out, m, n, k, row, index, box, start, counts, BQ=BQ, KP=kp, SORTED=sort,
                                STATS=stats, enable_fp_fusion=False)
     return (out, counts) if stats else out
+
+
+def knn_if_supported(query: torch.Tensor, points: torch.Tensor, k: int) -> torch.Tensor | None:
+    """:func:`knn`, or None where k is above ``MAX_K``: what :func:`attention.pointops.knn` calls (the torch search
+    takes what this returns None for)."""
+    return knn(query, points, k) if k <= MAX_K else None

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 
 import torch
+
+from .triton_kernels import Kernels
 
 
 # Not traced by torch.compile: dynamo would unroll the m steps into the graph (about 20 ms of tracing a step, so
@@ -94,8 +95,9 @@ def farthest_point_sample(xyz: torch.Tensor, m: int, start: int | torch.Tensor =
         fused = False
         dist = torch.full((b, n), math.inf, dtype=xyz.dtype, device=xyz.device)  # (B, N)
     idx = None
-    if backend == "triton" or backend == "auto" and xyz.is_cuda and xyz.dtype in TRITON_DTYPES and triton_usable():
-        idx = fps_triton(xyz, m, farthest, dist, fallback=backend == "auto", fused=fused)  # (B, m), None: failed
+    if backend == "triton" or backend == "auto" and xyz.is_cuda and xyz.dtype in TRITON_DTYPES and FPS_KERNELS.wanted():
+        idx = FPS_KERNELS.call("farthest_point_sample", xyz, m, farthest, dist, fused=fused,
+                               fallback=backend == "auto")  # (B, m); None: the kernel failed
     if idx is None:
         idx = fps_loop(xyz, m, farthest, dist, fused=fused)  # (B, m)
     return order[idx] if like_kernel else idx
@@ -238,42 +240,8 @@ def sum_rounded_to_odd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 TRITON_DTYPES = (torch.float32, torch.float64)
 
 
-# Whether backend="auto" may use the Triton kernel: None until :func:`triton_usable` first looks.
-TRITON_USABLE: bool | None = None
-
-
-def triton_usable() -> bool:
-    """Whether Triton imports and finds a GPU driver (looked up once): ``backend="auto"`` uses the kernel only
-    then, and not after it once failed (:func:`fps_triton`)."""
-    global TRITON_USABLE
-    if TRITON_USABLE is None:
-        try:
-            import triton
-
-            triton.runtime.driver.active.get_current_target()
-            TRITON_USABLE = True
-        except Exception:  # not installed, no driver, no GPU: the torch loop does the work
-            TRITON_USABLE = False
-    return TRITON_USABLE
-
-
-def fps_triton(xyz: torch.Tensor, m: int, start: torch.Tensor, dist: torch.Tensor,
-               fallback: bool = False, fused: bool = False) -> torch.Tensor | None:
-    """:func:`attention.fps_triton.farthest_point_sample`, imported here only, so that attention imports and
-    runs without Triton. With ``fallback`` (backend="auto"), a kernel that fails to compile or launch warns,
-    turns the kernel off for the process and returns None: the torch loop then does the work."""
-    global TRITON_USABLE
-    try:
-        from . import fps_triton as kernel
-
-        return kernel.farthest_point_sample(xyz, m, start, dist, fused=fused)
-    except Exception as error:
-        if not fallback or isinstance(error, torch.cuda.OutOfMemoryError):  # out of memory: not the kernel's fault
-            raise
-        warnings.warn(f"farthest_point_sample: the Triton kernel failed ({error!r}); the torch loop takes over.",
-                      stacklevel=3)
-        TRITON_USABLE = False
-        return None
+# The Triton kernel's family (attention.triton_kernels: imported when wanted, off for the process once it failed).
+FPS_KERNELS = Kernels("attention.fps_triton", "farthest_point_sample", "the torch loop")
 
 
 # pointnet2_ops' FPS kernel: points with squared norm <= this are never sampled (``if (mag <= 1e-3) continue``:
@@ -381,7 +349,7 @@ def knn(query: torch.Tensor, points: torch.Tensor, k: int) -> torch.Tensor:
     larger), never the M x N matrix. Up to ``KNN_GRID_ABOVE`` distances a sample every pair is compared
     (:func:`knn_blocks`); above, a grid of cells prunes the pairs (:func:`knn_grid`), in time about
     O(M k) for evenly spread points. On CUDA, float32 (and half) points go to one Triton kernel
-    (:func:`knn_kernel`: the same indices, O(B M k) memory, no distance matrix in memory at all); float64,
+    (:mod:`attention.knn_triton`: the same indices, O(B M k) memory, no distance matrix in memory at all); float64,
     or k above the kernel's limit, take the torch search, which runs there as it is.
     """
     b, m, _ = query.shape
@@ -389,8 +357,8 @@ def knn(query: torch.Tensor, points: torch.Tensor, k: int) -> torch.Tensor:
     if not 1 <= k <= n:
         raise ValueError(f"knn: cannot take {k} neighbours among {n} points.")
     if (query.is_cuda and query.dtype in KNN_TRITON_DTYPES and points.dtype in KNN_TRITON_DTYPES
-            and KNN_TRITON_USABLE and triton_usable()):
-        idx = knn_kernel(query, points, k)  # (B, M, k), None where k is above the kernel's limit or it failed
+            and KNN_KERNELS.wanted()):
+        idx = KNN_KERNELS.call("knn_if_supported", query, points, k)  # (B, M, k); None: k too large, or it failed
         if idx is not None:
             return idx
     if m * n <= KNN_GRID_ABOVE:
@@ -400,25 +368,8 @@ def knn(query: torch.Tensor, points: torch.Tensor, k: int) -> torch.Tensor:
 
 # Dtypes knn's Triton kernel takes: float32 and half (upcast exactly to float32, as square_distance does).
 KNN_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Whether knn may use its Triton kernel: False once it failed in this process (:func:`knn_kernel`).
-KNN_TRITON_USABLE = True
-
-
-def knn_kernel(query: torch.Tensor, points: torch.Tensor, k: int) -> torch.Tensor | None:
-    """:func:`attention.knn_triton.knn`, imported here only, so that attention imports and runs without Triton;
-    None where k is above the kernel's ``MAX_K``. A kernel that fails to compile or launch warns, turns the
-    kernel off for the process and returns None: the torch search then does the work."""
-    global KNN_TRITON_USABLE
-    try:
-        from . import knn_triton as kernel
-
-        return kernel.knn(query, points, k) if k <= kernel.MAX_K else None
-    except Exception as error:
-        if isinstance(error, torch.cuda.OutOfMemoryError):  # out of memory: not the kernel's fault
-            raise
-        warnings.warn(f"knn: the Triton kernel failed ({error!r}); the torch search takes over.", stacklevel=3)
-        KNN_TRITON_USABLE = False
-        return None
+# The Triton kernel's family (attention.triton_kernels: imported when wanted, off for the process once it failed).
+KNN_KERNELS = Kernels("attention.knn_triton", "knn", "the torch search")
 
 
 def knn_blocks(query: torch.Tensor, points: torch.Tensor, k: int) -> torch.Tensor:

@@ -118,9 +118,9 @@ def main() -> None:
     if not torch.cuda.is_available():
         why_not = "there is no GPU on this machine (torch.cuda.is_available() is False)"
     else:
-        from attention.pointops import triton_usable
+        from attention.triton_kernels import available
 
-        if not triton_usable():
+        if not available():
             why_not = "Triton has no usable GPU backend here"
         else:
             gpu = gpu_rows(args.repeats)

@@ -284,8 +284,8 @@ def test_auto_keeps_the_torch_kernel_on_the_cpu(monkeypatch):
     def no_kernel(*args, **kwargs):
         raise AssertionError("backend 'auto' called the Triton kernels for CPU tensors")
 
-    monkeypatch.setattr(AF, "_dilated_triton", no_kernel)
-    monkeypatch.setattr(AF, "DILATED_TRITON_USABLE", True)
+    monkeypatch.setattr(AF.DILATED_KERNELS, "call", no_kernel)
+    monkeypatch.setattr(AF.DILATED_KERNELS, "usable", True)
     c = CASES["k3 r2 mask 5x7, module layout"]
     q, k, v = (c[t].clone().requires_grad_() for t in "qkv")
     AF.dilated_attention(q, k, v, (5, 7), 3, 2, "mask").sum().backward()
@@ -306,27 +306,27 @@ def test_kernel_failure_warns_once_and_the_torch_kernel_takes_over(monkeypatch):
 
     monkeypatch.setattr(dilated_triton, "forward", broken)
     monkeypatch.setattr(dilated_triton, "backward", broken)
-    monkeypatch.setattr(AF, "DILATED_TRITON_USABLE", True)
+    monkeypatch.setattr(AF.DILATED_KERNELS, "usable", True)
     # backend "auto" as on a GPU: the Triton kernels while they are usable
     monkeypatch.setattr(AF, "_dilated_backend", lambda tensors, backend: backend if backend in ("torch", "triton")
-                        else "triton" if AF.DILATED_TRITON_USABLE else "torch")
+                        else "triton" if AF.DILATED_KERNELS.usable else "torch")
     with pytest.warns(UserWarning, match="torch kernel takes over") as caught:
         got = torch.autograd.grad(AF.dilated_attention(q, k, v, *args), (q, k, v), c["g"])
-    assert len(caught) == 1 and AF.DILATED_TRITON_USABLE is False
+    assert len(caught) == 1 and AF.DILATED_KERNELS.usable is False
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # turned off: no second warning
         again = torch.autograd.grad(AF.dilated_attention(q, k, v, *args), (q, k, v), c["g"])
     for a, b, w in zip(got, again, want):
         assert torch.equal(a, w) and torch.equal(b, w)
     # the backward alone failing (after a forward on Triton) hands over too
-    monkeypatch.setattr(AF, "DILATED_TRITON_USABLE", True)
+    monkeypatch.setattr(AF.DILATED_KERNELS, "usable", True)
     qd, kd, vd = (t.detach() for t in (q, k, v))
     _, attn = AF._dilated_forward(qd, kd, vd, 8, 9, 5, 1, True, c["scale"], backend="torch")
     with pytest.warns(UserWarning, match="torch kernel takes over"):
         grads = AF._dilated_backward(c["g"], qd, kd, vd, attn, 8, 9, 5, 1, c["scale"])
     assert all(torch.equal(a, w) for a, w in zip(grads, want))
     # backend "triton" raises instead, and out of memory always raises (and leaves the kernels on)
-    monkeypatch.setattr(AF, "DILATED_TRITON_USABLE", True)
+    monkeypatch.setattr(AF.DILATED_KERNELS, "usable", True)
     with pytest.raises(RuntimeError, match="no driver"):
         AF._dilated_forward(qd, kd, vd, 8, 9, 5, 1, True, c["scale"], backend="triton")
 
@@ -336,7 +336,7 @@ def test_kernel_failure_warns_once_and_the_torch_kernel_takes_over(monkeypatch):
     monkeypatch.setattr(dilated_triton, "forward", out_of_memory)
     with pytest.raises(torch.cuda.OutOfMemoryError):
         AF.dilated_attention(q, k, v, *args)
-    assert AF.DILATED_TRITON_USABLE is True
+    assert AF.DILATED_KERNELS.usable is True
 
 
 def test_kernels_take_float32_only():
@@ -379,4 +379,4 @@ def test_kernels_on_the_gpu(B, H, heads, h, w, d, ks, r, border):
                                              g.cuda()) for _ in range(2))
     assert all(torch.equal(a, b) for a, b in zip(first, second))
     assert all(rel_err(a.cpu(), b) < 1e-5 for a, b in zip(first, want[2:]))
-    assert AF.DILATED_TRITON_USABLE
+    assert AF.DILATED_KERNELS.usable

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from attention import pointops
+from attention import pointops, triton_kernels
 from attention.pointops import farthest_point_sample
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -271,8 +271,8 @@ def test_auto_takes_the_torch_loop_on_the_cpu(monkeypatch):
     def no_kernel(*args, **kwargs):
         raise AssertionError("backend='auto' launched the Triton kernel for CPU tensors")
 
-    monkeypatch.setattr(pointops, "fps_triton", no_kernel)
-    monkeypatch.setattr(pointops, "TRITON_USABLE", True)
+    monkeypatch.setattr(pointops.FPS_KERNELS, "call", no_kernel)
+    monkeypatch.setattr(triton_kernels, "AVAILABLE", True)
     xyz = grid_points(torch.float32, seed=0)
     for like_kernel in (False, True):
         assert torch.equal(farthest_point_sample(xyz, 20, like_kernel=like_kernel),
@@ -285,19 +285,20 @@ def test_without_triton_auto_still_works(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
     monkeypatch.delitem(sys.modules, "attention.fps_triton", raising=False)
     monkeypatch.delattr(attention, "fps_triton", raising=False)
-    monkeypatch.setattr(pointops, "TRITON_USABLE", None)
-    assert not pointops.triton_usable()
+    monkeypatch.setattr(triton_kernels, "AVAILABLE", None)
+    assert not triton_kernels.available()
     xyz = grid_points(torch.float32, seed=1)
     want = farthest_point_sample(xyz, 20, backend="torch")
     assert torch.equal(farthest_point_sample(xyz, 20), want)
     with pytest.raises(ImportError):
         farthest_point_sample(xyz, 20, backend="triton")
     # a kernel that fails under backend="auto" (on a GPU) warns, is turned off, and the torch loop takes over
-    monkeypatch.setattr(pointops, "TRITON_USABLE", True)
+    monkeypatch.setattr(triton_kernels, "AVAILABLE", True)
+    monkeypatch.setattr(pointops.FPS_KERNELS, "usable", True)
     start, dist = torch.zeros(2, dtype=torch.long), torch.full((2, 64), torch.inf)
     with pytest.warns(UserWarning, match="torch loop takes over"):
-        assert pointops.fps_triton(xyz, 20, start, dist, fallback=True) is None
-    assert pointops.TRITON_USABLE is False
+        assert pointops.FPS_KERNELS.call("farthest_point_sample", xyz, 20, start, dist) is None
+    assert pointops.FPS_KERNELS.usable is False
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert torch.equal(farthest_point_sample(xyz, 20), want)

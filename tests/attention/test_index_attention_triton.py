@@ -244,9 +244,9 @@ def test_auto_keeps_the_torch_paths_on_the_cpu(monkeypatch):
     def no_kernel(*args, **kwargs):
         raise AssertionError("backend 'auto' called the Triton kernels for CPU tensors")
 
-    monkeypatch.setattr(AF, "_index_triton", no_kernel)
+    monkeypatch.setattr(AF.INDEX_KERNELS, "call", no_kernel)
     monkeypatch.setattr(AF, "index_attention", no_kernel)
-    monkeypatch.setattr(AF, "INDEX_TRITON_USABLE", True)
+    monkeypatch.setattr(AF.INDEX_KERNELS, "usable", True)
     assert AF.INDEX_BACKEND == "auto"
     for name, (variant, opts, b, n) in MODULES.items():
         mixer = attention.build(variant, dim=DIM, **opts)
@@ -292,7 +292,7 @@ def test_mixers_cost_the_same_flops_on_the_indexed_path(name, monkeypatch):
     mixer = attention.build(variant, dim=DIM, **opts)
     before = mixer.cost(n, batch=b, layout="points")["flops"]
     monkeypatch.setattr(AF, "index_backend", lambda tensors, backend=None: "triton")
-    monkeypatch.setattr(AF, "_index_triton", lambda *args, fallback: None)  # the op's torch kernel runs
+    monkeypatch.setattr(AF.INDEX_KERNELS, "call", lambda *args, fallback=True: None)  # the op's torch kernel runs
     assert mixer.cost(n, batch=b, layout="points")["flops"] == before
 
 
@@ -309,27 +309,27 @@ def test_kernel_failure_warns_once_and_the_torch_path_takes_over(monkeypatch):
 
     monkeypatch.setattr(IT, "forward", broken)
     monkeypatch.setattr(IT, "backward", broken)
-    monkeypatch.setattr(AF, "INDEX_TRITON_USABLE", True)
+    monkeypatch.setattr(AF.INDEX_KERNELS, "usable", True)
     # backend "auto" as on a GPU: the Triton kernels while they are usable
     monkeypatch.setattr(AF, "index_backend", lambda tensors, backend=None: backend if backend in ("torch", "triton")
-                        else "triton" if AF.INDEX_TRITON_USABLE else "torch")
+                        else "triton" if AF.INDEX_KERNELS.usable else "torch")
     with pytest.warns(UserWarning, match="torch path takes over") as caught:
         got = torch.autograd.grad(focal_module.gathered_attention(q, k, v, *args), (q, k, v), c["g"])
-    assert len(caught) == 1 and AF.INDEX_TRITON_USABLE is False
+    assert len(caught) == 1 and AF.INDEX_KERNELS.usable is False
     assert all(rel_err(a, w) < 1e-6 for a, w in zip(got, want))  # the op's torch kernel finished that call
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # turned off: no second warning, and the variant's own torch path
         again = torch.autograd.grad(focal_module.gathered_attention(q, k, v, *args), (q, k, v), c["g"])
     assert all(torch.equal(a, w) for a, w in zip(again, want))
     # the backward alone failing (after a forward on Triton) hands over too
-    monkeypatch.setattr(AF, "INDEX_TRITON_USABLE", True)
+    monkeypatch.setattr(AF.INDEX_KERNELS, "usable", True)
     qd, kd, vd = (t.detach() for t in (q, k, v))
     out, lse = AF._index_forward(qd, kd, vd, *args, backend="torch")
     with pytest.warns(UserWarning, match="torch path takes over"):
         grads = AF._index_backward(c["g"], qd, kd, vd, c["index"], out, lse, c["heads"], c["scale"])
     assert all(rel_err(a, w) < 1e-6 for a, w in zip(grads, want))
     # backend "triton" raises instead, and out of memory always raises (and leaves the kernels on)
-    monkeypatch.setattr(AF, "INDEX_TRITON_USABLE", True)
+    monkeypatch.setattr(AF.INDEX_KERNELS, "usable", True)
     monkeypatch.setattr(AF, "INDEX_BACKEND", "triton")
     with pytest.raises(RuntimeError, match="no driver"):
         focal_module.gathered_attention(q, k, v, *args)
@@ -341,7 +341,7 @@ def test_kernel_failure_warns_once_and_the_torch_path_takes_over(monkeypatch):
     monkeypatch.setattr(IT, "forward", out_of_memory)
     with pytest.raises(torch.cuda.OutOfMemoryError):
         focal_module.gathered_attention(q, k, v, *args)
-    assert AF.INDEX_TRITON_USABLE is True
+    assert AF.INDEX_KERNELS.usable is True
 
 
 # Runs in a subprocess with a scratch Triton cache and no interpreter: records each launch the wrappers make
@@ -468,7 +468,7 @@ def test_mixers_on_the_gpu_against_float64(name):
     assert all(torch.equal(a, b) for a, b in zip(first, second))  # no atomics: bit-identical
     for a, w in zip(first, want):
         assert rel_err(a.cpu(), w) < 1e-4, rel_err(a.cpu(), w)  # float32 through the projections and sums
-    assert AF.INDEX_TRITON_USABLE
+    assert AF.INDEX_KERNELS.usable
 
 
 @pytest.mark.cuda
@@ -506,4 +506,4 @@ def test_mixers_at_65536_points_finish_and_repeat_bit_for_bit(name):
         print(f"{name} N={n} C={c} forward + backward: {time.perf_counter() - start:.3f} s")
     assert all(t.isfinite().all() for t in runs[0])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
-    assert AF.INDEX_TRITON_USABLE
+    assert AF.INDEX_KERNELS.usable

@@ -4,6 +4,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 from fractions import Fraction
 from pathlib import Path
 
@@ -725,13 +726,15 @@ def test_knn_kernel_failure_warns_and_hands_over_to_torch(monkeypatch):
     def broken(*args):
         raise RuntimeError("no driver")
 
-    monkeypatch.setattr(knn_triton, "knn", broken)
-    monkeypatch.setattr(pointops, "KNN_TRITON_USABLE", True)
+    monkeypatch.setattr(pointops.KNN_KERNELS, "usable", True)
     q, p = torch.rand(1, 4, 3), torch.rand(1, 9, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # above the kernel's k: no kernel, no warning
+        assert pointops.KNN_KERNELS.call("knn_if_supported", q, p, knn_triton.MAX_K + 1) is None
+    monkeypatch.setattr(knn_triton, "knn", broken)
     with pytest.warns(UserWarning, match="torch search takes over"):
-        assert pointops.knn_kernel(q, p, 3) is None
-    assert pointops.KNN_TRITON_USABLE is False
-    assert pointops.knn_kernel(q, p, knn_triton.MAX_K + 1) is None  # above the kernel's k: no kernel, no warning
+        assert pointops.KNN_KERNELS.call("knn_if_supported", q, p, 3) is None
+    assert pointops.KNN_KERNELS.usable is False
 
 
 @pytest.mark.cuda
@@ -744,6 +747,6 @@ def test_knn_triton_kernel_on_the_gpu_is_the_torch_search(monkeypatch, b, m, n, 
     points = torch.stack([cloud(kind, n, g) for _ in range(b)]).cuda()  # (B, N, 3)
     query = points[:, :m] if m == n else torch.rand(b, m, 3, generator=g).cuda()
     got = {sort: knn_triton.knn(query, points, k, sort=sort) for sort in (False, True)}  # both paths
-    monkeypatch.setattr(pointops, "KNN_TRITON_USABLE", False)  # knn's torch search, on the GPU
+    monkeypatch.setattr(pointops.KNN_KERNELS, "usable", False)  # knn's torch search, on the GPU
     want = pointops.knn(query, points, k)
     assert torch.equal(got[False], want) and torch.equal(got[True], want)

@@ -1,0 +1,66 @@
+"""How the torch code calls the suite's Triton kernels: imported on first use, off for the process once they fail.
+
+Four families of kernels run on CUDA, each beside a torch path that computes the same thing:
+:mod:`attention.fps_triton` (farthest point sampling), :mod:`attention.knn_triton` (k nearest neighbours),
+:mod:`attention.dilated_triton` (dilated attention on grids) and :mod:`attention.index_attention_triton`
+(attention over indexed keys: focal and dilated on point sets). ``attention`` imports and runs without Triton:
+a family's module is imported only when one of its kernels is wanted, and the CPU never wants one.
+
+A kernel that fails to compile or launch (a GPU, a driver or a Triton release it does not work with) warns once,
+turns its family off for the process (:attr:`Kernels.usable`) and returns None: the torch path then does that
+call's work and every later one's. Running out of memory is not the kernel's fault: it raises. A caller that forces
+the kernel (``fallback=False``: a ``backend="triton"`` the tests use) gets the failure raised.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+
+import torch
+
+# Whether Triton imports and finds a GPU driver: None until :func:`available` first looks.
+AVAILABLE: bool | None = None
+
+
+def available() -> bool:
+    """Whether Triton imports and finds a GPU driver (looked up once)."""
+    global AVAILABLE
+    if AVAILABLE is None:
+        try:
+            import triton
+
+            triton.runtime.driver.active.get_current_target()
+            AVAILABLE = True
+        except Exception:  # not installed, no driver, no GPU: the torch paths do the work
+            AVAILABLE = False
+    return AVAILABLE
+
+
+class Kernels:
+    """One family of Triton kernels: ``call(name, ...)`` runs ``<module>.<name>(...)``.
+
+    module: the family's module (imported on the first call); op: the operation, as the warning names it;
+    instead: what takes over after a failure, as the warning names it.
+    """
+
+    def __init__(self, module: str, op: str, instead: str):
+        self.module, self.op, self.instead = module, op, instead
+        self.usable = True  # False once a kernel of the family failed in this process
+
+    def wanted(self) -> bool:
+        """Whether "auto" may take the family's kernels: Triton works here and none of them failed yet."""
+        return self.usable and available()
+
+    def call(self, name: str, *args, fallback: bool = True, **kwargs):
+        """``<module>.<name>(*args, **kwargs)``; with ``fallback``, a failure (but out of memory) warns, turns the
+        family off and returns None, without, it raises."""
+        try:
+            return getattr(importlib.import_module(self.module), name)(*args, **kwargs)
+        except Exception as error:
+            if not fallback or isinstance(error, torch.cuda.OutOfMemoryError):
+                raise
+            warnings.warn(f"{self.op}: the Triton kernel failed ({error!r}); {self.instead} takes over.",
+                          stacklevel=3)
+            self.usable = False
+            return None
