@@ -123,6 +123,28 @@ def test_deterministic_runs_of_one_seed_are_identical_on_cuda(task, env, tmp_pat
     assert results[0] == results[1]
 
 
+# Runs whose attention takes the suite's own Triton kernels on CUDA: dilated attention on a grid (DilateFormer-T's
+# stages) and attention over indexed keys on point sets (focal and dilated on PCT's blocks), besides FPS and kNN.
+TRITON_RUNS = {
+    "dilated-grid": [*TASKS["classification"], "model=dilateformer_t", "attn=dilated", "trainer.max_epochs=1",
+                     "+trainer.limit_train_batches=3", "+trainer.limit_val_batches=1", "+trainer.limit_test_batches=1"],
+    "dilated-points": [*TINY, "attn=dilated"],
+    "focal-points": [*TINY, "attn=focal"],
+}
+
+
+@pytest.mark.parametrize("name", list(TRITON_RUNS))
+def test_triton_kernels_train_deterministically_on_cuda(name, env, tmp_path):  # noqa: F811 - env is a fixture
+    """The fused kernels in a real training run: no kernel fails (a failure would warn and hand over to torch, and
+    the run would still pass), and two deterministic runs of one seed are identical (no atomics in them)."""
+    results = []
+    for run_name in ("a", "b"):
+        proc = gpu_run([*TRITON_RUNS[name], "seed=3", "trainer.deterministic=true"], env, tmp_path / run_name)
+        assert "the Triton kernel failed" not in proc.stdout + proc.stderr
+        results.append(quality_metrics(metrics_of(tmp_path / run_name)))
+    assert results[0] == results[1] and all(math.isfinite(v) for v in results[0].values())
+
+
 def test_sigkill_then_resume_matches_an_uninterrupted_run_on_cuda(env, tmp_path):  # noqa: F811 - env is a fixture
     """tests/test_resume.py's PCT run on the GPU, deterministic: killed after a checkpoint, resumed, identical."""
     args = [*(a for a in without_accelerator(RESUME_ARGS) if not a.startswith("logger=")), *GPU,
