@@ -12,7 +12,8 @@
 # make bench-gpu - on a machine with a CUDA GPU, in GPU_PYTHON: PCT, FPS and kNN against PCT_Pytorch with its
 #                pointnet2_ops (benchmarks/pct-cuda.*; PCT_PYTORCH=<its checkout, pointnet2_ops_lib built in place>),
 #                what every attention variant costs there in float32 and bf16 (benchmarks/cost-cuda.*), and what
-#                trainer.deterministic=true costs each task (benchmarks/deterministic-cuda.*); docs/cost.md
+#                trainer.deterministic=true costs each task (benchmarks/deterministic-cuda.*), DeiT-S against
+#                timm's (benchmarks/backbones-cuda.md); docs/cost.md
 # make lock    - resolve pyproject.toml (+ requirements/tools.in, under requirements/pins.txt) into
 #                requirements/lock.txt again, keeping every pin that still fits; make lock UPGRADE=1 moves every
 #                package to the newest release the constraints admit
@@ -63,6 +64,7 @@ bench: $(STAMP)
 bench-gpu:
 	$(HAS_CUDA)
 	$(GPU_ENV) $(GPU_PYTHON) -m benchmarks.pct_cuda $(if $(PCT_PYTORCH),--reference $(PCT_PYTORCH))
+	$(GPU_ENV) $(GPU_PYTHON) -m benchmarks.backbones
 	$(GPU_ENV) $(GPU_PYTHON) run.py mode=bench bench.device=cuda 'bench.dtypes=[float32,bfloat16]' bench.tasks=true bench.table_dir=benchmarks logger=none 'hydra.run.dir=outputs/bench/$${run_stamp:}' $(ARGS)
 	CUBLAS_WORKSPACE_CONFIG=:4096:8 $(GPU_ENV) $(GPU_PYTHON) run.py mode=bench bench.device=cuda 'bench.variants=[]' 'bench.baselines=[]' bench.tasks=true bench.task_deterministic=true bench.task_pct=false bench.name=deterministic bench.table_dir=benchmarks logger=none 'hydra.run.dir=outputs/bench/$${run_stamp:}-deterministic'
 

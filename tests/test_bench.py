@@ -285,6 +285,24 @@ def test_pct_cuda_fps_rows_compare_indices_and_warp_counts(one_thread):
     assert len(lines) == 1 and "| 1 of 2 | 3 |" in lines[0] and lines[0].endswith("| yes |")
 
 
+def test_backbones_benchmark_times_vit_s_against_timms_deit_s(tmp_path, one_thread):
+    """benchmarks.backbones: both networks (the same weights: the suite's output is timm's) in every step, dtype and
+    drop path, and the table carries each row."""
+    from benchmarks import backbones
+
+    reference, suite = backbones.pair(32, 0.0, torch.device("cpu"))
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(suite.eval()(x), reference.eval()(x), rtol=1e-4, atol=1e-5)
+    out = tmp_path / "backbones.md"
+    rows = backbones.main(["--quick", "--drop-path", "0.1", "--out", str(out)])
+    assert [(r["mode"], r["dtype"]) for r in rows] == [("train", "float32"), ("train", "bf16"), ("eval", "float32"),
+                                                       ("eval", "bf16")]
+    assert all(r["reference_s"] > 0 and r["suite_s"] > 0 and r["drop_path"] == 0.1 for r in rows)
+    text = out.read_text()
+    assert all(f"| {r['mode']} | {r['dtype']} | 2 | 64 | 0.1 |" in text for r in rows)
+
+
 def test_pct_cuda_benchmark_refuses_a_folder_that_is_no_checkout(tmp_path):
     from benchmarks import pct_cuda
 
