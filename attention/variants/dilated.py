@@ -84,19 +84,23 @@ class DilatedAttention(Mixer):
         return tuple(int(r) for r in rates)
 
     def mix(self, x, layout):
-        q, k, v = rearrange(self.qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.heads)
         per_group = self.heads // len(self.dilations)
-        groups = [slice(g * per_group, (g + 1) * per_group) for g in range(len(self.dilations))]
+        # q, k, v: one tuple each of the head groups' (B, heads / groups, N, d) views of the qkv projection. Split,
+        # not indexed: a split's backward is one concatenation, where each indexed slice wrote a zero-filled
+        # gradient of the whole tensor and the slices' gradients were then summed (12 fills and 9 sums of
+        # (B, heads, N, d) a step with 4 groups, more memory traffic than the attention itself on a GPU)
+        q, k, v = (t.split(per_group, dim=1)
+                   for t in rearrange(self.qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.heads))
         if isinstance(layout, Grid):
-            out = [functional.dilated_attention(q[:, g], k[:, g], v[:, g], (layout.h, layout.w), self.kernel_size,
-                                                r, self.border)  # (B, heads / groups, N, d)
-                   for g, r in zip(groups, self.dilations)]
+            out = [functional.dilated_attention(qg, kg, vg, (layout.h, layout.w), self.kernel_size, r, self.border)
+                   for qg, kg, vg, r in zip(q, k, v, self.dilations)]  # (B, heads / groups, N, d) each
         else:
-            out = self._mix_points(q, k, v, layout.xyz, groups)
+            out = self._mix_points(q, k, v, layout.xyz)
         return self.proj(rearrange(torch.cat(out, dim=1), "b h n d -> b n (h d)"))
 
-    def _mix_points(self, q, k, v, xyz, groups):
-        """Per head group, each point against every r-th of its K*r nearest points: (B, heads / groups, N, d) each.
+    def _mix_points(self, q, k, v, xyz):
+        """Per head group (q, k, v: a (B, heads / groups, N, d) tensor each, one per group), each point against every
+        r-th of its K*r nearest points: (B, heads / groups, N, d) each.
 
         Where :func:`functional.index_backend` picks the Triton kernels (float32 or half CUDA tensors), a group's
         queries, keys and values go to :func:`functional.index_attention` as (B N, heads / groups * d) row views of
@@ -105,28 +109,28 @@ class DilatedAttention(Mixer):
         """
         n = xyz.shape[1]
         nearest = knn(xyz, xyz, min(self.neighbours * max(self.dilations), n))  # (B, N, K * r_max), nearest first
-        if functional.index_backend((q, k, v)) == "triton":
-            return self._mix_points_indexed(q, k, v, nearest, groups)
+        if functional.index_backend((*q, *k, *v)) == "triton":
+            return self._mix_points_indexed(q, k, v, nearest)
         out = []
-        for g, r in zip(groups, self.dilations):
+        for qg, kg, vg, r in zip(q, k, v, self.dilations):
             idx = nearest[:, :, :self.neighbours * r:r]  # (B, N, K): every r-th of the K*r nearest
-            kv = [rearrange(gather(rearrange(t[:, g], "b h n d -> b n (h d)"), idx),  # (B, N, K, h*d)
+            kv = [rearrange(gather(rearrange(t, "b h n d -> b n (h d)"), idx),  # (B, N, K, h*d)
                             "b n k (h d) -> b h n k d", d=t.shape[-1])  # (B, heads / groups, N, K, d)
-                  for t in (k, v)]
-            out.append(functional.dilated_point_attention(q[:, g], *kv))  # (B, heads / groups, N, d)
+                  for t in (kg, vg)]
+            out.append(functional.dilated_point_attention(qg, *kv))  # (B, heads / groups, N, d)
         return out
 
-    def _mix_points_indexed(self, q, k, v, nearest, groups):
+    def _mix_points_indexed(self, q, k, v, nearest):
         """:meth:`_mix_points` by :func:`functional.index_attention`, one call per head group, never gathering the
         (B, heads / groups, N, K, d) keys and values. The batch is flattened: sample b's points are rows b N + j."""
-        b, _, n, d = q.shape
+        b, heads, n, d = q[0].shape
         first = (torch.arange(b, device=nearest.device) * n).view(b, 1, 1)  # (B, 1, 1) first row of each sample
         out = []
-        for g, r in zip(groups, self.dilations):
+        for qg, kg, vg, r in zip(q, k, v, self.dilations):
             idx = (nearest[:, :, :self.neighbours * r:r] + first).reshape(b * n, -1)  # (B N, K) rows of the batch
             # (B, h, N, d) -> (B, N, h, d) -> (B N, h d): views of the qkv projection (rows 3C apart), no copy
-            rows = [t[:, g].transpose(1, 2).reshape(b * n, -1) for t in (q, k, v)]
-            o = functional.index_attention(*rows, idx, g.stop - g.start)  # (B N, h d)
+            rows = [t.transpose(1, 2).reshape(b * n, -1) for t in (qg, kg, vg)]
+            o = functional.index_attention(*rows, idx, heads)  # (B N, h d)
             out.append(o.view(b, n, -1, d).transpose(1, 2))  # (B, h, N, d)
         return out
 
