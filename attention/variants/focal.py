@@ -409,15 +409,17 @@ class FocalAttention(Mixer):
                                 self.border)
         pad = (0, 0, 0, nw * ws - w, 0, nh * ws - h)
 
+        # q and k|v split from the projection, not sliced: a split's backward is one concatenation, where each slice
+        # wrote a zero-filled gradient of the whole (B, pixels, 3C) projection and the two were then summed
         if self.border == "roll":  # the padded map is projected: padding pixels are keys (the qkv bias)
-            qkv = self.qkv(F.pad(x.view(b, h, w, c), pad)).flatten(1, 2)  # (B, H'*W', 3C)
-            q = qkv[..., :c].view(b, nh * ws, nw * ws, c)  # (B, H', W', C)
+            q, kv = self.qkv(F.pad(x.view(b, h, w, c), pad)).flatten(1, 2).split([c, 2 * c], dim=-1)  # (B, H'*W', .)
+            q = q.view(b, nh * ws, nw * ws, c)  # (B, H', W', C)
         else:
-            qkv = self.qkv(x)  # (B, N, 3C)
-            q = F.pad(qkv[..., :c].view(b, h, w, c), pad)  # (B, H', W', C)
+            q, kv = self.qkv(x).split([c, 2 * c], dim=-1)  # (B, N, C), (B, N, 2C)
+            q = F.pad(q.view(b, h, w, c), pad)  # (B, H', W', C)
         q = rearrange(q, "b (nh r) (nw s) (heads d) -> b heads (nh nw) (r s) d", r=ws, s=ws, heads=self.heads)
 
-        sources = [qkv[..., c:]] + [self._kv(self._pool(x, h, w, k)) for k in range(self.focal_level - 1)]
+        sources = [kv] + [self._kv(self._pool(x, h, w, k)) for k in range(self.focal_level - 1)]
         sources = torch.cat(sources + [x.new_zeros(b, 1, 2 * c)], dim=1)  # (B, pixels + pooled + 1, 2C)
         k, v = rearrange(sources[:, keys], "b nw m (two heads d) -> two b heads nw m d", two=2, heads=self.heads)
 
@@ -428,7 +430,9 @@ class FocalAttention(Mixer):
         else:
             out = functional.focal_attention(q, k, v, mask=valid[:, None, :], bias=bias)
         out = rearrange(out, "b heads (nh nw) (r s) d -> b (nh r) (nw s) (heads d)", nh=nh, r=ws)  # (B, H', W', C)
-        return self.proj(out[:, :h, :w].reshape(b, n, c))
+        if (nh * ws, nw * ws) != (h, w):  # the padding's rows and columns out (a slice's backward fills zeros)
+            out = out[:, :h, :w]  # (B, h, w, C)
+        return self.proj(out.reshape(b, n, c))
 
     def _pool(self, x, h, w, k):
         """Pooled tokens (B, ph*pw, C) of coarse level k, row-major, of the map x (B, h*w, C) padded with zeros."""
