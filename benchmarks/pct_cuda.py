@@ -78,7 +78,8 @@ def load_reference(path: Path | None) -> tuple[object | None, Callable | None, s
         model = importlib.import_module("model")
     except Exception as error:  # pointnet2_ops not built: model.py imports util, which imports it
         return None, None, f"PCT_Pytorch at {path} does not import ({error!r}); build pointnet2_ops_lib in place"
-    return model, fps, f"PCT_Pytorch at {path}, pointnet2_ops {getattr(sys.modules.get('pointnet2_ops'), '__version__', '?')}"
+    version = getattr(sys.modules.get("pointnet2_ops"), "__version__", "?")
+    return model, fps, f"PCT_Pytorch at {path}, pointnet2_ops {version}"
 
 
 class ReferencePCT(torch.nn.Module):
@@ -180,7 +181,8 @@ def pct_rows(model_module, batch: int, points: int, rounds: int, device, samples
                  "suite_bf16": make(suite, True)}
         first = {}
         if compile_too:
-            compiled = {"reference_compiled": make(torch.compile(reference)), "suite_compiled": make(torch.compile(suite))}
+            compiled = {"reference_compiled": make(torch.compile(reference)),
+                        "suite_compiled": make(torch.compile(suite))}
             first = {k: first_call(s, device) for k, s in compiled.items()}
             steps.update(compiled)
         times = {k: statistics.median(v) for k, v in alternate(steps, rounds, device).items()}
@@ -377,7 +379,8 @@ def markdown(out: dict) -> str:
                     if "same_form_ratio" in r else "")
             comp = r.get("compile_s", {})
             comp = f"{comp['reference_compiled']:.0f} / {comp['suite_compiled']:.0f}" if comp else ""
-            lines.append(f"| {r['network']} | {r['batch']} x {r['points']} | {r['mode']} | {r['form']} | {r['against']} "
+            lines.append(f"| {r['network']} | {r['batch']} x {r['points']} | {r['mode']} | {r['form']} | "
+                         f"{r['against']} "
                          f"| {1e3 * r['reference_s']:.2f} | {1e3 * r['suite_s']:.2f} | **{r['ratio']:.2f}x** | "
                          f">= {r['goal']}x | **{'pass' if r['ratio'] >= r['goal'] else 'miss'}** | {same} | {comp} |")
         lines.append("")

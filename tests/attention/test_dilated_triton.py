@@ -4,11 +4,11 @@ The kernels run on CPU tensors under Triton's interpreter, which ``TRITON_INTERP
 defined (at import), so in one subprocess for every case (the interpreter is slow: small grids, up to 8 x 9): the
 forward's output and attention map and the backward's dq, dk, dv must equal the torch kernel's
 (``functional._dilated_forward`` / ``_dilated_backward`` with ``backend="torch"``) in float32, and both the float64
-torch kernel, to 1e-6 relative (1e-5 on a GPU, whose exp and division are approximate). The same subprocess runs ``DilatedAttention`` forward and backward with
-``functional.DILATED_BACKEND = "triton"`` and with ``"torch"``. Without a GPU,
-:func:`test_kernels_compile_for_sm90_as_launched` compiles the kernels for an H100 as the wrappers launch them and
-reads the PTX and the registers; the test marked ``cuda`` runs them on a GPU. Triton is in the lock: if it does
-not import, these tests fail.
+torch kernel, to 1e-6 relative (1e-5 on a GPU, whose exp and division are approximate). The same subprocess runs
+``DilatedAttention`` forward and backward with ``functional.DILATED_BACKEND = "triton"`` and with ``"torch"``.
+Without a GPU, :func:`test_kernels_compile_for_sm90_as_launched` compiles the kernels for an H100 as the wrappers
+launch them and reads the PTX and the registers; the test marked ``cuda`` runs them on a GPU. Triton is in the
+lock: if it does not import, these tests fail.
 """
 
 import json
