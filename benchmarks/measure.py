@@ -147,6 +147,7 @@ class OpCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.bytes_moved = 0
+        self.kernels = 0  # the ops counted in bytes_moved: about the kernels a GPU would launch
         self.live = 0
         self.peak = 0
         self._seen = WeakIdKeyDictionary()
@@ -163,6 +164,7 @@ class OpCounter(TorchDispatchMode):
             storages = {id(t.untyped_storage()) for t in ins}
             if func._schema.is_mutable or not any(id(t.untyped_storage()) in storages for t in outs):
                 self.bytes_moved += sum(_nbytes(t) for t in ins + outs)
+                self.kernels += 1
         for t in outs:
             storage = t.untyped_storage()
             if storage in self._seen:

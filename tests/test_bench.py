@@ -304,6 +304,22 @@ def test_backbones_benchmark_times_vit_s_against_timms_deit_s(tmp_path, one_thre
     assert all(f"| {r['mode']} | {r['dtype']} | 2 | 64 | 0.1 |" in text for r in rows)
 
 
+def test_small_n_benchmark_times_eager_and_compiled_and_counts_kernels(tmp_path, one_thread):
+    """benchmarks.small_n (make bench-gpu's launch-bound check) on the CPU: both forms timed, the eager step's
+    kernels counted as the OpCounter counts them, the table written."""
+    from benchmarks import small_n
+
+    out = tmp_path / "small-n.md"
+    (row,) = small_n.main(["--quick", "--variants", "linear_elu", "--out", str(out)])
+    mixer = attention.build("linear_elu", dim=32)
+    x = torch.randn(1, 64, 32, requires_grad=True)
+    with measure.OpCounter() as ops:
+        mixer(x, mixer.example_layout(64, 1, "grid")).sum().backward()
+    assert row["kernels"] == ops.kernels > 10 and row["layout"] == "grid"
+    assert row["eager_s"] > 0 and row["compiled_s"] > 0 and "cuda graph_s" not in row
+    assert f"| linear_elu | grid | 64 | 32 | {row['kernels']} |" in out.read_text()
+
+
 def test_pct_cuda_benchmark_refuses_a_folder_that_is_no_checkout(tmp_path):
     from benchmarks import pct_cuda
 
