@@ -349,21 +349,14 @@ def test_kernel_failure_warns_once_and_the_torch_path_takes_over(monkeypatch):
 # no GPU needed), and prints, per launch, its kernel, constexprs, atomic instructions, global loads and registers.
 COMPILE = """
 import json
-import re
-import subprocess
-import tempfile
+import sys
 import torch
-import triton
-from triton.backends.compiler import BaseBackend, GPUTarget
-from triton.compiler import ASTSource
-from triton._C.libtriton import native_specialize_impl
 from attention import index_attention_triton as IT
 
-launches = []
-for kernel in (IT._forward_kernel, IT._backward_query_kernel, IT._backward_key_kernel):
-    def run(*args, grid, warmup, _kernel=kernel, **options):
-        launches.append((_kernel, args, options))
-    kernel.run = run
+sys.path.insert(0, "tests")
+from triton_sm90 import compile_sm90, record_launches
+
+launches = record_launches(IT._forward_kernel, IT._backward_query_kernel, IT._backward_key_kernel)
 
 n = 4096
 qkv = torch.empty(n, 3 * 256)  # dilated: a group of 2 heads of 8, d = 32, row views of the qkv projection
@@ -381,29 +374,7 @@ for name, ((q, k, v), index, heads) in layouts.items():
     passed = [*launches[0][1][:3], *launches[1][1][:3], *launches[2][1][:3]]
     assert all(a is b for a, b in zip(passed, (q, k, v) * 3)), "a copy of q, k or v went to a kernel"
     for kernel, args, options in launches:
-        signature, constexprs, attrs = {}, {}, {}
-        for i, (arg_name, arg) in enumerate(zip(kernel.arg_names, args)):
-            kind, key = native_specialize_impl(BaseBackend, arg, False, True, True)
-            signature[arg_name] = kind
-            if kind == "constexpr":
-                constexprs[arg_name] = key
-            elif isinstance(key, str):
-                attrs[(i,)] = BaseBackend.parse_attr(key)
-        for arg_name in kernel.arg_names[len(args):]:
-            signature[arg_name], constexprs[arg_name] = "constexpr", options[arg_name]
-        source = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": options["num_warps"]})
-        ptx = compiled.asm["ptx"]
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-            cubin.write(compiled.asm["cubin"])
-            cubin.flush()
-            usage = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "-res-usage", cubin.name],
-                                   capture_output=True, text=True, check=True).stdout
-        resources = {k: int(v) for k, v in re.findall(r"\\b(REG|STACK|LOCAL):(\\d+)", usage)}
-        print(json.dumps(dict(layout=name, kernel=kernel.__name__,
-                              constexprs={k: v for k, v in constexprs.items() if k.isupper()},
-                              atomics=re.findall(r"\\b(?:atom|red)\\.[\\w.]+", ptx),
-                              loads=sorted(set(re.findall(r"ld\\.global[\\w.]*", ptx))), **resources)))
+        print(json.dumps(dict(layout=name, **compile_sm90(kernel, args, options))))
 """
 
 
