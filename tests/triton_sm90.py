@@ -53,3 +53,19 @@ def compile_sm90(kernel, args, options) -> dict:
     return dict(kernel=kernel.__name__, constexprs={k: v for k, v in constexprs.items() if k.isupper()},
                 atomics=re.findall(r"\b(?:atom|red)\.[\w.]+", ptx),
                 loads=sorted(set(re.findall(r"ld\.global[\w.]*", ptx))), **resources)
+
+
+def compiled_rows(script: str, tmp_path) -> list[dict]:
+    """Run ``script`` (which prints one JSON row a compiled launch) in a subprocess from the checkout, with Triton's
+    cache in ``tmp_path`` and the interpreter off, and return its rows."""
+    import json
+    import os
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines()]

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from attention import functional as AF
+from triton_sm90 import compiled_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -233,12 +234,7 @@ def test_kernels_compile_for_sm90_as_launched(tmp_path):
     # One launch forward, two backward, each compiled for an H100 as the wrappers launch it: no atomic instruction
     # (the gradients are sums in a fixed order: bit-reproducible), no spills, and at the module's layouts 16-byte
     # loads (ALIGN = 4: rows of 3C floats); a head width of 5 (ALIGN = 1) compiles too.
-    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
-    env.pop("TRITON_INTERPRET", None)
-    done = subprocess.run([sys.executable, "-c", COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    rows = compiled_rows(COMPILE, tmp_path)
     kernels = ["_forward_kernel", "_backward_query_kernel", "_backward_key_kernel"]
     assert [(r["layout"], r["kernel"]) for r in rows] == [
         (layout, kernel) for layout in ("56x56 C=72", "256x256 C=256", "5x7 d=5 k=5") for kernel in kernels]

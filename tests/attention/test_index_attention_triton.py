@@ -26,6 +26,7 @@ import attention
 from attention import functional as AF
 from attention.layout import Points
 from attention.variants import focal as focal_module
+from triton_sm90 import compiled_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -381,12 +382,7 @@ for name, ((q, k, v), index, heads) in layouts.items():
 def test_kernels_compile_for_sm90(tmp_path):
     # One launch forward, two backward, each compiled for an H100 as the wrappers launch it: no atomic instruction
     # (the gradients are sums in a fixed order: bit-reproducible), no spills, 16-byte loads (ALIGN = 4).
-    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
-    env.pop("TRITON_INTERPRET", None)
-    done = subprocess.run([sys.executable, "-c", COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    rows = compiled_rows(COMPILE, tmp_path)
     kernels = ["_forward_kernel", "_backward_query_kernel", "_backward_key_kernel"]
     assert [(r["layout"], r["kernel"]) for r in rows] == [
         (layout, kernel) for layout in ("dilated C=256", "focal C=256") for kernel in kernels]
