@@ -8,7 +8,7 @@
 #                generated shapes (experiment=compare, one thread a run), then mode=report into docs/results/compare
 # make test-gpu - on a machine with a CUDA GPU, in GPU_PYTHON (default python3: the GPU image's own torch, not the
 #                lock's; needs no .venv): every `cuda` test (tests/gpu/, the kernels' in tests/attention/), then the
-#                rest of the suite with GPU_WORKERS workers (docs/scale.md#testing-on-a-gpu)
+#                rest of the suite, each with GPU_WORKERS workers (docs/scale.md#testing-on-a-gpu)
 # make bench-gpu - on a machine with a CUDA GPU, in GPU_PYTHON: PCT, FPS and kNN against PCT_Pytorch with its
 #                pointnet2_ops (benchmarks/pct-cuda.*; PCT_PYTORCH=<its checkout, pointnet2_ops_lib built in place>),
 #                what every attention variant costs there in float32 and bf16 (benchmarks/cost-cuda.*), and what
