@@ -589,6 +589,10 @@ def _index_forward(q, k, v, index, heads, scale, backend=None):
     """The op's kernel: the output (R, C_v) and the log-sum-exp (R, heads) of the scaled logits, by the Triton
     kernel unless ``backend`` (None: ``INDEX_BACKEND``) is "torch" or it failed (``INDEX_KERNELS``)."""
     if index_backend((q, k, v), backend) == "triton":
+        # the kernels read k[index], v[index] unchecked; torch's gathers would raise on an index out of range: an
+        # asynchronous device assert does the same without waiting for the GPU (two reductions over the indices)
+        torch._assert_async(((index >= 0) & (index < k.shape[0])).all(),
+                            f"index_attention: an index lies outside the {k.shape[0]} key rows")
         result = INDEX_KERNELS.call("forward", q, k, v, index, heads, scale, fallback=_index_fallback(backend))
         if result is not None:
             return result

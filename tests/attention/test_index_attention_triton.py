@@ -257,6 +257,18 @@ def test_auto_keeps_the_torch_paths_on_the_cpu(monkeypatch):
         AF.index_backend((), "cuda")
 
 
+def test_an_index_out_of_range_is_refused_before_the_kernel_reads_it(monkeypatch):
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("the kernel was launched with an index outside the keys")
+
+    monkeypatch.setattr(AF.INDEX_KERNELS, "call", no_kernel)
+    q, k = torch.randn(3, 4), torch.randn(5, 4)
+    for bad in (5, -1):
+        index = torch.tensor([[0, 1], [2, bad], [4, 4]])
+        with pytest.raises(RuntimeError, match="outside the 5 key rows"):
+            AF._index_forward(q, k, k, index, 2, 0.5, backend="triton")
+
+
 def test_op_refuses_double_backward_and_counts_flops():
     c = CASES["3 heads, d=5 d_v=3, repeats, 3 keys never named"]
     q, k, v = (c[t].clone().requires_grad_() for t in "qkv")
