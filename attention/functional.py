@@ -385,21 +385,13 @@ DILATED_BACKEND = "auto"
 (:mod:`attention.dilated_triton`) on float32 CUDA tensors where Triton works and the torch kernel otherwise (CPU,
 float64); "torch" always the torch kernel; "triton" always the Triton kernels, on any device (CPU tensors under
 ``TRITON_INTERPRET=1``: the tests), and a kernel that fails then raises instead of handing over to torch."""
-DILATED_BACKENDS = ("auto", "torch", "triton")
 # The Triton kernels' family (attention.triton_kernels: imported when wanted, off for the process once one failed).
 DILATED_KERNELS = Kernels("attention.dilated_triton", "dilated_attention", "the torch kernel")
 
 
 def _dilated_backend(tensors, backend: str | None) -> str:
     """"triton" or "torch": the kernel that ``backend`` (None: ``DILATED_BACKEND``) picks for these tensors."""
-    backend = DILATED_BACKEND if backend is None else backend
-    if backend not in DILATED_BACKENDS:
-        raise ValueError(f"dilated_attention: backend={backend!r}, expected one of {DILATED_BACKENDS}.")
-    if backend != "auto":
-        return backend
-    if all(t.is_cuda and t.dtype == torch.float32 for t in tensors) and DILATED_KERNELS.wanted():
-        return "triton"
-    return "torch"
+    return DILATED_KERNELS.pick(DILATED_BACKEND if backend is None else backend, tensors, (torch.float32,))
 
 
 def _dilated_forward(q, k, v, h, w, kernel_size, dilation, mask, scale, backend=None):
@@ -558,7 +550,6 @@ kernels (:mod:`attention.index_attention_triton`, through :func:`index_attention
 Triton works, and the variants' own torch paths otherwise (CPU, float64: unchanged); "torch" always the torch
 paths; "triton" always the Triton kernels, on any device (CPU tensors under ``TRITON_INTERPRET=1``: the tests), and a
 kernel that fails then raises instead of handing over to torch."""
-INDEX_BACKENDS = ("auto", "torch", "triton")
 # The Triton kernels' family (attention.triton_kernels: imported when wanted, off for the process once one failed:
 # the variants' torch paths then take every later call, the op's torch kernel finishes the failed one).
 INDEX_KERNELS = Kernels("attention.index_attention_triton", "index_attention", "the torch path")
@@ -569,16 +560,9 @@ INDEX_CHUNK_ELEMENTS = 1 << 24
 
 def index_backend(tensors, backend: str | None = None) -> str:
     """"triton" or "torch": what ``backend`` (None: ``INDEX_BACKEND``) picks for these tensors; the variants call
-    :func:`index_attention` on "triton" and keep their torch paths on "torch"."""
-    backend = INDEX_BACKEND if backend is None else backend
-    if backend not in INDEX_BACKENDS:
-        raise ValueError(f"index_attention: backend={backend!r}, expected one of {INDEX_BACKENDS}.")
-    if backend != "auto":
-        return backend
-    # half precision counts as float32: float32_kernel upcasts it before the op
-    if all(t.is_cuda and t.dtype in (torch.float32, *HALF) for t in tensors) and INDEX_KERNELS.wanted():
-        return "triton"
-    return "torch"
+    :func:`index_attention` on "triton" and keep their torch paths on "torch". Half precision counts as float32:
+    ``float32_kernel`` upcasts it before the op."""
+    return INDEX_KERNELS.pick(INDEX_BACKEND if backend is None else backend, tensors, (torch.float32, *HALF))
 
 
 def _index_fallback(backend) -> bool:

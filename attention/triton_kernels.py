@@ -19,6 +19,8 @@ import warnings
 
 import torch
 
+# What an op's backend may be: "auto" (the kernels where they work), "torch" or "triton" (forced: the tests).
+BACKENDS = ("auto", "torch", "triton")
 # Whether Triton imports and finds a GPU driver: None until :func:`available` first looks.
 AVAILABLE: bool | None = None
 
@@ -51,6 +53,17 @@ class Kernels:
     def wanted(self) -> bool:
         """Whether "auto" may take the family's kernels: Triton works here and none of them failed yet."""
         return self.usable and available()
+
+    def pick(self, backend: str, tensors, dtypes) -> str:
+        """"triton" or "torch" for an op's ``backend`` ("auto", "torch" or "triton"): "auto" takes the kernels for
+        CUDA tensors of ``dtypes`` where they are wanted, the torch path otherwise."""
+        if backend not in BACKENDS:
+            raise ValueError(f"{self.op}: backend={backend!r}, expected one of {BACKENDS}.")
+        if backend != "auto":
+            return backend
+        if all(t.is_cuda and t.dtype in dtypes for t in tensors) and self.wanted():
+            return "triton"
+        return "torch"
 
     def call(self, name: str, *args, fallback: bool = True, **kwargs):
         """``<module>.<name>(*args, **kwargs)``; with ``fallback``, a failure (but out of memory) warns, turns the

@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import measure  # noqa: E402
 from benchmarks.pct import interleaved  # noqa: E402
-from benchmarks.pct_cuda import eval_step, timed  # noqa: E402
+from benchmarks.pct_cuda import eval_step, timed, train_step  # noqa: E402
 
 
 def pair(img_size: int, drop_path: float, device) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -48,21 +48,6 @@ def pair(img_size: int, drop_path: float, device) -> tuple[torch.nn.Module, torc
     return reference, suite
 
 
-def train_step(net, images, target, bf16: bool):
-    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-    device = images.device.type
-
-    def step():
-        net.train()
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
-            out = net(images)
-        F.cross_entropy(out.float(), target).backward()
-        opt.step()
-
-    return step
-
-
 def rows(batch: int, img_size: int, drop_path: float, rounds: int, device) -> list[dict]:
     reference, suite = pair(img_size, drop_path, device)
     g = torch.Generator().manual_seed(0)
@@ -71,7 +56,7 @@ def rows(batch: int, img_size: int, drop_path: float, rounds: int, device) -> li
     out = []
     for mode in ("train", "eval"):
         for bf16 in (False, True):
-            steps = {name: (train_step(net, images, target, bf16) if mode == "train"
+            steps = {name: (train_step(net, F.cross_entropy, (images,), target, bf16) if mode == "train"
                             else eval_step(net, (images,), bf16))
                      for name, net in (("reference", reference), ("suite", suite))}
             times = interleaved(steps, rounds, warmup=3, seconds=lambda step: timed(step, device))

@@ -145,11 +145,6 @@ def eval_step(net, inputs, autocast: bool) -> Callable[[], None]:
     return step
 
 
-def first_call(step: Callable[[], None], device) -> float:
-    """Seconds of a compiled step's first call: compilation and one step."""
-    return timed(step, device)
-
-
 # --------------------------------------------------------------------------------------------
 # 1-3: the networks
 # --------------------------------------------------------------------------------------------
@@ -183,7 +178,7 @@ def pct_rows(model_module, batch: int, points: int, rounds: int, device, samples
         if compile_too:
             compiled = {"reference_compiled": make(torch.compile(reference)),
                         "suite_compiled": make(torch.compile(suite))}
-            first = {k: first_call(s, device) for k, s in compiled.items()}
+            first = {k: timed(s, device) for k, s in compiled.items()}  # compiles, then steps
             steps.update(compiled)
         times = {k: statistics.median(v) for k, v in alternate(steps, rounds, device).items()}
         base = times["reference"]
