@@ -5,7 +5,8 @@ real configs exactly as a run builds it (``suite/compose.py``), with data loadin
 after ``bench.task_warmup`` batches: samples/s counts the samples of the later batches over the time from the end
 of the last warm-up batch to the end of the last batch (loading included). Every attention mixer of the
 network carries module hooks timing its forward and its backward (from the gradient reaching its output to
-the gradient reaching its input); their sum over the measured steps' time is attention's share.
+the gradient reaching its input); their sum over the measured steps' time is attention's share. On a GPU every
+time is read from CUDA events after the epoch (:class:`Marks`): nothing in the measured steps waits for the GPU.
 
 With ``bench.task_pct`` (on by default), PCT's two tasks among ``bench.task_names`` (modelnet, shapenet) also
 compare their network with the channel-first formulation it replaces (``benchmarks.baselines.channel_first``,
@@ -30,16 +31,39 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 import attention
-from benchmarks.measure import sync
 
 log = logging.getLogger("bench")
 
 
-class AttentionClock:
-    """Forward and backward time inside every :class:`attention.Mixer` of ``module``, accumulated in ``total``."""
+class Marks:
+    """Points in a device's timeline, read after the run: CUDA events on a GPU (recording one does not wait for the
+    GPU, so the measured steps run as in training; a ``synchronize`` in every mixer hook, as before, kept the host
+    from queueing ahead and inflated every task's step), ``perf_counter`` on the CPU, whose ops run as called."""
 
-    def __init__(self, module, device):
-        self.device, self.total, self._start = device, 0.0, {}
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+
+    def now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        mark = torch.cuda.Event(enable_timing=True)
+        mark.record()
+        return mark
+
+    def seconds(self, start, end) -> float:
+        """Seconds from ``start`` to ``end``; on a GPU, waits for ``end`` to be reached."""
+        if not self.cuda:
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
+class AttentionClock:
+    """Marks (start, end) of every forward and backward inside an :class:`attention.Mixer` of ``module``, appended
+    to ``spans``."""
+
+    def __init__(self, module, marks: Marks):
+        self.marks, self.spans, self._start = marks, [], {}
         self.mixers = [m for m in module.modules() if isinstance(m, attention.Mixer)]
         self.handles = []
         for m in self.mixers:
@@ -49,38 +73,37 @@ class AttentionClock:
                              m.register_full_backward_hook(lambda mod, grad_in, grad_out: self._end(mod, "b"))]
 
     def _begin(self, mod, phase):
-        sync(self.device)
-        self._start[(id(mod), phase)] = time.perf_counter()
+        self._start[(id(mod), phase)] = self.marks.now()
 
     def _end(self, mod, phase):
-        sync(self.device)
         start = self._start.pop((id(mod), phase), None)
         if start is not None:
-            self.total += time.perf_counter() - start
+            self.spans.append((start, self.marks.now()))
+
+    def seconds(self, spans) -> float:
+        return sum(self.marks.seconds(start, end) for start, end in spans)
 
     def remove(self):
         for h in self.handles:
             h.remove()
 
 
-def _timer_callback(clock: AttentionClock, device):
+def _timer_callback(clock: AttentionClock):
     import lightning as L
 
     from suite.callbacks import batch_size
 
     class StepTimer(L.pytorch.callbacks.Callback):
-        """Per training batch: start, end, samples, attention seconds."""
+        """Per training batch: (start mark, end mark, samples, the clock's attention spans within it)."""
 
         def __init__(self):
             self.steps = []
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            sync(device)
-            self._start, self._attn = time.perf_counter(), clock.total
+            self._start, self._first = clock.marks.now(), len(clock.spans)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            sync(device)
-            self.steps.append((self._start, time.perf_counter(), batch_size(batch), clock.total - self._attn))
+            self.steps.append((self._start, clock.marks.now(), batch_size(batch), clock.spans[self._first:]))
 
     return StepTimer()
 
@@ -97,8 +120,9 @@ def measure_task(task: str, attn: str, overrides: list[str], s: dict, device, de
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = build_datamodule(cfg, "fit")
     module = build_task(OmegaConf.to_container(cfg, resolve=True), datamodule)
-    clock = AttentionClock(module, device)
-    timer = _timer_callback(clock, device)
+    marks = Marks(device)
+    clock = AttentionClock(module, marks)
+    timer = _timer_callback(clock)
     trainer = L.Trainer(accelerator="gpu" if device.type == "cuda" else "cpu", devices=1, max_epochs=1,
                         limit_train_batches=s["task_batches"] + s["task_warmup"], limit_val_batches=0,
                         num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -110,12 +134,13 @@ def measure_task(task: str, attn: str, overrides: list[str], s: dict, device, de
         raise RuntimeError(f"task={task}: the epoch has {len(timer.steps)} batches, not more than "
                            f"bench.task_warmup={s['task_warmup']}; give it more data in bench.task_overrides.")
     first = timer.steps[s["task_warmup"] - 1][1] if s["task_warmup"] else steps[0][0]
-    busy = sum(end - start for start, end, _, _ in steps)
+    seconds = [marks.seconds(start, end) for start, end, _, _ in steps]  # read now: one wait for the device
+    attention_s = sum(clock.seconds(spans) for _, _, _, spans in steps)
     recipe = " ".join(o for o in overrides if o.startswith("experiment="))
     return {"task": task, "attn": attn, "recipe": recipe, "deterministic": deterministic, "batches": len(steps),
-            "samples_per_s": sum(n for _, _, n, _ in steps) / (steps[-1][1] - first),
-            "step_ms": 1e3 * statistics.median(end - start for start, end, _, _ in steps),
-            "attention_share": sum(a for _, _, _, a in steps) / busy, "mixers": len(clock.mixers)}
+            "samples_per_s": sum(n for _, _, n, _ in steps) / marks.seconds(first, steps[-1][1]),
+            "step_ms": 1e3 * statistics.median(seconds), "attention_share": attention_s / sum(seconds),
+            "mixers": len(clock.mixers)}
 
 
 def task_throughput(s: dict, device) -> list[dict]:

@@ -154,6 +154,32 @@ def test_a_failed_pct_comparison_is_a_row_not_a_lost_benchmark(monkeypatch):
     assert math.isnan(row["speedup"]) and math.isnan(row["suite_samples_per_s"])
 
 
+def test_attention_clock_spans_each_mixers_forward_and_backward(one_thread):
+    """bench.tasks' attention share: one (start, end) span per mixer forward and per mixer backward, their seconds
+    within the step's."""
+    import attention
+    from benchmarks.throughput import AttentionClock, Marks
+
+    net = torch.nn.Sequential(attention.build("external", dim=16), attention.build("linear_elu", dim=16))
+    clock = AttentionClock(net, Marks("cpu"))
+
+    def forward(x):
+        for mixer in net:
+            x = mixer(x, None)
+        return x
+
+    x = torch.randn(2, 32, 16, requires_grad=True)
+    start = clock.marks.now()
+    forward(x).square().sum().backward()
+    end = clock.marks.now()
+    assert len(clock.mixers) == 2 and len(clock.spans) == 4
+    assert all(clock.marks.seconds(a, b) > 0 for a, b in clock.spans)
+    assert 0 < clock.seconds(clock.spans) < clock.marks.seconds(start, end)
+    clock.remove()
+    forward(x).sum().backward()
+    assert len(clock.spans) == 4  # hooks removed
+
+
 def test_task_throughput_measures_deterministic_mode_beside_the_default(monkeypatch, one_thread):
     """bench.task_deterministic: each task twice, the second with trainer.deterministic on (Lightning turns torch's
     deterministic algorithms on during its steps), and torch left as it was found."""
@@ -164,8 +190,8 @@ def test_task_throughput_measures_deterministic_mode_beside_the_default(monkeypa
     seen = []
     make_timer = throughput._timer_callback
 
-    def timer(clock, device):
-        t = make_timer(clock, device)
+    def timer(clock):
+        t = make_timer(clock)
         start = t.on_train_batch_start
 
         def on_start(*args):

@@ -207,3 +207,25 @@ def test_quick_bench_on_cuda(env, tmp_path):  # noqa: F811 - env is a fixture
     run(["mode=bench", "bench.quick=true", "bench.device=cuda", "logger=none", f"hydra.run.dir={tmp_path}",
          f"bench.table_dir={tmp_path / 'table'}"], env)
     assert (tmp_path / "cost-cuda.csv").is_file(), sorted(p.name for p in tmp_path.iterdir())
+
+
+def test_bench_attention_clock_reads_cuda_events_without_waiting():
+    """``bench.tasks``' attention clock on a GPU: its hooks record CUDA events only (under the sync debug mode's
+    "error" a wait raises), and the spans read afterwards cover the mixer's forward and backward."""
+    import attention
+    from benchmarks.throughput import AttentionClock, Marks
+
+    mixer = attention.build("external", dim=64).cuda()
+    clock = AttentionClock(mixer, Marks("cuda"))
+    x = torch.randn(2, 256, 64, device="cuda", requires_grad=True)
+    mixer(x, None).sum().backward()  # first call: lazy CUDA initialisation may wait
+    clock.spans.clear()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        start = clock.marks.now()
+        mixer(x, None).sum().backward()
+        end = clock.marks.now()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(clock.spans) == 2  # forward, backward
+    assert 0 < clock.seconds(clock.spans) < clock.marks.seconds(start, end)
