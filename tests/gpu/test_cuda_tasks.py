@@ -113,6 +113,18 @@ def test_every_task_trains_compiled_on_cuda(task, env, tmp_path):  # noqa: F811 
     assert metrics["compile_graphs"] > 0 and metrics["compile_time_s"] > 0
 
 
+@pytest.mark.parametrize("attn", ["linear_elu", "external"])
+def test_linear_variants_train_as_cuda_graphs(attn, env, tmp_path):  # noqa: F811 - env is a fixture
+    """``trainer.compile_mode=reduce-overhead``, what removes the launches that bound the linear variants at small N
+    (``benchmarks/small_n.py``): PCT with them trains, validates and tests with its steps replayed as CUDA graphs
+    (FPS and kNN, outside the graphs, between them), the metrics finite."""
+    gpu_run([*TINY, f"attn={attn}", "trainer.compile=true", "trainer.compile_mode=reduce-overhead"], env,
+            tmp_path / "run")
+    metrics = metrics_of(tmp_path / "run")
+    assert_finite_on_cuda(metrics, "modelnet")
+    assert metrics["compile_graphs"] > 0
+
+
 @pytest.mark.parametrize("task", list(RUNS))
 def test_deterministic_runs_of_one_seed_are_identical_on_cuda(task, env, tmp_path):  # noqa: F811 - env is a fixture
     results = []
