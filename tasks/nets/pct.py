@@ -303,6 +303,24 @@ class OffsetBlock(nn.Module):
         return x + linear_bn_act(x - self.mixer(x, layout), self.conv, self.norm, RELU)
 
 
+def official_offset_blocks(state: Mapping[str, torch.Tensor], renames: list[tuple[str, str]],
+                           prefix: str) -> dict[str, torch.Tensor]:
+    """``state``, a PCT_Pytorch network's state dict, renamed by ``renames`` plus its four SA_Layers
+    (``{prefix}sa1.`` ... ``sa4.``) as the offset blocks (``blocks.0.`` ...): each SA_Layer's ``q_conv.weight``,
+    tied to (and saved beside) its ``k_conv.weight``, is the mixer's one ``qk``, and its 1x1 ``Conv1d`` projections
+    (O, I, 1) are the mixer's ``Linear`` (O, I)."""
+    for j in range(4):
+        sa, block = f"{prefix}sa{j + 1}.", f"blocks.{j}."
+        renames = [*renames, (sa + "q_conv.", block + "mixer.qk."), (sa + "v_conv.", block + "mixer.v."),
+                   (sa + "trans_conv.", block + "conv."), (sa + "after_norm.", block + "norm.")]
+    tied = {k for k in state if ".k_conv." in k and k.replace("k_conv", "q_conv") in state
+            and torch.equal(state[k], state[k.replace("k_conv", "q_conv")])}
+    out = take({k: v for k, v in state.items() if k not in tied}, renames)  # an untied k_conv stays unexpected
+    for key in [k for k in out if ".mixer." in k and out[k].dim() == 3]:
+        out[key] = out[key].squeeze(-1)  # Conv1d (O, I, 1) -> Linear (O, I)
+    return out
+
+
 class PCT(nn.Module):
     official_weights: ClassVar[str] = ("PCT_Pytorch's model.t7 (Strawberry-Eat-Mango/PCT_Pytorch, its Pct network, "
                                        "saved from nn.DataParallel; attn=offset with its defaults)")
@@ -356,16 +374,7 @@ class PCT(nn.Module):
             local, group = f"gather_local_{i}.", f"groups.{i}.mlp."
             renames += [(local + "conv1.", group + "0.0."), (local + "bn1.", group + "0.1."),
                         (local + "conv2.", group + "1.0."), (local + "bn2.", group + "1.1.")]
-        for j in range(4):
-            sa, block = f"pt_last.sa{j + 1}.", f"blocks.{j}."
-            renames += [(sa + "q_conv.", block + "mixer.qk."), (sa + "v_conv.", block + "mixer.v."),
-                        (sa + "trans_conv.", block + "conv."), (sa + "after_norm.", block + "norm.")]
-        tied = {k for k in state if ".k_conv." in k and k.replace("k_conv", "q_conv") in state
-                and torch.equal(state[k], state[k.replace("k_conv", "q_conv")])}
-        out = take({k: v for k, v in state.items() if k not in tied}, renames)  # an untied k_conv stays unexpected
-        for key in [k for k in out if ".mixer." in k and out[k].dim() == 3]:
-            out[key] = out[key].squeeze(-1)  # Conv1d (O, I, 1) -> Linear (O, I)
-        return out
+        return official_offset_blocks(state, renames, "pt_last.")
 
     def forward(self, xyz: torch.Tensor) -> torch.Tensor:
         # xyz (B, N, 3) -> logits (B, classes)
@@ -428,16 +437,7 @@ class PCTPartSeg(nn.Module):
         renames = [("conv1.", "embed.0.0."), ("bn1.", "embed.0.1."), ("conv2.", "embed.1.0."), ("bn2.", "embed.1.1."),
                    ("conv_fuse.", "fuse."), ("label_conv.", "category."), ("convs1.", "head.0."),
                    ("bns1.", "head.1."), ("convs2.", "head.4."), ("bns2.", "head.5."), ("convs3.", "head.7.")]
-        for j in range(4):
-            sa, block = f"sa{j + 1}.", f"blocks.{j}."
-            renames += [(sa + "q_conv.", block + "mixer.qk."), (sa + "v_conv.", block + "mixer.v."),
-                        (sa + "trans_conv.", block + "conv."), (sa + "after_norm.", block + "norm.")]
-        tied = {k for k in state if ".k_conv." in k and k.replace("k_conv", "q_conv") in state
-                and torch.equal(state[k], state[k.replace("k_conv", "q_conv")])}
-        out = take({k: v for k, v in state.items() if k not in tied}, renames)  # an untied k_conv stays unexpected
-        for key in [k for k in out if ".mixer." in k and out[k].dim() == 3]:
-            out[key] = out[key].squeeze(-1)  # Conv1d (O, I, 1) -> Linear (O, I)
-        return out
+        return official_offset_blocks(state, renames, "")
 
     def forward(self, points: torch.Tensor, category: torch.Tensor) -> torch.Tensor:
         # points (B, N, 3 or 6) with xyz first, category (B,) -> part logits (B, parts, N)
