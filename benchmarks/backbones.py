@@ -104,12 +104,7 @@ def main(argv=None) -> list[dict]:
     started = time.strftime("%Y-%m-%d %H:%M")
     results = [r for dp in args.drop_path for r in rows(args.batch, args.img_size, dp, args.rounds, device)]
     text = markdown(results, device, sys.argv[1:] if argv is None else list(argv), started)
-    if args.quick and args.out is None:
-        print(text)
-    else:
-        out = args.out or ROOT / "benchmarks" / f"backbones-{device.type}.md"
-        out.write_text(text)
-        print(f"written to {out}")
+    measure.publish(text, args.out, ROOT / "benchmarks" / f"backbones-{device.type}.md", args.quick)
     return results
 
 

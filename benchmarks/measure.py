@@ -42,6 +42,17 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def publish(text: str, out, default, quick: bool) -> None:
+    """A benchmark's markdown table: printed by a ``--quick`` run given no ``--out``, else written to ``out`` (or
+    ``default``)."""
+    if quick and out is None:
+        print(text)
+        return
+    out = out or default
+    out.write_text(text)
+    print(f"written to {out}")
+
+
 def step_times(step, device, warmup: int, repeats: int, min_seconds: float = 0.0,
                max_repeats: int = 200) -> list[float]:
     """Seconds of each timed call of ``step`` after ``warmup`` untimed ones, device-synchronised: ``repeats``
