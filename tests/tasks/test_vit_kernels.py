@@ -1,11 +1,12 @@
 """The suite's ``vit_s`` runs the kernels timm's ``deit_small_patch16_224`` runs, no more (issue 28 §4: "DeiT-S under
 bf16 at least timm's speed").
 
-The H100 measured the suite's DeiT-S at 0.89x timm's in bf16 training with the suite's stochastic depth 0.1 against
-timm's default of none (``benchmarks/backbones.py`` now sets both alike). Speed itself is the benchmark's to measure;
-what a CPU can prove is the cause of any difference: here the two networks, with the same weights and the same
-drop path, dispatch the same aten ops with the same shapes and dtypes in the same order in their forward (float32
-and under bf16 autocast, which on a GPU picks the same kernels), and the suite's backward no more ops than timm's.
+The H100 measured the suite's DeiT-S at 0.89x timm's in bf16 training, most likely with the suite's config's
+stochastic depth 0.1 against timm's default of none (``benchmarks/backbones.py`` now sets both alike). Speed itself
+is the benchmark's to measure; what a CPU can prove is where a difference could come from: here the two networks,
+with the same weights and the same drop path, dispatch the same aten ops with the same shapes and dtypes in the same
+order in their forward (float32 and under bf16 autocast, which on a GPU picks the same kernels), and the suite's
+backward no more ops than timm's.
 """
 
 import pytest
