@@ -95,7 +95,8 @@ def farthest_point_sample(xyz: torch.Tensor, m: int, start: int | torch.Tensor =
         fused = False
         dist = torch.full((b, n), math.inf, dtype=xyz.dtype, device=xyz.device)  # (B, N)
     idx = None
-    if backend == "triton" or backend == "auto" and xyz.is_cuda and xyz.dtype in TRITON_DTYPES and FPS_KERNELS.wanted():
+    if backend == "triton" or (backend == "auto" and xyz.is_cuda and xyz.dtype in TRITON_DTYPES
+                               and FPS_KERNELS.wanted((xyz,))):
         idx = FPS_KERNELS.call("farthest_point_sample", xyz, m, farthest, dist, fused=fused,
                                fallback=backend == "auto")  # (B, m); None: the kernel failed
     if idx is None:
@@ -357,7 +358,7 @@ def knn(query: torch.Tensor, points: torch.Tensor, k: int) -> torch.Tensor:
     if not 1 <= k <= n:
         raise ValueError(f"knn: cannot take {k} neighbours among {n} points.")
     if (query.is_cuda and query.dtype in KNN_TRITON_DTYPES and points.dtype in KNN_TRITON_DTYPES
-            and KNN_KERNELS.wanted()):
+            and KNN_KERNELS.wanted((query, points))):
         idx = KNN_KERNELS.call("knn_if_supported", query, points, k)  # (B, M, k); None: k too large, or it failed
         if idx is not None:
             return idx

@@ -10,6 +10,12 @@ A kernel that fails to compile or launch (a GPU, a driver or a Triton release it
 turns its family off for the process (:attr:`Kernels.usable`) and returns None: the torch path then does that
 call's work and every later one's. Running out of memory is not the kernel's fault: it raises. A caller that forces
 the kernel (``fallback=False``: a ``backend="triton"`` the tests use) gets the failure raised.
+
+Fake tensors (``FakeTensorMode``: the bench's estimates of FLOPs and memory) have no memory: a kernel launched on
+one reads whatever address its "pointer" is (on an H200, an illegal memory access that left the CUDA context
+unusable for the rest of the process). Families called from torch code directly (FPS, kNN) ask :meth:`Kernels.wanted`
+with their tensors, which sends fake ones to the torch path; the attention ops are ``torch.library`` ops whose fake
+implementations take them, so ``torch.compile`` still traces the op that runs the kernel.
 """
 
 from __future__ import annotations
@@ -39,6 +45,13 @@ def available() -> bool:
     return AVAILABLE
 
 
+def real(tensors) -> bool:
+    """Whether the tensors have memory a kernel can read: none of them is a fake tensor."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not any(is_fake(t) for t in tensors)
+
+
 class Kernels:
     """One family of Triton kernels: ``call(name, ...)`` runs ``<module>.<name>(...)``.
 
@@ -50,13 +63,15 @@ class Kernels:
         self.module, self.op, self.instead = module, op, instead
         self.usable = True  # False once a kernel of the family failed in this process
 
-    def wanted(self) -> bool:
-        """Whether "auto" may take the family's kernels: Triton works here and none of them failed yet."""
-        return self.usable and available()
+    def wanted(self, tensors=()) -> bool:
+        """Whether "auto" may take the family's kernels for ``tensors``: Triton works here, none of the kernels
+        failed yet and the tensors are real (:func:`real`)."""
+        return self.usable and available() and real(tensors)
 
     def pick(self, backend: str, tensors, dtypes) -> str:
         """"triton" or "torch" for an op's ``backend`` ("auto", "torch" or "triton"): "auto" takes the kernels for
-        CUDA tensors of ``dtypes`` where they are wanted, the torch path otherwise."""
+        CUDA tensors of ``dtypes`` where they are wanted, the torch path otherwise. Fake tensors may take "triton":
+        for the library ops that call these kernels, their fake implementations run instead."""
         if backend not in BACKENDS:
             raise ValueError(f"{self.op}: backend={backend!r}, expected one of {BACKENDS}.")
         if backend != "auto":

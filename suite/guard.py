@@ -15,9 +15,10 @@ synchronisation per step; ``off`` saves it where a GPU pipeline matters more.
 :class:`NonFiniteGuard` is a callback that works for every task without their
 cooperation: it wraps the module's ``training_step`` (automatic optimisation:
 returning ``None`` makes Lightning skip the batch) or ``manual_backward`` (manual
-optimisation, the GAN: a skipped backward leaves the gradients ``None`` after the
-task's ``zero_grad(set_to_none=True)``, so its ``optimizer.step()`` changes
-nothing). Under DDP the ranks agree first (one boolean all-reduce per check), so
+optimisation, the GAN: a skipped backward sets every gradient to ``None``, also
+those of earlier backward calls of the same update (the GAN's discriminator backs
+up its real and fake terms one after the other), so the task's
+``optimizer.step()`` changes nothing). Under DDP the ranks agree first (one boolean all-reduce per check), so
 all of them skip or stop together instead of deadlocking.
 """
 
@@ -72,6 +73,8 @@ class NonFiniteGuard(L.pytorch.callbacks.Callback):
             def manual_backward(loss, *args, **kwargs):
                 if self._finite(trainer, pl_module, loss, "loss"):
                     return backward(loss, *args, **kwargs)
+                for p in pl_module.parameters():  # no part of this update may reach the weights
+                    p.grad = None
                 return None
 
             pl_module.manual_backward = manual_backward

@@ -154,6 +154,9 @@ class TrainLoss(MeanMetric):
     def update(self, value: torch.Tensor, weight: torch.Tensor | float = 1.0) -> None:
         value = value.detach().to(self.mean_value.dtype)
         finite = torch.isfinite(value)
-        weight = finite * torch.as_tensor(weight, dtype=self.weight.dtype, device=value.device)
+        if isinstance(weight, torch.Tensor):
+            weight = finite * weight.to(device=value.device, dtype=self.weight.dtype)
+        else:  # a number multiplies as a scalar: torch.as_tensor(number, device="cuda") would be a blocking copy
+            weight = finite.to(self.weight.dtype) * weight
         self.mean_value += (torch.where(finite, value, 0.0) * weight).sum()
         self.weight += weight.sum()

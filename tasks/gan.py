@@ -49,11 +49,20 @@ log = logging.getLogger(__name__)
 LOSSES = ("hinge", "nonsaturating")
 
 
+def d_loss_real(kind: str, real: torch.Tensor) -> torch.Tensor:
+    """The discriminator loss's term of its logits on real images."""
+    real = real.float()  # under autocast D's logits are half precision; the loss is float32
+    return F.relu(1 - real).mean() if kind == "hinge" else F.softplus(-real).mean()
+
+
+def d_loss_fake(kind: str, fake: torch.Tensor) -> torch.Tensor:
+    """The discriminator loss's term of its logits on generated images."""
+    fake = fake.float()
+    return F.relu(1 + fake).mean() if kind == "hinge" else F.softplus(fake).mean()
+
+
 def d_loss(kind: str, real: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
-    real, fake = real.float(), fake.float()  # under autocast D's logits are half precision; the loss is float32
-    if kind == "hinge":
-        return F.relu(1 - real).mean() + F.relu(1 + fake).mean()
-    return F.softplus(-real).mean() + F.softplus(fake).mean()
+    return d_loss_real(kind, real) + d_loss_fake(kind, fake)
 
 
 def g_loss(kind: str, fake: torch.Tensor) -> torch.Tensor:
@@ -224,9 +233,19 @@ class GAN(Task):
             z, y_fake = self.sample_inputs(size)
             with torch.no_grad():
                 fake = self.G(z, y_fake)
-            out_real, out_fake = self.D(real, y_real), self.D(fake, y_fake)
-            loss_d = d_loss(self.loss, out_real, out_fake)
             opt_d.zero_grad(set_to_none=True)
+            # StudioGAN's two discriminator calls, each followed by the backward of its term of the loss: D's
+            # gradient is the sum of the two terms' (the same bits as one backward of the sum). Each call's
+            # spectral-norm power iteration updates D's u and v in place, so the second call must come after the
+            # first call's backward: with one backward after both calls, torch.compile's graph of the first had
+            # saved u and v, and the run failed ("modified by an inplace operation", torch 2.11 and 2.14).
+            out_real = self.D(real, y_real)
+            loss_real = d_loss_real(self.loss, out_real)
+            self.manual_backward(loss_real)
+            out_fake = self.D(fake, y_fake)
+            loss_d = loss_real.detach() + d_loss_fake(self.loss, out_fake)
+            # the fake term's gradient; trainer.on_nan checks the whole loss (a skipped backward drops the real
+            # term's gradient too: suite/guard.py)
             self.manual_backward(loss_d)
             with not_counted(opt_d):
                 opt_d.step()

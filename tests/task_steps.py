@@ -87,13 +87,15 @@ class SyncRecorder(TorchDispatchMode, Watch):
     On the CPU nothing waits, so the ops are named: reading a value (``_local_scalar_dense``: ``.item()``,
     ``bool()``, ``float()``, ``.tolist()`` of a one-element tensor), ops whose output size depends on the values
     (``nonzero``, ``masked_select``, ``unique``, boolean-mask indexing, ``repeat_interleave`` without
-    ``output_size``, ``bincount``, ``histc``) and comparisons that return a Python bool (``equal``, ``allclose``).
+    ``output_size``, ``bincount``, ``histc``), comparisons that return a Python bool (``equal``, ``allclose``) and
+tensors made from Python data (``lift_fresh``: ``torch.tensor(...)``, ``torch.as_tensor(number, device=...)``),
+which on a GPU are a blocking copy from the host (an H200 caught ``TrainLoss.update`` making one a step).
     ``everywhere``: watch every op while the mode is on (a context manager), not only between :meth:`begin` and
     :meth:`end`."""
 
     VALUE_OPS = {"_local_scalar_dense", "is_nonzero", "equal", "allclose", "nonzero", "nonzero_static", "argwhere",
                  "masked_select", "unique", "_unique", "_unique2", "unique_dim", "unique_consecutive", "bincount",
-                 "histc"}
+                 "histc", "lift_fresh", "lift_fresh_copy"}
 
     def __init__(self, everywhere: bool = False):
         TorchDispatchMode.__init__(self)

@@ -136,6 +136,26 @@ def test_inductor_forward_matches_eager(one_thread):
         torch.testing.assert_close(task.net(x), eager(x), rtol=1e-4, atol=1e-5)
 
 
+def test_the_gans_training_steps_run_under_inductor(one_thread):
+    """The GAN's discriminator step calls D twice (real, then generated images), and each call's spectral-norm power
+    iteration updates D's u and v in place. With one backward after both calls, inductor's graph of the first call
+    had saved u and v, and the backward failed ("modified by an inplace operation", torch 2.11 and 2.14, CPU and
+    H200; aot_eager does not show it). The task backs up each call's term before the next call."""
+    import lightning as L
+
+    from task_steps import TASKS, build
+
+    datamodule, module = build([*TASKS["gan"], "model.g_channels=8", "model.d_channels=8", "model.z_dim=8"])
+    compile_in_place(module.D, backend="inductor")  # the network that failed (G is called once per backward)
+    before = [p.detach().clone() for p in module.D.parameters()]
+    trainer = L.Trainer(max_steps=1, limit_val_batches=0, num_sanity_val_steps=0, logger=False, accelerator="cpu",
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, datamodule=datamodule)
+    assert trainer.global_step == 1
+    assert any(not torch.equal(a, p) for a, p in zip(before, module.D.parameters()))  # D was updated
+    assert all(p.isfinite().all() for p in module.parameters())
+
+
 # --- python run.py trainer.compile=true ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def compiled_run(env, tmp_path_factory):  # noqa: F811 - env is a fixture

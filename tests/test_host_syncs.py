@@ -17,12 +17,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_the_recorder_sees_each_kind_of_synchronisation():
-    """The recorder itself: a value read, a boolean mask, a value-sized output, a Python bool, one inside a backward
-    pass, and not plain math or integer indexing."""
+    """The recorder itself: a value read, a boolean mask, a value-sized output, a Python bool, a tensor made from
+    Python data (a copy from the host on a GPU), one inside a backward pass, and not plain math or integer indexing
+    by a tensor already made."""
     x = torch.arange(6.0)
     cases = {"item": lambda: x.sum().item(), "bool": lambda: bool(x.any()), "mask": lambda: x[x > 2],
              "nonzero": lambda: x.nonzero(), "equal": lambda: torch.equal(x, x), "unique": lambda: torch.unique(x),
-             "repeat": lambda: torch.arange(3).repeat_interleave(torch.tensor([1, 2, 0]))}
+             "repeat": lambda: torch.arange(3).repeat_interleave(torch.arange(3)),
+             "from python": lambda: torch.as_tensor(1.0, device=x.device)}
     for name, case in cases.items():
         recorder = SyncRecorder(everywhere=True)
         with recorder:
@@ -43,10 +45,11 @@ def test_the_recorder_sees_each_kind_of_synchronisation():
     with recorder:
         loss.backward()  # the backward pass is watched too
     assert recorder.seen
+    index, repeats = torch.tensor([0, 2]), torch.ones(6, dtype=torch.long)
     recorder = SyncRecorder(everywhere=True)
     with recorder:
-        y = (x * 2).softmax(0)[torch.tensor([0, 2])].sum()
-        x.repeat_interleave(torch.tensor([1, 1, 1, 1, 1, 1]), output_size=6)
+        y = (x * 2).softmax(0)[index].sum() * 0.5
+        x.repeat_interleave(repeats, output_size=6)
     assert not recorder.seen and y.dim() == 0
 
 

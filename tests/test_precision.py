@@ -339,8 +339,8 @@ def test_gan_networks_under_autocast_close_to_float32(attn, dtype):
 
 
 def test_gan_manual_optimisation_goes_through_the_grad_scaler(tmp_path):
-    """float16 on CPU with Lightning's GradScaler: every D and G update is scaled, unscaled, stepped and the scale
-    updated, per optimizer, in that order; the networks stay finite."""
+    """float16 on CPU with Lightning's GradScaler: every D and G update is scaled (each of its losses), unscaled,
+    stepped and the scale updated, per optimizer, in that order; the networks stay finite."""
     from datamodules import Digits
     from tasks.gan import GAN
 
@@ -378,8 +378,9 @@ def test_gan_manual_optimisation_goes_through_the_grad_scaler(tmp_path):
     trainer.callbacks.append(Names())
     trainer.fit(module, datamodule=dm)
 
-    update = lambda net: ["scale", ("unscale_", net), ("step", net), "update"]  # noqa: E731
-    assert calls == 3 * (update("D") + update("D") + update("G"))
+    # D backs up its real and its generated images' terms one after the other (tasks/gan.py): two scaled losses
+    update = lambda net, losses: [*["scale"] * losses, ("unscale_", net), ("step", net), "update"]  # noqa: E731
+    assert calls == 3 * (update("D", 2) + update("D", 2) + update("G", 1))
     assert trainer.global_step == 3  # generator updates, whether or not the scaler skipped them
     assert math.isfinite(scaler.get_scale()) and scaler.get_scale() > 0
     for p in module.parameters():

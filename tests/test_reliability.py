@@ -267,3 +267,41 @@ def test_checkpoint_identity_takes_options_added_later_at_their_default(tmp_path
     check_checkpoint(str(path), {"task": "modelnet", "attn": now})
     with pytest.raises(UserError, match=r"attn.expand=1 \(here 4\)"):
         check_checkpoint(str(path), {"task": "modelnet", "attn": {**now, "expand": 4}})
+
+
+@pytest.mark.parametrize("bad", [False, True])
+def test_a_skipped_backward_drops_the_gradients_of_the_whole_update(bad, tmp_path):
+    """Manual optimisation with two backward calls an update (the GAN's discriminator: its real term, then its fake
+    term checked with the whole loss): with trainer.on_nan=skip a non-finite second loss leaves no gradient at all,
+    so the optimizer step changes nothing, not the first term's half of the update."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from suite.guard import NonFiniteGuard
+
+    class TwoTerms(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+            self.w = torch.nn.Parameter(torch.ones(2))
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            opt.zero_grad(set_to_none=True)
+            first = self.w.sum()
+            self.manual_backward(first)
+            self.manual_backward(first.detach() + self.w.square().sum() * (math.nan if bad else 1.0))
+            opt.step()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    module, guard = TwoTerms(), NonFiniteGuard("skip")
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[guard],
+                        default_root_dir=tmp_path)
+    trainer.fit(module, DataLoader(torch.zeros(2, 1), batch_size=1))
+    if bad:
+        assert torch.equal(module.w.detach(), torch.ones(2)) and len(guard.skipped) == 2
+    else:  # two SGD steps of 0.1 * (1 + 2w)
+        assert torch.allclose(module.w.detach(), torch.full((2,), 0.7 - 0.1 * (1 + 2 * 0.7)))

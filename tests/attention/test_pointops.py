@@ -750,3 +750,25 @@ def test_knn_triton_kernel_on_the_gpu_is_the_torch_search(monkeypatch, b, m, n, 
     monkeypatch.setattr(pointops.KNN_KERNELS, "usable", False)  # knn's torch search, on the GPU
     want = pointops.knn(query, points, k)
     assert torch.equal(got[False], want) and torch.equal(got[True], want)
+
+
+def test_fake_cuda_tensors_never_reach_a_triton_kernel(monkeypatch):
+    """The bench estimates FLOPs and memory on fake tensors (``benchmarks.cost.fake_count``): kNN and FPS on fake
+    CUDA points must take the torch path, which computes shapes. Launched on a fake tensor's "pointer", the Triton
+    kernels read arbitrary addresses: on an H200 an illegal memory access, after which every CUDA call of the
+    process failed. Here Triton is made to look available and the kernels' entry is recorded."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from attention import pointops, triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "AVAILABLE", True)
+    launched = []
+    for family in (pointops.KNN_KERNELS, pointops.FPS_KERNELS):
+        monkeypatch.setattr(family, "call", lambda name, *args, **kwargs: launched.append(name))
+    with FakeTensorMode():
+        xyz = torch.empty(2, 64, 3, device="cuda")
+        idx, centres = pointops.knn(xyz, xyz, 4), farthest_point_sample(xyz, 8)
+    assert idx.shape == (2, 64, 4) and idx.device.type == "cuda" and centres.shape == (2, 8)
+    assert launched == []
+    # real CUDA-looking tensors still ask for the kernels (the recorded call returns None: the torch path finishes)
+    assert pointops.KNN_KERNELS.wanted((torch.empty(1),)) and not pointops.KNN_KERNELS.wanted((xyz,))

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine (../shared/gpu/README.md): the checks of issues 27 and 28 that need a GPU, each
+# under a time limit cut from one deadline, so that a call ends with its logs and tables whatever step runs long.
+#
+#   benchmarks/gpu_lease.sh OUTDIR [SECONDS] [PART]     (from the project root, on the GPU machine)
+#
+# Needs .gpu-run/ staged (../shared/gpu/stage.sh; PCT_Pytorch's model.py, util.py and pointnet2_ops_lib under
+# .gpu-run/PCT_Pytorch). PART 1 (default): pointnet2_ops built in the background, `make test-gpu`'s two halves side
+# by side, FPS against the built op, benchmarks.pct_cuda, the cost bench in float32 and bf16. PART 2: the `cuda`
+# tests and the bench's tests again, then the cost bench (after fixes to what PART 1 found). PART 3: DeiT-S
+# against timm, every variant at small N, and the deterministic mode's cost. Writes OUTDIR/log.txt (each step's
+# summary), OUTDIR/tests-cuda.txt, OUTDIR/tests-rest.txt and OUTDIR/tables.tar (the benchmark tables).
+set -u
+OUT=${1:?usage: benchmarks/gpu_lease.sh OUTDIR [SECONDS] [PART]}
+DEADLINE=$(( $(date +%s) + ${2:-560} ))
+PART=${3:-1}
+export PYTHONUNBUFFERED=1 ATTENTION_UNLOCKED=1
+REF=$PWD/.gpu-run/PCT_Pytorch
+TABLES=/tmp/tables
+mkdir -p "$OUT" "$TABLES"
+LOG=$OUT/log.txt
+say() { echo "=== [$(date +%T), $(( DEADLINE - $(date +%s) )) s left] $*" | tee -a "$LOG"; }
+left() { local n=$(( DEADLINE - $(date +%s) - ${1:-20} )); [ "$n" -gt "${2:-9999}" ] && n=${2:-9999}; echo $(( n > 1 ? n : 1 )); }
+pack() { tar -cf "$OUT/tables.tar" -C "$TABLES" . 2>/dev/null; }
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  .gpu-run/whl/*.whl || { say "wheels did not install"; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD:$REF:$REF/pointnet2_ops_lib
+say "$(nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader); $(python3 -c \
+  'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())')"
+
+if [ "$PART" = 1 ]; then
+  ( cd "$REF/pointnet2_ops_lib" && \
+    sed -i 's/^os.environ\["TORCH_CUDA_ARCH_LIST"\].*/os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"/' setup.py && \
+    MAX_JOBS=4 python3 setup.py build_ext --inplace ) > /tmp/build.log 2>&1 &
+  build=$!
+  say "make test-gpu's two halves side by side (cuda: 9 workers, the rest: 6)"
+  T=$(left 300 230)
+  timeout -s INT -k 20 "$T" python3 -m pytest -m cuda -n 9 --dist loadgroup -p no:cacheprovider -q -rfEs \
+    --durations=20 > "$OUT/tests-cuda.txt" 2>&1 &
+  cuda=$!
+  timeout -s INT -k 20 "$T" python3 -m pytest -m "not cuda" -n 6 --dist loadgroup -p no:cacheprovider -q -rfE \
+    --durations=10 > "$OUT/tests-rest.txt" 2>&1 &
+  rest=$!
+  wait $cuda; say "cuda tests exit $?"; tail -n 25 "$OUT/tests-cuda.txt" >> "$LOG"
+  wait $rest; say "other tests exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests-rest.txt" | tail -n 40 >> "$LOG"
+  wait $build; say "pointnet2_ops build exit $?"; tail -n 3 /tmp/build.log >> "$LOG"
+  say "FPS like_kernel against the built pointnet2_ops"
+  timeout -s INT "$(left 250 45)" python3 -m pytest tests/attention/test_fps_triton.py -k pointnet2_ops \
+    -p no:cacheprovider -q -rfEs 2>&1 | tail -n 15 >> "$LOG"
+  say "benchmarks.pct_cuda"
+  timeout -s INT "$(left 110 150)" python3 -m benchmarks.pct_cuda --reference "$REF" --no-compile --rounds 10 \
+    --out "$TABLES/pct-cuda.md" >> "$LOG" 2>&1
+  say "pct_cuda exit $?"; pack
+  say "cost bench, float32 and bf16"
+  timeout -s INT "$(left 10)" python3 run.py mode=bench bench.device=cuda 'bench.dtypes=[float32,bfloat16]' \
+    'bench.sizes=[1024,65536]' 'bench.channels=[256]' bench.min_seconds=0.2 bench.repeats=3 \
+    "bench.table_dir=$TABLES" logger=none hydra.run.dir=/tmp/bench-run > /tmp/bench.log 2>&1
+  say "cost bench exit $?"; grep -vE "^\s*$" /tmp/bench.log | tail -n 40 >> "$LOG"
+elif [ "$PART" = 2 ]; then
+  say "the cuda tests (12 workers) beside the bench's tests (2)"
+  T=$(left 180 230)
+  timeout -s INT -k 20 "$T" python3 -m pytest -m cuda -n 12 --dist loadgroup -p no:cacheprovider -q -rfEs \
+    --durations=15 --deselect tests/attention/test_fps_triton.py::test_like_kernel_equals_pointnet2_ops > "$OUT/tests-cuda.txt" 2>&1 &
+  cuda=$!
+  timeout -s INT -k 20 "$T" python3 -m pytest tests/test_bench.py -n 2 -p no:cacheprovider -q -rfE \
+    > "$OUT/tests-rest.txt" 2>&1 &
+  rest=$!
+  wait $cuda; say "cuda tests exit $?"; tail -n 30 "$OUT/tests-cuda.txt" >> "$LOG"
+  wait $rest; say "bench tests exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests-rest.txt" | tail -n 20 >> "$LOG"
+  say "cost bench, float32 and bf16"
+  timeout -s INT "$(left 10)" python3 run.py mode=bench bench.device=cuda 'bench.dtypes=[float32,bfloat16]' \
+    'bench.sizes=[1024,65536]' 'bench.channels=[256]' bench.warmup=1 bench.repeats=2 bench.min_seconds=0.1 \
+    bench.max_seconds=5 "bench.table_dir=$TABLES" logger=none hydra.run.dir=/tmp/bench-run > /tmp/bench.log 2>&1
+  say "cost bench exit $?"; grep -vE "^\s*$" /tmp/bench.log | tail -n 60 >> "$LOG"
+else
+  say "DeiT-S against timm"
+  timeout -s INT "$(left 120 150)" python3 -m benchmarks.backbones --rounds 8 --out "$TABLES/backbones-cuda.md" >> "$LOG" 2>&1
+  say "backbones exit $?"; pack
+  say "small N"
+  timeout -s INT "$(left 60 90)" python3 -m benchmarks.small_n --rounds 10 --out "$TABLES/small-n-cuda.md" >> "$LOG" 2>&1
+  say "small_n exit $?"; pack
+  say "deterministic mode's cost"
+  CUBLAS_WORKSPACE_CONFIG=:4096:8 timeout -s INT "$(left 10)" python3 run.py mode=bench bench.device=cuda \
+    'bench.variants=[]' 'bench.baselines=[]' bench.tasks=true bench.task_deterministic=true bench.task_pct=false \
+    bench.name=deterministic "bench.table_dir=$TABLES" logger=none hydra.run.dir=/tmp/bench-det >> "$LOG" 2>&1
+  say "deterministic exit $?"
+fi
+pack
+say "done"
