@@ -72,7 +72,12 @@ elif [ "$PART" = 2 ]; then
   timeout -s INT "$(left 10)" python3 run.py mode=bench bench.device=cuda 'bench.dtypes=[float32,bfloat16]' \
     'bench.sizes=[1024,65536]' 'bench.channels=[256]' bench.warmup=1 bench.repeats=2 bench.min_seconds=0.1 \
     bench.max_seconds=5 "bench.table_dir=$TABLES" logger=none hydra.run.dir=/tmp/bench-run > /tmp/bench.log 2>&1
-  say "cost bench exit $?"; grep -vE "^\s*$" /tmp/bench.log | tail -n 60 >> "$LOG"
+  say "cost bench exit $?"; grep -vE "^\s*$" /tmp/bench.log | tail -n 60 >> "$LOG"; pack
+  if [ "$(left 0)" -gt 80 ]; then
+    say "DeiT-S against timm"
+    timeout -s INT "$(left 5)" python3 -m benchmarks.backbones --rounds 5 --out "$TABLES/backbones-cuda.md" >> "$LOG" 2>&1
+    say "backbones exit $?"
+  fi
 else
   say "DeiT-S against timm"
   timeout -s INT "$(left 120 150)" python3 -m benchmarks.backbones --rounds 8 --out "$TABLES/backbones-cuda.md" >> "$LOG" 2>&1
