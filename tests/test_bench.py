@@ -271,7 +271,9 @@ def test_pct_cuda_benchmark_runs_against_a_reference_checkout(tmp_path):
     out = tmp_path / "pct-cuda.md"
     code = ("import sys, json; from benchmarks import pct_cuda; pct_cuda.main(sys.argv[1:]); import model; "
             "print('CALLS', json.dumps(model.CALLS))")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    # the checkout first, and whatever the caller's PYTHONPATH carries (a GPU machine's staged hydra, say)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.run([sys.executable, "-c", code, "--device", "cpu", "--quick", "--no-compile", "--points", "64",
                            "--reference", str(ref), "--out", str(out)], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)
@@ -336,7 +338,7 @@ def test_small_n_benchmark_times_eager_and_compiled_and_counts_kernels(tmp_path,
     from benchmarks import small_n
 
     out = tmp_path / "small-n.md"
-    (row,) = small_n.main(["--quick", "--variants", "linear_elu", "--out", str(out)])
+    (row,) = small_n.main(["--quick", "--variants", "linear_elu", "--device", "cpu", "--out", str(out)])
     mixer = attention.build("linear_elu", dim=32)
     x = torch.randn(1, 64, 32, requires_grad=True)
     with measure.OpCounter() as ops:
@@ -368,8 +370,9 @@ def _quick_bench(out):
     env.update(PYTHONUNBUFFERED="1", MPLBACKEND="Agg")
     if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test`: two workers on two cores, one thread each
         env["OMP_NUM_THREADS"] = "1"
-    args = ["mode=bench", "bench.quick=true", "logger=none", f"hydra.run.dir={out}", "bench.tasks=true",
-            "bench.task_names=[modelnet,segmentation]", f"bench.table_dir={out / 'table'}"]
+    # the CPU's tables (cost-cpu.*) whatever the machine has: tests/gpu runs the quick bench on CUDA
+    args = ["mode=bench", "bench.quick=true", "bench.device=cpu", "logger=none", f"hydra.run.dir={out}",
+            "bench.tasks=true", "bench.task_names=[modelnet,segmentation]", f"bench.table_dir={out / 'table'}"]
     proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=out, env=env, stdin=subprocess.DEVNULL,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
