@@ -12,9 +12,13 @@ The arithmetic is the torch loop's, operation for operation, so that the indices
 rounds twice), ``dist = min(dist, d)``. For ``like_kernel`` (``FUSED``, float32) it is pointnet2_ops' as nvcc
 builds it: ``d = fma(dz, dz, fma(dx, dx, dy*dy))``, written with ``tl.fma`` (``fma.rn.f32`` in the PTX, whatever
 the compiler would contract), which the torch loop computes exactly with :func:`attention.pointops.fma32`.
-pointnet2_ops' tie order and skipped points need nothing else here: :func:`attention.pointops.farthest_point_sample`
-permutes the points by ``kernel_order`` and sets the initial distances (1e10, or -1 for the points the CUDA kernel
-skips) before it calls this, and maps positions back.
+pointnet2_ops' tie order needs nothing else here: :func:`attention.pointops.farthest_point_sample` permutes the
+points by ``kernel_order`` before it calls this, and maps positions back. Its skipped points (``SKIP``) are the
+kernel's own test, made here: the initial distance of a point is 1e10, or -1 where its squared norm
+``mag = fma(z, z, fma(x, x, y*y))`` is at most 1e-3 in double precision, that is below ``MIN_MAG``, the float32
+value just above 1e-3. (Made in torch on the host, that test was about 80 small ops: the fused multiply-adds
+emulated exactly by :func:`attention.pointops.fma32`, each op a launch on a GPU; an H200 took 0.9 ms for FPS at
+PCT's sizes whatever the size, against 0.25-0.5 ms for pointnet2_ops.)
 
 This module imports Triton at its top; :mod:`attention.pointops` imports it only when the kernel is wanted.
 The tests run the kernel on CPU tensors under ``TRITON_INTERPRET=1`` (tests/attention/test_fps_triton.py; the
@@ -60,10 +64,18 @@ def _squared_distance(dx, dy, dz, FUSED: tl.constexpr):
 
 
 @triton.jit
+def _initial_distance(x, y, z, MIN_MAG: tl.constexpr):
+    """pointnet2_ops' start: 1e10, or -1 for a point whose squared norm (its fused multiply-adds) is below
+    ``MIN_MAG``: a point it never picks nor updates."""
+    mag = tl.fma(z, z, tl.fma(x, x, y * y))
+    return tl.where(mag >= MIN_MAG, 1e10, -1.0)
+
+
+@triton.jit
 def _fps_kernel(planes_ptr, dist_ptr, start_ptr, out_ptr, n, m, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr,
-                FUSED: tl.constexpr):
-    """Program b: out[b, :m] from planes (B, 3, N) contiguous, dist (B, N) (initial distances; with
-    ``ONE_BLOCK`` False also the scratch row, overwritten) and start (B,) int64.
+                FUSED: tl.constexpr, SKIP: tl.constexpr, MIN_MAG: tl.constexpr):
+    """Program b: out[b, :m] from planes (B, 3, N) contiguous, dist (B, N) (initial distances, unless ``SKIP``
+    makes them here; with ``ONE_BLOCK`` False also the scratch row, overwritten) and start (B,) int64.
 
     The loops are ``while`` loops: Triton 3.6's interpreter cannot take a runtime scalar as a ``range`` bound
     (its scalars are 1-element arrays, which NumPy 2.4 no longer converts to an int). Compiled for sm_90, they
@@ -82,7 +94,10 @@ def _fps_kernel(planes_ptr, dist_ptr, start_ptr, out_ptr, n, m, BLOCK: tl.conste
         x = tl.load(x_ptr + offs, mask=mask, other=0.0)  # (BLOCK,)
         y = tl.load(y_ptr + offs, mask=mask, other=0.0)
         z = tl.load(z_ptr + offs, mask=mask, other=0.0)
-        dist = tl.load(dist_row + offs, mask=mask, other=float("-inf"))  # lanes past N: never the maximum
+        if SKIP:
+            dist = tl.where(mask, _initial_distance(x, y, z, MIN_MAG), float("-inf"))  # lanes past N: never picked
+        else:
+            dist = tl.load(dist_row + offs, mask=mask, other=float("-inf"))  # lanes past N: never the maximum
         while i < m - 1:
             tl.store(out_row + i, far)
             dx = x - tl.load(x_ptr + far)
@@ -92,6 +107,17 @@ def _fps_kernel(planes_ptr, dist_ptr, start_ptr, out_ptr, n, m, BLOCK: tl.conste
             far = tl.argmax(dist, 0, tie_break_left=True).to(tl.int64)  # the first maximum
             i += 1
     else:
+        if SKIP:  # the scratch row's initial distances, one sweep
+            lo = 0
+            while lo < n:
+                at = lo + offs  # (BLOCK,)
+                mask = at < n
+                x = tl.load(x_ptr + at, mask=mask, other=0.0)
+                y = tl.load(y_ptr + at, mask=mask, other=0.0)
+                z = tl.load(z_ptr + at, mask=mask, other=0.0)
+                tl.store(dist_row + at, _initial_distance(x, y, z, MIN_MAG), mask=mask)
+                lo += BLOCK
+            tl.debug_barrier()
         while i < m - 1:
             tl.store(out_row + i, far)
             cx = tl.load(x_ptr + far)
@@ -124,23 +150,32 @@ def _fps_kernel(planes_ptr, dist_ptr, start_ptr, out_ptr, n, m, BLOCK: tl.conste
     tl.store(out_row + m - 1, far)  # the last pick: no distances to update after it
 
 
-def farthest_point_sample(xyz: torch.Tensor, m: int, start: torch.Tensor, dist: torch.Tensor,
-                          fused: bool = False) -> torch.Tensor:
+def farthest_point_sample(xyz: torch.Tensor, m: int, start: torch.Tensor, dist: torch.Tensor | None,
+                          fused: bool = False, min_mag: float | None = None) -> torch.Tensor:
     """Indices (B, m) for xyz (B, N, 3) float32/float64, start (B,) int64, dist (B, N) initial distances.
 
     What :func:`attention.pointops.fps_loop` returns for the same arguments (``fused``: float32 only, the
     distances as pointnet2_ops' fused multiply-adds); start must hold indices in [0, N) (unchecked: checking
-    would wait for the GPU). The inputs are left as they are.
+    would wait for the GPU). The inputs are left as they are. ``min_mag`` (with ``fused``; ``dist`` None): the
+    kernel makes the initial distances itself, 1e10, or -1 where a point's fused squared norm is below it
+    (float32).
     """
     b, n, _ = xyz.shape
     if xyz.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"fps_triton: float32 or float64 points only, got {xyz.dtype} (the torch loop takes it).")
     if fused and xyz.dtype != torch.float32:
         raise ValueError(f"fps_triton: fused distances are float32 only, got {xyz.dtype}.")
+    skip = min_mag is not None
+    if skip and not fused:
+        raise ValueError("fps_triton: min_mag (the kernel's own initial distances) needs fused float32 distances.")
+    if skip == (dist is not None):
+        raise ValueError("fps_triton: give either the initial distances (dist) or min_mag, not both or neither.")
     planes = xyz.transpose(1, 2).contiguous()  # (B, 3, N)
     one_block = n <= MAX_ONE_BLOCK * 4 // xyz.element_size()
-    # one block: the kernel only reads dist; chunks: it writes its running distances there, so a copy
-    dist = dist.to(xyz.dtype).contiguous() if one_block else dist.to(xyz.dtype, copy=True).contiguous()  # (B, N)
+    if skip:  # made by the kernel: no row to read with one block, a scratch row with chunks
+        dist = planes if one_block else torch.empty(b, n, dtype=xyz.dtype, device=xyz.device)  # (B, N)
+    else:  # one block: the kernel only reads dist; chunks: it writes its running distances there, so a copy
+        dist = dist.to(xyz.dtype).contiguous() if one_block else dist.to(xyz.dtype, copy=True).contiguous()
     start = start.to(device=xyz.device, dtype=torch.long).contiguous()  # (B,)
     out = torch.empty(b, m, dtype=torch.long, device=xyz.device)
     block = triton.next_power_of_2(n) if one_block else CHUNK
@@ -148,6 +183,6 @@ def farthest_point_sample(xyz: torch.Tensor, m: int, start: torch.Tensor, dist: 
     # Triton launches on the current CUDA device: make it the points' one
     with torch.cuda.device(xyz.device) if xyz.is_cuda else contextlib.nullcontext():
         _fps_kernel[(b,)](planes, dist, start, out, n, m, BLOCK=block, ONE_BLOCK=one_block, FUSED=fused,
-                          num_warps=warps, enable_fp_fusion=False)
+                          SKIP=skip, MIN_MAG=min_mag if skip else 0.0, num_warps=warps, enable_fp_fusion=False)
     return out
 

@@ -79,29 +79,42 @@ def farthest_point_sample(xyz: torch.Tensor, m: int, start: int | torch.Tensor =
         if not (isinstance(start, int) and start == 0):
             raise ValueError("farthest_point_sample: like_kernel=True starts at point 0, as the CUDA kernel does.")
         # The kernel's tie order becomes "first maximum" (argmax's rule) on points permuted by kernel_order;
-        # skipped points hold -1, below every real distance, so they win only when nothing else is left,
-        # and then the first of the order (point 0), as the kernel's besti = 0.
+        # its skipped points start at distance -1 (initial_distances).
         order = kernel_order(n, xyz.device)  # (N,), order[0] == 0
         xyz = xyz[:, order]  # (B, N, 3)
         fused = xyz.dtype != torch.float64
         if fused:
             xyz = xyz.float()
-            x, y, z = xyz.unbind(-1)  # (B, N) each
-            kept = fma32(z, z, fma32(x, x, y * y)).double() > KERNEL_MIN_SQUARED_NORM  # (B, N)
-        else:
-            kept = xyz.square().sum(-1) > KERNEL_MIN_SQUARED_NORM  # (B, N)
-        dist = torch.where(kept, 1e10, -1.0).to(xyz.dtype)  # (B, N)
     else:
         fused = False
-        dist = torch.full((b, n), math.inf, dtype=xyz.dtype, device=xyz.device)  # (B, N)
     idx = None
     if backend == "triton" or (backend == "auto" and xyz.is_cuda and xyz.dtype in TRITON_DTYPES
                                and FPS_KERNELS.wanted((xyz,))):
-        idx = FPS_KERNELS.call("farthest_point_sample", xyz, m, farthest, dist, fused=fused,
-                               fallback=backend == "auto")  # (B, m); None: the kernel failed
+        if fused:  # the kernel tests for the skipped points itself (its fused squared norm against KERNEL_MIN_MAG32)
+            idx = FPS_KERNELS.call("farthest_point_sample", xyz, m, farthest, None, fused=True,
+                                   min_mag=KERNEL_MIN_MAG32, fallback=backend == "auto")  # (B, m); None: failed
+        else:
+            idx = FPS_KERNELS.call("farthest_point_sample", xyz, m, farthest, initial_distances(xyz, like_kernel),
+                                   fused=False, fallback=backend == "auto")
     if idx is None:
-        idx = fps_loop(xyz, m, farthest, dist, fused=fused)  # (B, m)
+        idx = fps_loop(xyz, m, farthest, initial_distances(xyz, like_kernel), fused=fused)  # (B, m)
     return order[idx] if like_kernel else idx
+
+
+def initial_distances(xyz: torch.Tensor, like_kernel: bool) -> torch.Tensor:
+    """(B, N) the running distances FPS starts from: infinity, or with ``like_kernel`` pointnet2_ops' start, 1e10,
+    or -1 for the points it skips (squared norm <= 1e-3 in double precision: float32 points by its fused
+    multiply-adds, float64 ones by the plain sum). Skipped points hold -1, below every real distance, so they win
+    only when nothing else is left, and then the first of the order (point 0), as the kernel's besti = 0."""
+    b, n, _ = xyz.shape
+    if not like_kernel:
+        return torch.full((b, n), math.inf, dtype=xyz.dtype, device=xyz.device)  # (B, N)
+    if xyz.dtype == torch.float32:
+        x, y, z = xyz.unbind(-1)  # (B, N) each
+        kept = fma32(z, z, fma32(x, x, y * y)).double() > KERNEL_MIN_SQUARED_NORM  # (B, N)
+    else:
+        kept = xyz.square().sum(-1) > KERNEL_MIN_SQUARED_NORM  # (B, N)
+    return torch.where(kept, 1e10, -1.0).to(xyz.dtype)  # (B, N)
 
 
 def fps_loop(xyz: torch.Tensor, m: int, start: torch.Tensor, dist: torch.Tensor,
@@ -248,6 +261,12 @@ FPS_KERNELS = Kernels("attention.fps_triton", "farthest_point_sample", "the torc
 # pointnet2_ops' FPS kernel: points with squared norm <= this are never sampled (``if (mag <= 1e-3) continue``:
 # a float compared with a double literal, so in double precision).
 KERNEL_MIN_SQUARED_NORM = 1e-3
+# The same test on a float32 squared norm, as a float32 comparison: mag > 1e-3 (double) <=> mag >= this, the
+# smallest float32 above 1e-3 (float32(1e-3) itself, which rounds up). The Triton kernel compares with it.
+KERNEL_MIN_MAG32 = float(torch.tensor(KERNEL_MIN_SQUARED_NORM, dtype=torch.float32))
+if KERNEL_MIN_MAG32 <= KERNEL_MIN_SQUARED_NORM:
+    KERNEL_MIN_MAG32 = float(torch.nextafter(torch.tensor(KERNEL_MIN_MAG32, dtype=torch.float32),
+                                             torch.tensor(math.inf)))
 
 
 def kernel_order(n: int, device: torch.device | str = "cpu") -> torch.Tensor:

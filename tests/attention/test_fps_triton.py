@@ -209,8 +209,9 @@ for dtype, n in [(torch.float32, 1000), (torch.float32, 9000), (torch.float64, 1
 for dtype, options in launches:
     name = {torch.float32: "fp32", torch.float64: "fp64"}[dtype]
     signature = {"planes_ptr": "*" + name, "dist_ptr": "*" + name, "start_ptr": "*i64", "out_ptr": "*i64",
-                 "n": "i32", "m": "i32", "BLOCK": "constexpr", "ONE_BLOCK": "constexpr", "FUSED": "constexpr"}
-    constexprs = {k: options[k] for k in ("BLOCK", "ONE_BLOCK", "FUSED")}
+                 "n": "i32", "m": "i32", "BLOCK": "constexpr", "ONE_BLOCK": "constexpr", "FUSED": "constexpr",
+                 "SKIP": "constexpr", "MIN_MAG": "constexpr"}
+    constexprs = {k: options[k] for k in ("BLOCK", "ONE_BLOCK", "FUSED", "SKIP", "MIN_MAG")}
     source = ASTSource(fps_triton._fps_kernel, signature, constexprs=constexprs)
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                          options={k: options[k] for k in ("num_warps", "enable_fp_fusion")}).asm["ptx"]
@@ -223,7 +224,7 @@ for dtype, options in launches:
 def fused_nesting(ops: list) -> set:
     """The shapes of the fused multiply-adds in PTX float ops [(op, dest, args)]: for each fma whose addend is
     another fma's result, ('fma(a, a, fma(b, b, mul(c, c)))' with a, b, c differences from three different
-    centres) or a description of whatever else it is."""
+    centres, the same of the coordinates themselves: a squared norm) or a description of whatever else it is."""
     made = {dest: (op, args) for op, dest, args in ops}
     shapes = set()
     for op, dest, args in ops:
@@ -236,6 +237,8 @@ def fused_nesting(ops: list) -> set:
         centres = {d[1][1] for d in diffs if d[0].startswith("sub")}
         if op == inner_op == "fma.rn.f32" and mul_op == "mul.rn.f32" and squares and len(centres) == 3:
             shapes.add("fma(a, a, fma(b, b, mul(c, c)))")
+        elif op == inner_op == "fma.rn.f32" and mul_op == "mul.rn.f32" and squares and not centres:
+            shapes.add("fma(z, z, fma(x, x, mul(y, y))) of the points")  # the skipped points' squared norm
         else:
             shapes.add(f"{op}({args}) of {inner_op}({inner}) of {mul_op}({mul})")
     return shapes
@@ -253,16 +256,19 @@ def test_kernel_compiles_for_sm90_as_the_gpu_runs_it(tmp_path):
                           timeout=300)
     assert done.returncode == 0, done.stderr
     rows = [json.loads(line) for line in done.stdout.splitlines()]
-    assert [(r["dtype"], r["ONE_BLOCK"], r["FUSED"]) for r in rows] == [
-        ("fp32", True, False), ("fp32", True, True), ("fp32", False, False), ("fp32", False, True),
-        ("fp64", True, False), ("fp64", True, False), ("fp64", False, False), ("fp64", False, False)]
+    assert [(r["dtype"], r["ONE_BLOCK"], r["FUSED"], r["SKIP"]) for r in rows] == [
+        ("fp32", True, False, False), ("fp32", True, True, True), ("fp32", False, False, False),
+        ("fp32", False, True, True), ("fp64", True, False, False), ("fp64", True, False, False),
+        ("fp64", False, False, False), ("fp64", False, False, False)]
     for r in rows:
         ops = [op for op, _, _ in r["ops"]]
         assert r["fusion"] is False and any(op.startswith("mul.rn.") for op in ops)
-        if r["FUSED"]:
+        if r["FUSED"]:  # like_kernel: its distances, and the skipped points' test made in the kernel (SKIP)
             fmas = [op for op in ops if op.startswith("fma")]
             assert fmas and len(fmas) == 2 * ops.count("mul.rn.f32") and set(fmas) == {"fma.rn.f32"}
-            assert fused_nesting(r["ops"]) == {"fma(a, a, fma(b, b, mul(c, c)))"}
+            assert fused_nesting(r["ops"]) == {"fma(a, a, fma(b, b, mul(c, c)))",
+                                               "fma(z, z, fma(x, x, mul(y, y))) of the points"}
+            assert r["MIN_MAG"] == pointops.KERNEL_MIN_MAG32
         else:
             assert not any(op.startswith("fma") for op in ops), r
 
