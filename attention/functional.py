@@ -159,11 +159,18 @@ def external_attention(q, mem_k, mem_v, eps: float = 1e-9, dropout: float = 0.0,
     token's row divided by (eps + its sum over the S slots); output = A M_v.
     q (B, h, N, d), mem_k and mem_v (S, d), shared by all heads -> (B, h, N, d).
     ``dropout`` drops entries of the normalised A in training (EAMLP's ``attn_drop``).
+
+    A is held as its transpose (B, h, S, N), so that the softmax over the N tokens runs along the contiguous last
+    dimension. Over dim -2 of (B, h, N, S), torch's CUDA softmax takes its "spatial" kernel, made for a short
+    softmax dimension and a long inner one: it spreads its blocks over B h and the S slots only (one block at
+    B = h = 1, S = 64, for all N = 65,536 tokens; the H200 measured external at 11% of the machine's bound, 11 ms
+    forward + backward). Along the last dim one block reduces each of the B h S rows. The matrix products take the
+    transposes as they are (no copy). Not timed on a GPU in this form yet.
     """
-    attn = torch.softmax(q @ mem_k.transpose(0, 1), dim=-2)  # (B, h, N, S), normalised over tokens
-    attn = attn / (eps + attn.sum(dim=-1, keepdim=True))  # then over slots
+    attn = torch.softmax(mem_k @ q.transpose(-1, -2), dim=-1)  # (B, h, S, N), normalised over tokens
+    attn = attn / (eps + attn.sum(dim=-2, keepdim=True))  # then over slots
     attn = F.dropout(attn, dropout, training) if dropout else attn
-    return attn @ mem_v  # (B, h, N, d)
+    return attn.transpose(-1, -2) @ mem_v  # (B, h, N, d)
 
 
 @float32_kernel
