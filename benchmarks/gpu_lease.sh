@@ -7,8 +7,9 @@
 # Needs .gpu-run/ staged (../shared/gpu/stage.sh; PCT_Pytorch's model.py, util.py and pointnet2_ops_lib under
 # .gpu-run/PCT_Pytorch). PART 1 (default): pointnet2_ops built in the background, `make test-gpu`'s two halves side
 # by side, FPS against the built op, benchmarks.pct_cuda, the cost bench in float32 and bf16. PART 2: the `cuda`
-# tests and the bench's tests again, then the cost bench (after fixes to what PART 1 found). PART 3: DeiT-S
-# against timm, every variant at small N, and the deterministic mode's cost. Writes OUTDIR/log.txt (each step's
+# tests and the bench's tests again, then the cost bench (after fixes to what PART 1 found). PART 3: what the first
+# lease (2026-11-26) left unmeasured: PCT and FPS again, external/offset/focal/dilated at three sizes up to 65,536,
+# DeiT-S against timm with 20 rounds, every variant at small N, and the deterministic mode's cost. Writes OUTDIR/log.txt (each step's
 # summary), OUTDIR/tests-cuda.txt, OUTDIR/tests-rest.txt and OUTDIR/tables.tar (the benchmark tables).
 set -u
 OUT=${1:?usage: benchmarks/gpu_lease.sh OUTDIR [SECONDS] [PART]}
@@ -79,8 +80,22 @@ elif [ "$PART" = 2 ]; then
     say "backbones exit $?"
   fi
 else
+  ( cd "$REF/pointnet2_ops_lib" && \
+    sed -i 's/^os.environ\["TORCH_CUDA_ARCH_LIST"\].*/os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"/' setup.py && \
+    MAX_JOBS=8 python3 setup.py build_ext --inplace ) > /tmp/build.log 2>&1
+  say "pointnet2_ops build exit $?"
+  say "benchmarks.pct_cuda: FPS's own skipped-point test and PCT at batch 16 since the first lease"
+  timeout -s INT "$(left 200 150)" python3 -m benchmarks.pct_cuda --reference "$REF" --no-compile --rounds 20 \
+    --out "$TABLES/pct-cuda.md" >> "$LOG" 2>&1
+  say "pct_cuda exit $?"; pack
+  say "cost bench: external's layout, offset at 65,536, three sizes"
+  timeout -s INT "$(left 150 150)" python3 run.py mode=bench bench.device=cuda 'bench.dtypes=[float32]' \
+    'bench.variants=[external,offset,focal,dilated]' 'bench.baselines=[]' 'bench.sizes=[4096,16384,65536]' \
+    'bench.channels=[256]' bench.max_seconds=60 bench.min_seconds=0.2 "bench.table_dir=$TABLES" \
+    bench.name=cost-part logger=none hydra.run.dir=/tmp/bench-part > /tmp/bench.log 2>&1
+  say "cost bench exit $?"; grep -vE "^\s*$" /tmp/bench.log | tail -n 30 >> "$LOG"; pack
   say "DeiT-S against timm"
-  timeout -s INT "$(left 120 150)" python3 -m benchmarks.backbones --rounds 8 --out "$TABLES/backbones-cuda.md" >> "$LOG" 2>&1
+  timeout -s INT "$(left 100 150)" python3 -m benchmarks.backbones --rounds 20 --out "$TABLES/backbones-cuda.md" >> "$LOG" 2>&1
   say "backbones exit $?"; pack
   say "small N"
   timeout -s INT "$(left 60 90)" python3 -m benchmarks.small_n --rounds 10 --out "$TABLES/small-n-cuda.md" >> "$LOG" 2>&1

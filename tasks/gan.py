@@ -235,7 +235,8 @@ class GAN(Task):
                 fake = self.G(z, y_fake)
             opt_d.zero_grad(set_to_none=True)
             # StudioGAN's two discriminator calls, each followed by the backward of its term of the loss: D's
-            # gradient is the sum of the two terms' (the same bits as one backward of the sum). Each call's
+            # gradient is the sum of the two terms' (one backward of the sum gives the same, up to the order of
+            # that floating-point sum). Each call's
             # spectral-norm power iteration updates D's u and v in place, so the second call must come after the
             # first call's backward: with one backward after both calls, torch.compile's graph of the first had
             # saved u and v, and the run failed ("modified by an inplace operation", torch 2.11 and 2.14).
