@@ -9,8 +9,10 @@
 # by side, FPS against the built op, benchmarks.pct_cuda, the cost bench in float32 and bf16. PART 2: the `cuda`
 # tests and the bench's tests again, then the cost bench (after fixes to what PART 1 found). PART 3: what the first
 # lease (2026-11-26) left unmeasured: PCT and FPS again, external/offset/focal/dilated at three sizes up to 65,536,
-# DeiT-S against timm with 20 rounds, every variant at small N, and the deterministic mode's cost. Writes OUTDIR/log.txt (each step's
-# summary), OUTDIR/tests-cuda.txt, OUTDIR/tests-rest.txt and OUTDIR/tables.tar (the benchmark tables).
+# DeiT-S against timm with 20 rounds, every variant at small N, and the deterministic mode's cost. PART 4: `make
+# test-gpu` as one uninterrupted run (both halves, one after the other; about nine minutes on an H200), the
+# comparison with the built pointnet2_ops last. Writes OUTDIR/log.txt (each step's summary), OUTDIR/tests-cuda.txt,
+# OUTDIR/tests-rest.txt and OUTDIR/tables.tar (the benchmark tables).
 set -u
 OUT=${1:?usage: benchmarks/gpu_lease.sh OUTDIR [SECONDS] [PART]}
 DEADLINE=$(( $(date +%s) + ${2:-560} ))
@@ -58,6 +60,21 @@ if [ "$PART" = 1 ]; then
     'bench.sizes=[1024,65536]' 'bench.channels=[256]' bench.min_seconds=0.2 bench.repeats=3 \
     "bench.table_dir=$TABLES" logger=none hydra.run.dir=/tmp/bench-run > /tmp/bench.log 2>&1
   say "cost bench exit $?"; grep -vE "^\s*$" /tmp/bench.log | tail -n 40 >> "$LOG"
+elif [ "$PART" = 4 ]; then
+  ( cd "$REF/pointnet2_ops_lib" && \
+    sed -i 's/^os.environ\["TORCH_CUDA_ARCH_LIST"\].*/os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"/' setup.py && \
+    MAX_JOBS=2 python3 setup.py build_ext --inplace ) > /tmp/build.log 2>&1 &
+  build=$!
+  PN2=tests/attention/test_fps_triton.py::test_like_kernel_equals_pointnet2_ops
+  say "make test-gpu: the cuda tests, then the rest of the suite, 12 workers each, one after the other"
+  timeout -s INT -k 20 "$(left 330 240)" python3 -m pytest -m cuda -n 12 --dist loadgroup -p no:cacheprovider -q \
+    -rfEs --durations=10 --deselect "$PN2" > "$OUT/tests-cuda.txt" 2>&1
+  say "cuda tests exit $?"; tail -n 20 "$OUT/tests-cuda.txt" >> "$LOG"
+  timeout -s INT -k 20 "$(left 60)" python3 -m pytest -m "not cuda" -n 12 --dist loadgroup -p no:cacheprovider -q \
+    -rfE --durations=10 > "$OUT/tests-rest.txt" 2>&1
+  say "other tests exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests-rest.txt" | tail -n 40 >> "$LOG"
+  wait $build; say "pointnet2_ops build exit $?"
+  timeout -s INT "$(left 5 50)" python3 -m pytest "$PN2" -p no:cacheprovider -q -rfEs 2>&1 | tail -n 5 >> "$LOG"
 elif [ "$PART" = 2 ]; then
   say "the cuda tests (12 workers) beside the bench's tests (2)"
   T=$(left 180 230)
