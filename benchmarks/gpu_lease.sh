@@ -25,6 +25,16 @@ LOG=$OUT/log.txt
 say() { echo "=== [$(date +%T), $(( DEADLINE - $(date +%s) )) s left] $*" | tee -a "$LOG"; }
 left() { local n=$(( DEADLINE - $(date +%s) - ${1:-20} )); [ "$n" -gt "${2:-9999}" ] && n=${2:-9999}; echo $(( n > 1 ? n : 1 )); }
 pack() { tar -cf "$OUT/tables.tar" -C "$TABLES" . 2>/dev/null; }
+pct_cuda() {  # benchmarks.pct_cuda against the built reference, uncompiled; $1: rounds, $2 $3: left's reserve and cap
+  timeout -s INT "$(left "$2" "$3")" python3 -m benchmarks.pct_cuda --reference "$REF" --no-compile --rounds "$1" \
+    --out "$TABLES/pct-cuda.md" >> "$LOG" 2>&1
+  say "pct_cuda exit $?"; pack
+}
+build_pointnet2() {  # PCT_Pytorch's pointnet2_ops in place, for sm_90 (../shared/gpu/README.md); $1: compile jobs
+  ( cd "$REF/pointnet2_ops_lib" && \
+    sed -i 's/^os.environ\["TORCH_CUDA_ARCH_LIST"\].*/os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"/' setup.py && \
+    MAX_JOBS=$1 timeout 200 python3 setup.py build_ext --inplace ) > /tmp/build.log 2>&1
+}
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
   .gpu-run/whl/*.whl || { say "wheels did not install"; exit 1; }
@@ -33,9 +43,7 @@ say "$(nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --forma
   'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())')"
 
 if [ "$PART" = 1 ]; then
-  ( cd "$REF/pointnet2_ops_lib" && \
-    sed -i 's/^os.environ\["TORCH_CUDA_ARCH_LIST"\].*/os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"/' setup.py && \
-    MAX_JOBS=4 python3 setup.py build_ext --inplace ) > /tmp/build.log 2>&1 &
+  build_pointnet2 4 &
   build=$!
   say "make test-gpu's two halves side by side (cuda: 9 workers, the rest: 6)"
   T=$(left 300 230)
@@ -52,18 +60,14 @@ if [ "$PART" = 1 ]; then
   timeout -s INT "$(left 250 45)" python3 -m pytest tests/attention/test_fps_triton.py -k pointnet2_ops \
     -p no:cacheprovider -q -rfEs 2>&1 | tail -n 15 >> "$LOG"
   say "benchmarks.pct_cuda"
-  timeout -s INT "$(left 110 150)" python3 -m benchmarks.pct_cuda --reference "$REF" --no-compile --rounds 10 \
-    --out "$TABLES/pct-cuda.md" >> "$LOG" 2>&1
-  say "pct_cuda exit $?"; pack
+  pct_cuda 10 110 150
   say "cost bench, float32 and bf16"
   timeout -s INT "$(left 10)" python3 run.py mode=bench bench.device=cuda 'bench.dtypes=[float32,bfloat16]' \
     'bench.sizes=[1024,65536]' 'bench.channels=[256]' bench.min_seconds=0.2 bench.repeats=3 \
     "bench.table_dir=$TABLES" logger=none hydra.run.dir=/tmp/bench-run > /tmp/bench.log 2>&1
   say "cost bench exit $?"; grep -vE "^\s*$" /tmp/bench.log | tail -n 40 >> "$LOG"
 elif [ "$PART" = 4 ]; then
-  ( cd "$REF/pointnet2_ops_lib" && \
-    sed -i 's/^os.environ\["TORCH_CUDA_ARCH_LIST"\].*/os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"/' setup.py && \
-    MAX_JOBS=2 python3 setup.py build_ext --inplace ) > /tmp/build.log 2>&1 &
+  build_pointnet2 2 &
   build=$!
   PN2=tests/attention/test_fps_triton.py::test_like_kernel_equals_pointnet2_ops
   say "make test-gpu: the cuda tests, then the rest of the suite, 12 workers each, one after the other"
@@ -97,14 +101,10 @@ elif [ "$PART" = 2 ]; then
     say "backbones exit $?"
   fi
 else
-  ( cd "$REF/pointnet2_ops_lib" && \
-    sed -i 's/^os.environ\["TORCH_CUDA_ARCH_LIST"\].*/os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"/' setup.py && \
-    MAX_JOBS=8 python3 setup.py build_ext --inplace ) > /tmp/build.log 2>&1
+  build_pointnet2 8
   say "pointnet2_ops build exit $?"
   say "benchmarks.pct_cuda: FPS's own skipped-point test and PCT at batch 16 since the first lease"
-  timeout -s INT "$(left 200 150)" python3 -m benchmarks.pct_cuda --reference "$REF" --no-compile --rounds 20 \
-    --out "$TABLES/pct-cuda.md" >> "$LOG" 2>&1
-  say "pct_cuda exit $?"; pack
+  pct_cuda 20 200 150
   say "cost bench: external's layout, offset at 65,536, three sizes"
   timeout -s INT "$(left 150 150)" python3 run.py mode=bench bench.device=cuda 'bench.dtypes=[float32]' \
     'bench.variants=[external,offset,focal,dilated]' 'bench.baselines=[]' 'bench.sizes=[4096,16384,65536]' \
