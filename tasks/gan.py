@@ -61,10 +61,6 @@ def d_loss_fake(kind: str, fake: torch.Tensor) -> torch.Tensor:
     return F.relu(1 + fake).mean() if kind == "hinge" else F.softplus(fake).mean()
 
 
-def d_loss(kind: str, real: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
-    return d_loss_real(kind, real) + d_loss_fake(kind, fake)
-
-
 def g_loss(kind: str, fake: torch.Tensor) -> torch.Tensor:
     fake = fake.float()
     return -fake.mean() if kind == "hinge" else F.softplus(-fake).mean()

@@ -308,7 +308,7 @@ def test_task_trains_in_mixed_precision_close_to_float32(task_runs, task):
 def test_gan_networks_under_autocast_close_to_float32(attn, dtype):
     """SAGAN / EAGAN's G and D (attention switched on: sigma = 1) and both losses under autocast. The losses are
     float32; bfloat16's 1% on images comes from G's three up-sampling blocks, attention or not."""
-    from tasks.gan import d_loss, g_loss
+    from tasks.gan import d_loss_fake, d_loss_real, g_loss
     from tasks.nets.sagan import Discriminator, Generator
 
     options = {"self": {"heads": 1, "qk_ratio": 8, "v_ratio": 2, "kv_pool": 2, "scale": 1.0},
@@ -327,7 +327,8 @@ def test_gan_networks_under_autocast_close_to_float32(attn, dtype):
         with torch.autocast("cpu", dtype=autocast or dtype, enabled=autocast is not None):
             fake = G(z, y)
             out_real, out_fake = D(real, y), D(fake, y)
-            losses = torch.stack([d_loss("hinge", out_real, out_fake), g_loss("hinge", out_fake)])
+            losses = torch.stack([d_loss_real("hinge", out_real) + d_loss_fake("hinge", out_fake),
+                                  g_loss("hinge", out_fake)])
         assert losses.dtype == torch.float32
         results.append((fake.detach(), torch.cat([out_real, out_fake]).detach(), losses.detach()))
     (fake32, out32, loss32), (fake, out, loss) = results
