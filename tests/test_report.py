@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -39,6 +40,8 @@ PNG = b"\x89PNG\r\n\x1a\n"
 def run_py(args, cwd: Path, check=True):
     env = {"PATH": "/usr/bin:/bin", "HOME": str(cwd), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
            "WANDB_MODE": "disabled"}
+    if "PYTHONPATH" in os.environ:  # packages installed beside the interpreter's own (the GPU machine's /tmp/site)
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
                           capture_output=True, text=True, timeout=600)
     if check and proc.returncode != 0:

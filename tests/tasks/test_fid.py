@@ -197,7 +197,9 @@ def test_matches_torch_fidelity_cli(tmp_path, weights_file, image_sets, features
     env = {**os.environ, "HOME": str(tmp_path / "home"), "TORCH_HOME": str(tmp_path / "torch")}
     env["CUDA_VISIBLE_DEVICES"] = ""
     cmd = [
-        str(Path(sys.executable).parent / "fidelity"),
+        # the `fidelity` console script's own entry point (torch_fidelity.fidelity:main); run as a module, it needs no
+        # script beside the interpreter (the GPU machine installs wheels with pip's --target, which writes none)
+        sys.executable, "-m", "torch_fidelity.fidelity",
         "--input1", str(dirs["a"]), "--input2", str(dirs["b"]),
         "--fid", "--isc", "--isc-splits", "1",
         "--feature-extractor-weights-path", weights_file,
