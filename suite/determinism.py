@@ -37,8 +37,9 @@ def configure(trainer: Mapping) -> None:
     Trainer and CUDA start: ``CUBLAS_WORKSPACE_CONFIG``, unless the user set it."""
     if not trainer.get("deterministic"):
         return
-    if os.environ.get("CUBLAS_WORKSPACE_CONFIG") is None:
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE
+    if os.environ.get("CUBLAS_WORKSPACE_CONFIG") is not None:
+        return  # the user's own, set before python started (what the warning below asks for): cuBLAS read it
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         log.warning("trainer.deterministic=true: CUDA was initialised before the run set CUBLAS_WORKSPACE_CONFIG=%s; "
                     "if cuBLAS was used already, its results may not repeat. Set it in the environment before "

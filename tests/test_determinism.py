@@ -27,3 +27,21 @@ def test_configure_sets_the_cublas_workspace_unless_given(monkeypatch, setting, 
     determinism.configure({"deterministic": setting, "accelerator": "auto"})
     assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") == expected
 
+
+
+@pytest.mark.parametrize("given", [None, ":4096:8"])
+def test_warns_of_a_late_setting_only_when_it_set_it_itself(monkeypatch, caplog, given):
+    # CUDA already in use when the run starts (a bench, a notebook): a setting made now may come too late for cuBLAS,
+    # one the user gave in the environment (as the warning asks) did not
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")
+    if given is None:
+        monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    else:
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", given)
+    monkeypatch.setattr(determinism.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(determinism.torch.cuda, "is_initialized", lambda: True)
+    with caplog.at_level("WARNING", logger="suite.determinism"):
+        determinism.configure({"deterministic": True, "accelerator": "auto"})
+    warned = [r.getMessage() for r in caplog.records if "CUDA was initialised" in r.getMessage()]
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert len(warned) == (1 if given is None else 0), warned
