@@ -487,3 +487,24 @@ def test_results_reach_wandb_as_tables_and_images(quick_run, tmp_path, monkeypat
     results = json.loads(next((media / "table" / "bench").glob("results_*.table.json")).read_text())
     assert results["columns"] == cost.COLUMNS and len(results["data"]) == len(rows)
     assert len(list((media / "images" / "bench").glob("plots_*.png"))) == 2
+
+
+def test_a_tasks_only_table_has_no_empty_attention_sections():
+    """bench.variants=[] with bench.tasks=true (make bench-gpu's deterministic step): the table is the tasks', with
+    no empty targets, exponents, roofline, plots, time or memory sections, and the deterministic ratio as computed."""
+    from benchmarks import cost
+
+    info = {"device": "cuda", "cpu": "host", "cores": 16, "threads": 16, "gpu": "GPU", "cuda": "13.0", "os": "Linux",
+            "date": "2026-11-26 06:34", "environment": "torch 2.11"}
+    s = {"dtypes": ["float32"], "task_deterministic": True}
+    limits = {"matmul_side": 4096, "flops_per_s_float32": 5e13, "copy_mib": 512, "bytes_per_s": 4e12}
+    tasks = [{"task": "modelnet", "attn": "external", "recipe": "experiment=demo", "deterministic": det,
+              "batches": 28, "samples_per_s": sps, "step_ms": 1.0, "attention_share": 0.25, "status": "ok"}
+             for det, sps in ((False, 800.0), (True, 600.0))]
+    assert cost.plots([], [], {"variants": [], "baselines": []}, Path("/nonexistent"), "x") == []
+    md = cost.markdown([], [], [], [], [], limits, info, s, tasks, [], "python run.py mode=bench", 2**30)
+    assert md.startswith("# Training throughput per task (cuda)")
+    for gone in ("## Targets", "## Scaling exponents", "## Plots", "## Time", "## Peak memory", "- each case"):
+        assert gone not in md, gone
+    assert "| modelnet | external | experiment=demo | yes | 28 | 600.0 | 1.0 | 25% | ok | 0.75x |" in md
+    assert "## Machine limits" in md and "50000.0 GFLOP/s" in md
