@@ -14,12 +14,15 @@ is queued after the GPU has drained, so host overhead counts as the user sees it
 
 1. ModelNet40's PCT at batch 16 and 32 (1,024 points, 512/256 centres, 32 neighbours): a training step (forward,
    label-smoothed cross-entropy 0.2, backward, SGD with momentum) and an eval forward, in float32, under bf16
-   autocast and both ``torch.compile``d. The suite's network is ``tasks.nets.pct.PCT`` (``attn=offset``,
+   autocast and both ``torch.compile``d; float32 three times: in torch's defaults (the reference's 1x1 convolutions
+   in TF32, the suite's ``nn.Linear`` products in IEEE float32) and like for like, both IEEE and both TF32
+   (``trainer.tf32``, ``suite/tf32.py``). The suite's network is ``tasks.nets.pct.PCT`` (``attn=offset``,
    ``fps=kernel``: pointnet2_ops' indices); the reference is ``model.Pct``. Goals: train and eval >= 1.5x the
    reference's float32 step, bf16 >= 2x the reference's float32 step, compiled >= 2x the reference's float32 step
    (both-compiled beside it).
 2. ShapeNet part's network (2,048 points, batch 16) against ``benchmarks.baselines.ChannelFirstPCTPartSeg``, the
-   authors' Jittor network in PyTorch with the suite's weights (PCT_Pytorch has no part segmentation): >= 1.3x.
+   authors' Jittor network in PyTorch with the suite's weights (PCT_Pytorch has no part segmentation): >= 1.3x,
+   in the same three float32 forms.
 3. Host synchronisations inside one training step of the suite's PCT (CUDA's sync debug mode): the goal is none.
 4. FPS: the suite's Triton kernel (``like_kernel``) against pointnet2_ops from 512 to 65,536 points, and whether
    the two return the same indices (issue 27 §5): points uniform in [-1, 1]^3, one of them near the origin.
@@ -52,6 +55,7 @@ if str(ROOT) not in sys.path:
 from benchmarks import measure  # noqa: E402
 from benchmarks.baselines import channel_first, topk_knn  # noqa: E402
 from benchmarks.pct import interleaved  # noqa: E402
+from suite.tf32 import arithmetic  # noqa: E402
 
 GOALS = {"float32": 1.5, "bfloat16": 2.0, "compiled": 2.0, "partseg": 1.3}  # issue 28: reference fp32 / suite
 FPS_SIZES = [(32, 512, 256), (32, 1024, 512), (16, 2048, 1024), (8, 8192, 2048), (2, 65536, 8192)]  # (B, N, M)
@@ -121,30 +125,41 @@ def alternate(steps: dict[str, Callable[[], None]], rounds: int, device, warmup:
     return interleaved(steps, rounds, warmup, seconds=lambda step: timed(step, device))
 
 
-def train_step(net, loss, inputs, target, autocast: bool) -> Callable[[], None]:
+def train_step(net, loss, inputs, target, autocast: bool, tf32: bool | None = None) -> Callable[[], None]:
+    """One SGD step; ``tf32``: the float32 arithmetic of its products and convolutions (``suite.tf32``; None:
+    torch's defaults), set for the step and restored after it, so that steps of several forms can alternate."""
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     device = inputs[0].device.type
 
     def step():
         net.train()
         opt.zero_grad(set_to_none=True)
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
-            out = net(*inputs)
-        loss(out.float(), target).backward()
-        opt.step()
+        with arithmetic(tf32):
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+                out = net(*inputs)
+            loss(out.float(), target).backward()
+            opt.step()
 
     return step
 
 
-def eval_step(net, inputs, autocast: bool) -> Callable[[], None]:
+def eval_step(net, inputs, autocast: bool, tf32: bool | None = None) -> Callable[[], None]:
     device = inputs[0].device.type
 
     def step():
         net.eval()
-        with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+        with arithmetic(tf32), torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
             net(*inputs)
 
     return step
+
+
+# The float32 forms: torch's defaults (the reference's 1x1 convolutions in TF32, the suite's nn.Linear products in
+# IEEE float32: not the same arithmetic) and the two like-for-like ones (``trainer.tf32``, suite/tf32.py).
+# (form, tf32, what the reference runs in that form)
+FLOAT32_FORMS = [("float32", None, "reference fp32 (torch's defaults)"),
+                 ("float32, both IEEE", False, "reference fp32, IEEE"),
+                 ("float32, both TF32", True, "reference fp32, TF32")]
 
 
 # --------------------------------------------------------------------------------------------
@@ -170,12 +185,14 @@ def pct_rows(model_module, batch: int, points: int, rounds: int, device, samples
 
     rows = []
     for mode in ("train", "eval"):
-        def make(net, bf16=False):
-            return (train_step(net, loss, (xyz,), target, bf16) if mode == "train"
-                    else eval_step(net, (xyz,), bf16))
+        def make(net, bf16=False, tf32=None):
+            return (train_step(net, loss, (xyz,), target, bf16, tf32) if mode == "train"
+                    else eval_step(net, (xyz,), bf16, tf32))
 
-        steps = {"reference": make(reference), "suite": make(suite), "reference_bf16": make(reference, True),
-                 "suite_bf16": make(suite, True)}
+        steps = {"reference_bf16": make(reference, True), "suite_bf16": make(suite, True)}
+        for form, tf32, _ in FLOAT32_FORMS:
+            steps[_key("reference", form)] = make(reference, tf32=tf32)
+            steps[_key("suite", form)] = make(suite, tf32=tf32)
         first = {}
         if compile_too:
             compiled = {"reference_compiled": make(torch.compile(reference)),
@@ -184,11 +201,13 @@ def pct_rows(model_module, batch: int, points: int, rounds: int, device, samples
             steps.update(compiled)
         times = {k: statistics.median(v) for k, v in alternate(steps, rounds, device).items()}
         base = times["reference"]
-        forms = [("float32", "suite", base, "reference fp32"), ("bfloat16", "suite_bf16", base, "reference fp32")]
+        forms = [(form, _key("suite", form), times[_key("reference", form)], against)
+                 for form, _, against in FLOAT32_FORMS]
+        forms.append(("bfloat16", "suite_bf16", base, "reference fp32"))
         if compile_too:
             forms.append(("compiled", "suite_compiled", base, "reference fp32"))
         for form, key, ref, against in forms:
-            goal = GOALS[form]
+            goal = GOALS[form.split(",")[0]]
             row = {"network": "PCT", "batch": batch, "points": points, "mode": mode, "form": form,
                    "against": against, "reference_s": ref, "suite_s": times[key], "ratio": ref / times[key],
                    "goal": goal}
@@ -200,6 +219,11 @@ def pct_rows(model_module, batch: int, points: int, rounds: int, device, samples
                 row["compile_s"] = {k: first[k] - times[k] for k in first}
             rows.append(row)
     return rows
+
+
+def _key(side: str, form: str) -> str:
+    """The step's name of one side in one float32 form: ``reference``, ``suite_ieee``, ``reference_tf32``."""
+    return side + {"float32": "", "float32, both IEEE": "_ieee", "float32, both TF32": "_tf32"}[form]
 
 
 def partseg_rows(batch: int, points: int, rounds: int, device) -> list[dict]:
@@ -215,14 +239,15 @@ def partseg_rows(batch: int, points: int, rounds: int, device) -> list[dict]:
     target = torch.randint(0, 50, (batch, points), generator=g).to(device)
     rows = []
     for mode in ("train", "eval"):
-        steps = {name: (train_step(net, F.cross_entropy, (xyz, category), target, False) if mode == "train"
-                        else eval_step(net, (xyz, category), False))
-                 for name, net in (("reference", reference), ("suite", suite))}
+        steps = {_key(name, form): (train_step(net, F.cross_entropy, (xyz, category), target, False, tf32)
+                                    if mode == "train" else eval_step(net, (xyz, category), False, tf32))
+                 for name, net in (("reference", reference), ("suite", suite)) for form, tf32, _ in FLOAT32_FORMS}
         times = {k: statistics.median(v) for k, v in alternate(steps, rounds, device).items()}
-        rows.append({"network": "PCTPartSeg", "batch": batch, "points": points, "mode": mode, "form": "float32",
-                     "against": "channel-first (authors' network)", "reference_s": times["reference"],
-                     "suite_s": times["suite"], "ratio": times["reference"] / times["suite"],
-                     "goal": GOALS["partseg"]})
+        for form, _, against in FLOAT32_FORMS:
+            ref, ours = times[_key("reference", form)], times[_key("suite", form)]
+            rows.append({"network": "PCTPartSeg", "batch": batch, "points": points, "mode": mode, "form": form,
+                         "against": "channel-first (authors' network)" + against.removeprefix("reference fp32"),
+                         "reference_s": ref, "suite_s": ours, "ratio": ref / ours, "goal": GOALS["partseg"]})
     return rows
 
 
@@ -369,6 +394,10 @@ def markdown(out: dict) -> str:
     ]
     if out["pct"]:
         lines += ["## Networks", "",
+                  "In float32, torch's defaults give the two sides different arithmetic on a GPU with TF32: cuDNN "
+                  "runs the reference's 1x1 convolutions in TF32, cuBLAS the suite's `nn.Linear` products in IEEE "
+                  "float32. The rows `both IEEE` and `both TF32` set one arithmetic for both (`trainer.tf32=false` / "
+                  "`true`, `suite/tf32.py`); `float32` is torch's defaults, as each side's users run it.", "",
                   "| network | batch x points | step | suite form | against | reference ms | suite ms | ratio | goal | "
                   "result | same form: reference ms, ratio | compile s (reference / suite) |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

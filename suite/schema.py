@@ -96,6 +96,17 @@ class CompileOptions:
 
 
 @dataclass
+class ArithmeticOptions:
+    """The suite's own trainer option for float32 arithmetic on GPUs (``suite/tf32.py``), taken out of the trainer
+    group before it reaches Lightning."""
+
+    WHERE = TrainerOptions.WHERE
+
+    tf32: Optional[bool] = option("true", note="null: torch's defaults (convolutions TF32, matrix products IEEE); "
+                                               "true: both TF32; false: both IEEE float32")
+
+
+@dataclass
 class OptimizerOptions:
     """Each optimiser factory in ``optim`` (``optim.optimizer``, the GAN's ``optim.generator`` and
     ``optim.discriminator``): the arguments torch's optimisers (and timm's ``create_optimizer_v2``) check."""

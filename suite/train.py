@@ -211,8 +211,8 @@ def build_trainer(config: dict, module, out_dir: Path, loggers: list, identity: 
     """The Trainer of ``config["trainer"]`` with the suite's callbacks: the config's own (``callbacks``), the
     checkpoints, random-state saving, the non-finite loss guard, the throughput meter, with ``trainer.compile`` the
     networks' compilation (``suite/compile.py``) and, with a logger, the learning rate monitor. The suite's own
-    trainer options (``on_nan``, ``compile*``) are taken out before the rest reaches Lightning's Trainer. Returns the
-    trainer and ``{"best", "guard", "meter", "compiler"}``, read after the run (``compiler`` None when not
+    trainer options (``on_nan``, ``compile*``, ``tf32``) are taken out before the rest reaches Lightning's Trainer.
+    Returns the trainer and ``{"best", "guard", "meter", "compiler"}``, read after the run (``compiler`` None when not
     compiling)."""
     import lightning as L
     from hydra.utils import instantiate
@@ -224,6 +224,9 @@ def build_trainer(config: dict, module, out_dir: Path, loggers: list, identity: 
     from suite.distributed import adjust_trainer_kwargs, check_launch
     from suite.guard import NonFiniteGuard
     from suite.resume import RandomState
+    from suite.tf32 import apply as apply_tf32
+    from suite.tf32 import describe as describe_tf32
+    from suite.tf32 import take_option as take_tf32
     from suite.callbacks import TrainThroughput
 
     callbacks = [instantiate(c) for c in (config.get("callbacks") or {}).values() if c]
@@ -238,6 +241,11 @@ def build_trainer(config: dict, module, out_dir: Path, loggers: list, identity: 
         callbacks.append(meter)
     callbacks += [best, last, run_identity, RandomState(), guard]
     compiling = take_options(trainer_kwargs)
+    tf32 = take_tf32(trainer_kwargs)
+    if tf32 is not None:  # float32 matrix products and convolutions alike, before anything runs
+        apply_tf32(tf32)
+        log.info("trainer.tf32=%s: float32 matrix products and cuDNN convolutions in %s", str(tf32).lower(),
+                 describe_tf32(tf32))
     compiler = CompileNetworks(compiling["backend"], compiling["mode"], compiling["dynamic"]) \
         if compiling["compile"] else None
     if compiler is not None:

@@ -11,6 +11,7 @@ its own checks as a ``check_config(cfg)`` classmethod of ``tasks.base.Task`` (ca
 - more processes than evaluation samples (``data.num_test=1 trainer=ddp``): a
   rank would get no sample;
 - ``trainer.on_nan`` not one of stop | skip | off;
+- ``trainer.tf32`` not true, false or null;
 - ``trainer.compile_backend`` not a torch.compile backend, or ``trainer.compile_mode`` given to another backend
   than inductor (``suite/compile.py``);
 - a trainer, optim, data or model option of the wrong type or out of range (``trainer.max_epochs=abc``,
@@ -114,6 +115,7 @@ def check_option_types(cfg: DictConfig, overrides: Iterable[str] = ()) -> None:
 
     group(cfg.trainer, schema.TrainerOptions, "trainer")
     group(cfg.trainer, schema.CompileOptions, "trainer")
+    group(cfg.trainer, schema.ArithmeticOptions, "trainer")
     optim = cfg.get("optim") or {}
     for name, factory in optim.items():  # optim.optimizer, optim.scheduler; the GAN's generator, discriminator
         if isinstance(factory, DictConfig) and "_target_" in factory:

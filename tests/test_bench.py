@@ -231,13 +231,14 @@ def test_pct_comparison_times_both_networks_alternately(one_thread):
 
 
 # A stand-in for a PCT_Pytorch checkout, as benchmarks.pct_cuda imports one: ``model.Pct(args, output_channels)`` on
-# (B, 3, N) points and ``pointnet2_ops.pointnet2_utils.furthest_point_sample``. It counts its forward calls.
+# (B, 3, N) points and ``pointnet2_ops.pointnet2_utils.furthest_point_sample``. It counts its forward calls and the
+# float32 arithmetic each ran in (suite/tf32.py's switches).
 STUB_MODEL = """
 import torch
 from torch import nn
 from pointnet2_ops import pointnet2_utils
 
-CALLS = []
+CALLS, ARITHMETIC = [], []
 
 
 class Pct(nn.Module):
@@ -248,6 +249,7 @@ class Pct(nn.Module):
 
     def forward(self, x):  # (B, 3, N)
         CALLS.append(tuple(x.shape))
+        ARITHMETIC.append((torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32))
         centres = pointnet2_utils.furthest_point_sample(x.transpose(1, 2).contiguous(), 4).long()  # (B, 4)
         return self.head(x.transpose(1, 2).gather(1, centres[..., None].expand(-1, -1, 3)).mean(1))
 """
@@ -270,7 +272,7 @@ def test_pct_cuda_benchmark_runs_against_a_reference_checkout(tmp_path):
     (ref / "pointnet2_ops_lib" / "pointnet2_ops" / "pointnet2_utils.py").write_text(STUB_FPS)
     out = tmp_path / "pct-cuda.md"
     code = ("import sys, json; from benchmarks import pct_cuda; pct_cuda.main(sys.argv[1:]); import model; "
-            "print('CALLS', json.dumps(model.CALLS))")
+            "print('CALLS', json.dumps(model.CALLS)); print('ARITHMETIC', json.dumps(model.ARITHMETIC))")
     # the checkout first, and whatever the caller's PYTHONPATH carries (a GPU machine's staged hydra, say)
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
@@ -278,13 +280,17 @@ def test_pct_cuda_benchmark_runs_against_a_reference_checkout(tmp_path):
                            "--reference", str(ref), "--out", str(out)], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    calls = json.loads(proc.stdout.split("CALLS", 1)[1])
+    calls = json.loads(proc.stdout.split("CALLS", 1)[1].split("ARITHMETIC", 1)[0])
     assert calls and all(shape[1:] == [3, 64] for shape in calls)  # the reference took (B, 3, N)
+    # the reference's float32 steps ran in each arithmetic: torch's defaults, both IEEE, both TF32
+    arithmetic = {tuple(a) for a in json.loads(proc.stdout.split("ARITHMETIC", 1)[1])}
+    assert arithmetic == {("highest", True), ("highest", False), ("high", True)}, arithmetic
     text, data = out.read_text(), json.loads(out.with_suffix(".json").read_text())
     assert "PCT_Pytorch at" in data["reference"] and "pointnet2_ops stub" in data["reference"]
+    forms = ["float32", "float32, both IEEE", "float32, both TF32"]
     assert [(r["network"], r["mode"], r["form"]) for r in data["pct"]] == [
-        ("PCT", "train", "float32"), ("PCT", "train", "bfloat16"), ("PCT", "eval", "float32"),
-        ("PCT", "eval", "bfloat16"), ("PCTPartSeg", "train", "float32"), ("PCTPartSeg", "eval", "float32")]
+        *(("PCT", "train", f) for f in [*forms, "bfloat16"]), *(("PCT", "eval", f) for f in [*forms, "bfloat16"]),
+        *(("PCTPartSeg", "train", f) for f in forms), *(("PCTPartSeg", "eval", f) for f in forms)]
     for r in data["pct"]:
         assert r["reference_s"] > 0 and r["suite_s"] > 0
         assert r["ratio"] == pytest.approx(r["reference_s"] / r["suite_s"])

@@ -181,8 +181,8 @@ def trainer():
         cfg = compose("config", overrides=["trainer.accelerator=cpu", "trainer.devices=4", "++trainer.num_nodes=2",
                                            "logger=none"])
     kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
-    for key in ("on_nan", "compile", "compile_backend", "compile_mode", "compile_dynamic"):
-        kwargs.pop(key)  # run.py's own options, never Lightning's (suite/guard.py, suite/compile.py)
+    for key in ("on_nan", "compile", "compile_backend", "compile_mode", "compile_dynamic", "tf32"):
+        kwargs.pop(key)  # run.py's own options, never Lightning's (suite/guard.py, suite/compile.py, suite/tf32.py)
     return L.Trainer(**kwargs, logger=False, default_root_dir=root)
 
 # submitit's job process installs its handlers before it calls the Hydra job (submitit/core/submission.py).

@@ -1,0 +1,62 @@
+"""``trainer.tf32``: the arithmetic of float32 matrix products and convolutions on GPUs with TF32 (Ampere and later).
+
+torch's defaults treat the two differently: cuDNN convolutions may use TF32 (inputs rounded to 10 mantissa bits,
+float32 accumulation), matrix products (``nn.Linear``, ``matmul``, ``bmm``, SDPA's math path) may not. A network
+built of 1x1 convolutions (PCT_Pytorch's, the authors' channel-first form) therefore runs in TF32 where the same
+network built of ``nn.Linear`` (the suite's token-major form) runs in IEEE float32: two "float32" runs doing
+different arithmetic at different speeds. This option makes the two agree:
+
+- ``null`` (the default): torch's defaults, untouched (convolutions TF32, matrix products IEEE float32);
+- ``true``: both in TF32 (``torch.set_float32_matmul_precision("high")``, ``torch.backends.cudnn.allow_tf32``);
+  Lightning's hint about Tensor Cores asks for this;
+- ``false``: both in IEEE float32 (``"highest"``, cuDNN's TF32 off): the arithmetic of a CPU run.
+
+It changes nothing on a CPU, nor what runs in bf16 or fp16 under autocast. The legacy switches are used, not torch's
+newer ``fp32_precision`` properties: Lightning reads ``torch.get_float32_matmul_precision()``, which raises once
+those properties have been set for one backend and not for all (torch 2.11 to 2.14).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+
+
+def take_option(trainer_kwargs: dict) -> bool | None:
+    """``trainer.tf32`` taken out of the trainer's keyword arguments (it is the suite's, not Lightning's; its type is
+    checked at start-up with the other trainer options, ``suite.schema.ArithmeticOptions``)."""
+    return trainer_kwargs.pop("tf32", None)
+
+
+def state() -> tuple[str, bool]:
+    """(float32 matmul precision, cuDNN TF32) as torch has them now."""
+    return torch.get_float32_matmul_precision(), bool(torch.backends.cudnn.allow_tf32)
+
+
+def apply(tf32: bool | None) -> None:
+    """Set both switches as ``tf32`` says (``None``: leave them)."""
+    if tf32 is None:
+        return
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    torch.backends.cudnn.allow_tf32 = tf32
+
+
+@contextmanager
+def arithmetic(tf32: bool | None) -> Iterator[None]:
+    """``apply(tf32)`` for the block, then the switches as they were (benchmarks alternate the forms step by step)."""
+    before = state()
+    apply(tf32)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before[0])
+        torch.backends.cudnn.allow_tf32 = before[1]
+
+
+def describe(tf32: bool | None) -> str:
+    """What ``tf32`` means, for tables and logs."""
+    return {None: "torch's defaults (convolutions TF32, matrix products IEEE float32)", True: "TF32",
+            False: "IEEE float32"}[tf32]

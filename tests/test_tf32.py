@@ -1,0 +1,72 @@
+"""``trainer.tf32`` (suite/tf32.py): float32 matrix products and cuDNN convolutions in one arithmetic. What it does to
+speed is for a GPU to show (benchmarks/pct_cuda.py's like-for-like rows); here: the switches it sets, that they are
+restored around a benchmark's step, the start-up check, and that a run takes the option out of Lightning's way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from suite import tf32
+from test_config_checks import compose_run, refused
+from test_run import TINY, env, run  # noqa: F401 - env is a fixture
+
+
+@pytest.fixture
+def torch_defaults():
+    """torch's own switches before and after each test, whatever it sets."""
+    before = tf32.state()
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = True
+    yield
+    torch.set_float32_matmul_precision(before[0])
+    torch.backends.cudnn.allow_tf32 = before[1]
+
+
+@pytest.mark.parametrize("choice, expected", [
+    (None, ("highest", True)),   # torch's defaults: convolutions may use TF32, matrix products may not
+    (True, ("high", True)),      # both TF32
+    (False, ("highest", False)),  # both IEEE float32
+])
+def test_each_choice_sets_both_switches_and_the_block_restores_them(torch_defaults, choice, expected):
+    with tf32.arithmetic(choice):
+        assert tf32.state() == expected
+        # Lightning reads the matmul precision as a whole (lightning/fabric/accelerators/cuda.py): it must not raise
+        assert torch.get_float32_matmul_precision() == expected[0]
+        assert torch.backends.cuda.matmul.fp32_precision == ("tf32" if expected[0] == "high" else "ieee")
+    assert tf32.state() == ("highest", True)
+    tf32.apply(choice)
+    assert tf32.state() == expected
+
+
+def test_the_block_restores_the_switches_after_an_error(torch_defaults):
+    with pytest.raises(RuntimeError, match="inside"), tf32.arithmetic(True):
+        raise RuntimeError("inside")
+    assert tf32.state() == ("highest", True)
+
+
+def test_take_option_removes_the_key_lightning_would_refuse():
+    kwargs = {"accelerator": "cpu", "tf32": True}
+    assert tf32.take_option(kwargs) is True and kwargs == {"accelerator": "cpu"}
+    assert tf32.take_option(kwargs) is None
+
+
+@pytest.mark.parametrize("value", ["maybe", "1.5", "[true]"])
+def test_a_value_other_than_true_false_or_null_is_refused_at_start(value):
+    message = refused([f"trainer.tf32={value}"])
+    assert "trainer.tf32=" in message and "true, false or null" in message and "configs/trainer/" in message
+
+
+def test_true_false_and_null_pass_the_start_up_check():
+    from suite.validate import validate_config
+
+    for value in ("true", "false", "null"):
+        validate_config(compose_run([f"trainer.tf32={value}"]), [f"trainer.tf32={value}"])
+
+
+def test_a_run_takes_the_option_and_says_what_it_set(env, tmp_path):  # noqa: F811
+    proc = run([*TINY, "trainer.accelerator=cpu", "trainer.tf32=false", "logger=none",
+                f"hydra.run.dir={tmp_path / 'run'}"], env)
+    assert "trainer.tf32=false: float32 matrix products and cuDNN convolutions in IEEE float32" in \
+        proc.stdout + proc.stderr
+    assert (tmp_path / "run" / "metrics.json").is_file()
