@@ -5,15 +5,19 @@
 #   benchmarks/gpu_lease.sh OUTDIR [SECONDS] [PART]     (from the project root, on the GPU machine)
 #
 # Needs .gpu-run/ staged (../shared/gpu/stage.sh; PCT_Pytorch's model.py, util.py and pointnet2_ops_lib under
-# .gpu-run/PCT_Pytorch). PART 1 (default): pointnet2_ops built in the background, `make test-gpu`'s two halves side
-# by side, FPS against the built op, benchmarks.pct_cuda, the cost bench in float32 and bf16. PART 2: the `cuda`
-# tests and the bench's tests again, then the cost bench (after fixes to what PART 1 found). PART 3: what the first
-# lease (2026-11-26) left unmeasured: PCT and FPS again, external/offset/focal/dilated at three sizes up to 65,536,
-# DeiT-S against timm with 20 rounds, every variant at small N, and the deterministic mode's cost. PART 4: `make
-# test-gpu` as one uninterrupted run (both halves, one after the other; about nine minutes on an H200), the
-# comparison with the built pointnet2_ops last. PART 5: the `cuda` tests again with their names (part 4's time limit
-# stopped two), two of the three tests part 4 found failing for the machine's reasons, then the deterministic mode's cost. Writes OUTDIR/log.txt (each step's summary), OUTDIR/tests-cuda.txt,
-# OUTDIR/tests-rest.txt and OUTDIR/tables.tar (the benchmark tables).
+# .gpu-run/PCT_Pytorch). Parts, each one call:
+#   1 (default): pointnet2_ops built in the background, `make test-gpu`'s two halves side by side, FPS against the
+#     built op, benchmarks.pct_cuda, the cost bench in float32 and bf16;
+#   2: the `cuda` tests and the bench's tests again, then the cost bench (after fixes to what part 1 found);
+#   3: what the first lease (2026-11-26) left unmeasured: PCT (with trainer.tf32's like-for-like float32 forms) and
+#     FPS again, external/offset/focal/dilated at three sizes up to 65,536, DeiT-S against timm with 20 rounds,
+#     every variant at small N;
+#   4: `make test-gpu` as one uninterrupted run (both halves, one after the other; about nine minutes on an H200,
+#     more than one call leaves), the comparison with the built pointnet2_ops last;
+#   5: the `cuda` tests again, named (part 4's time limit stopped two), beside two of the three tests part 4 found
+#     failing for the machine's reasons, then the deterministic mode's cost.
+# Writes OUTDIR/log.txt (each step's summary), OUTDIR/tests-cuda.txt, OUTDIR/tests-rest.txt and OUTDIR/tables.tar
+# (the benchmark tables).
 set -u
 OUT=${1:?usage: benchmarks/gpu_lease.sh OUTDIR [SECONDS] [PART]}
 DEADLINE=$(( $(date +%s) + ${2:-560} ))
@@ -138,11 +142,6 @@ else
   say "small N"
   timeout -s INT "$(left 60 90)" python3 -m benchmarks.small_n --rounds 10 --out "$TABLES/small-n-cuda.md" >> "$LOG" 2>&1
   say "small_n exit $?"; pack
-  say "deterministic mode's cost"
-  CUBLAS_WORKSPACE_CONFIG=:4096:8 timeout -s INT "$(left 10)" python3 run.py mode=bench bench.device=cuda \
-    'bench.variants=[]' 'bench.baselines=[]' bench.tasks=true bench.task_deterministic=true bench.task_pct=false \
-    bench.name=deterministic "bench.table_dir=$TABLES" logger=none hydra.run.dir=/tmp/bench-det >> "$LOG" 2>&1
-  say "deterministic exit $?"
 fi
 pack
 say "done"
