@@ -15,7 +15,9 @@
 #   4: `make test-gpu` as one uninterrupted run (both halves, one after the other; about nine minutes on an H200,
 #     more than one call leaves), the comparison with the built pointnet2_ops last;
 #   5: the `cuda` tests again, named (part 4's time limit stopped two), beside two of the three tests part 4 found
-#     failing for the machine's reasons, then the deterministic mode's cost.
+#     failing for the machine's reasons, then the deterministic mode's cost;
+#   6: the tests no GPU run has yet shown passing on the code of 2026-11-26 (about two minutes): with part 5's and
+#     part 4's, every test of `make test-gpu`.
 # Writes OUTDIR/log.txt (each step's summary), OUTDIR/tests-cuda.txt, OUTDIR/tests-rest.txt and OUTDIR/tables.tar
 # (the benchmark tables).
 set -u
@@ -104,6 +106,12 @@ elif [ "$PART" = 5 ]; then
     'bench.variants=[]' 'bench.baselines=[]' bench.tasks=true bench.task_deterministic=true bench.task_pct=false \
     bench.name=deterministic "bench.table_dir=$TABLES" logger=none hydra.run.dir=/tmp/bench-det >> "$LOG" 2>&1
   say "deterministic exit $?"
+elif [ "$PART" = 6 ]; then
+  say "what no GPU run has shown passing on today's code: classification compiled, test_report's runs (PYTHONPATH)"
+  timeout -s INT -k 20 "$(left 20 400)" python3 -m pytest -n 6 -p no:cacheprovider -rA \
+    "tests/gpu/test_cuda_tasks.py::test_every_task_trains_compiled_on_cuda[classification]" \
+    tests/test_report.py > "$OUT/tests-cuda.txt" 2>&1
+  say "tests exit $?"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/tests-cuda.txt" | tail -n 20 >> "$LOG"
 elif [ "$PART" = 2 ]; then
   say "the cuda tests (12 workers) beside the bench's tests (2)"
   T=$(left 180 230)
