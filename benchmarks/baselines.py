@@ -122,7 +122,7 @@ BASELINES = {"materialised": (MaterialisedAttention, "self"), "unfold": (UnfoldD
 # PCT's networks, channel-first, as the reference code computes them
 # --------------------------------------------------------------------------------------------
 
-@torch.compiler.disable  # as the suite's FPS and kNN (tasks/nets/pct.py ``neighbourhoods``): eager when compiled
+@torch.compiler.disable  # eager when compiled: a graph break, as PCT_Pytorch's call of its CUDA op is one
 @torch.no_grad()
 def plain_fps(xyz: torch.Tensor, m: int) -> torch.Tensor:
     """Farthest point sampling from point 0 (B, N, 3) -> (B, m): a torch loop over the m picks, argmax's ties to the

@@ -14,8 +14,9 @@ backward and an SGD step (momentum 0.9); eval is a forward in eval mode under ``
 Both networks take the same inputs and alternate, step by step (reference, suite, reference, suite, ...), so that a
 machine shared with other jobs slows both alike; a ratio is the median over rounds of the per-round ratio
 (reference time / suite time; > 1: the suite is faster), with the ratio of the two fastest steps beside it.
-Compiled: ``torch.compile`` of each network (default inductor backend; FPS and kNN stay eager in both, see
-``tasks.nets.pct.neighbourhoods``); its compile time is the first compiled step's time minus the steady step's.
+Compiled: ``torch.compile`` of each network (default inductor backend; FPS and kNN run eagerly in both: the suite's
+as a library op inside its one graph, ``tasks.nets.pct.neighbourhoods``, the reference's as a graph break); its
+compile time is the first compiled step's time minus the steady step's.
 """
 
 from __future__ import annotations

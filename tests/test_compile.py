@@ -205,3 +205,38 @@ def test_compiled_checkpoint_is_an_uncompiled_one(compiled_run, env, tmp_path): 
     assert "compile_time_s" not in eager
     for key in ("test/oa", "test/macc", "test/loss"):
         assert eager[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.parametrize("embedding", ["neighbor", "point"])
+def test_pct_compiles_as_one_graph(one_thread, embedding):
+    """PCT's sampling and grouping are one library op, a leaf of dynamo's graph (tasks/nets/pct.py neighbourhoods):
+    the whole network is one graph in training and in evaluation, with no break (a break inside its loop over the
+    groupings made dynamo run PCT.forward eagerly and compile only the pieces: CUDA graphs could not take it whole)."""
+    from tasks.nets.pct import PCT
+
+    torch.manual_seed(0)
+    net = PCT(4, {"name": "offset"}, samples=[16, 8], neighbours=4, embedding=embedding)
+    x = torch.randn(4, 32, 3)
+    for training in (True, False):
+        net.train(training)
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(net)(x)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), (training, explained.break_reasons)
+
+
+def test_the_neighbourhood_ops_fake_kernel_has_the_real_kernels_shapes():
+    """attention_suite::pct_neighbourhoods: its fake kernel (what torch.compile traces) gives the real kernel's shapes
+    and dtypes, and the op gives attention.pointops' own FPS centres and kNN groups."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from attention.pointops import farthest_point_sample, gather, knn
+    from tasks.nets.pct import neighbourhoods
+
+    xyz = torch.rand(3, 40, 3, generator=torch.Generator().manual_seed(0))
+    centres, new_xyz, groups = neighbourhoods(xyz, 10, 5, True)
+    want = farthest_point_sample(xyz, 10, like_kernel=True)
+    assert torch.equal(centres, want) and torch.equal(new_xyz, gather(xyz, want))
+    assert torch.equal(groups, knn(gather(xyz, want), xyz, 5))
+    with FakeTensorMode() as mode:
+        fake = torch.ops.attention_suite.pct_neighbourhoods(mode.from_tensor(xyz), 10, 5, True)
+    assert [(t.shape, t.dtype) for t in fake] == [(centres.shape, centres.dtype), (groups.shape, groups.dtype)]

@@ -237,18 +237,39 @@ def one_cpu_thread(device: torch.device):
         torch.set_num_threads(threads)
 
 
-@torch.compiler.disable
 def neighbourhoods(xyz: torch.Tensor, samples: int, neighbours: int, like_kernel: bool):
     """FPS centres (B, S), their coordinates (B, S, 3) and their k nearest points (B, S, K) of xyz (B, N, 3).
 
-    Eager under ``torch.compile``: FPS is a loop of S data-dependent steps that dynamo would trace into one
-    graph of S steps (minutes of compilation for PCT's S = 512 on a CPU), and indices carry no gradient.
-    FPS runs on one CPU thread (:func:`one_cpu_thread`); kNN's larger distance blocks keep them all.
+    FPS and kNN run as one ``torch.library`` op (``attention_suite::pct_neighbourhoods``): a leaf of the graph under
+    ``torch.compile``, with a fake kernel for its shapes, so that the network compiles as one graph. FPS is a loop of
+    S data-dependent steps that dynamo would trace into one graph of S steps (minutes of compilation for PCT's
+    S = 512 on a CPU) and hand the Triton launches to inductor; a ``torch.compiler.disable`` there instead (as before)
+    broke the graph inside the network's loop over its two groupings, and dynamo then ran the whole ``PCT.forward``
+    eagerly, compiling only the pieces (7 graphs; CUDA graphs could not take the step whole). The indices carry no
+    gradient; the centres' coordinates are gathered outside the op, so a gradient to the points still flows.
     """
+    centres, groups = torch.ops.attention_suite.pct_neighbourhoods(xyz, samples, neighbours, like_kernel)
+    return centres, gather(xyz, centres), groups  # (B, S), (B, S, 3), (B, S, K)
+
+
+def _neighbourhoods(xyz: torch.Tensor, samples: int, neighbours: int, like_kernel: bool):
+    """The op's kernel, on any device: FPS on one CPU thread (:func:`one_cpu_thread`), kNN on them all."""
     with one_cpu_thread(xyz.device):
         centres = farthest_point_sample(xyz, samples, like_kernel=like_kernel)  # (B, S)
-    new_xyz = gather(xyz, centres)  # (B, S, 3)
-    return centres, new_xyz, knn(new_xyz, xyz, neighbours)
+    return centres, knn(gather(xyz, centres), xyz, neighbours)  # (B, S), (B, S, K)
+
+
+# torch.library.define + impl, as attention/functional.py's ops (and why not custom_op: there)
+_LIB = torch.library.Library("attention_suite", "FRAGMENT")
+_LIB.define("pct_neighbourhoods(Tensor xyz, SymInt samples, SymInt neighbours, bool like_kernel) -> (Tensor, Tensor)",
+            tags=(torch.Tag.pt2_compliant_tag,))
+_LIB.impl("pct_neighbourhoods", _neighbourhoods, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("attention_suite::pct_neighbourhoods", lib=_LIB)
+def _neighbourhoods_fake(xyz, samples, neighbours, like_kernel):
+    b = xyz.shape[0]
+    return xyz.new_empty(b, samples, dtype=torch.long), xyz.new_empty(b, samples, neighbours, dtype=torch.long)
 
 
 def group_rows(points: torch.Tensor, centre: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
