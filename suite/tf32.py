@@ -24,7 +24,6 @@ from contextlib import contextmanager
 import torch
 
 
-
 def take_option(trainer_kwargs: dict) -> bool | None:
     """``trainer.tf32`` taken out of the trainer's keyword arguments (it is the suite's, not Lightning's; its type is
     checked at start-up with the other trainer options, ``suite.schema.ArithmeticOptions``)."""

@@ -240,3 +240,19 @@ def test_the_neighbourhood_ops_fake_kernel_has_the_real_kernels_shapes():
     with FakeTensorMode() as mode:
         fake = torch.ops.attention_suite.pct_neighbourhoods(mode.from_tensor(xyz), 10, 5, True)
     assert [(t.shape, t.dtype) for t in fake] == [(centres.shape, centres.dtype), (groups.shape, groups.dtype)]
+
+
+def test_a_gradient_still_reaches_the_points_through_the_neighbourhood_op():
+    """The op returns indices only; the centres' coordinates are gathered outside it, so attacks and saliency maps on
+    the input points (a gradient with respect to them) keep working, with no autograd warning."""
+    import warnings
+
+    from tasks.nets.pct import PCT
+
+    torch.manual_seed(0)
+    net = PCT(4, {"name": "offset"}, samples=[16, 8], neighbours=4)
+    x = torch.randn(4, 32, 3, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        net(x).sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
