@@ -239,7 +239,11 @@ def test_the_neighbourhood_ops_fake_kernel_has_the_real_kernels_shapes():
     assert torch.equal(groups, knn(gather(xyz, want), xyz, 5))
     with FakeTensorMode() as mode:
         fake = torch.ops.attention_suite.pct_neighbourhoods(mode.from_tensor(xyz), 10, 5, True)
-    assert [(t.shape, t.dtype) for t in fake] == [(centres.shape, centres.dtype), (groups.shape, groups.dtype)]
+    real = torch.ops.attention_suite.pct_neighbourhoods(xyz, 10, 5, True)
+    assert [(t.shape, t.stride(), t.dtype) for t in fake] == [(t.shape, t.stride(), t.dtype) for t in real]
+    # torch's own checks of a custom op: schema, fake kernel (strides too: inductor asserts them), autograd, AOT
+    torch.library.opcheck(torch.ops.attention_suite.pct_neighbourhoods.default, (xyz, 10, 5, True))
+    torch.library.opcheck(torch.ops.attention_suite.pct_neighbourhoods.default, (xyz, 10, 5, False))
 
 
 def test_a_gradient_still_reaches_the_points_through_the_neighbourhood_op():

@@ -253,10 +253,12 @@ def neighbourhoods(xyz: torch.Tensor, samples: int, neighbours: int, like_kernel
 
 
 def _neighbourhoods(xyz: torch.Tensor, samples: int, neighbours: int, like_kernel: bool):
-    """The op's kernel, on any device: FPS on one CPU thread (:func:`one_cpu_thread`), kNN on them all."""
+    """The op's kernel, on any device: FPS on one CPU thread (:func:`one_cpu_thread`), kNN on them all. Both come
+    back contiguous, as the fake kernel says (FPS's torch loop builds its (B, S) indices transposed): inductor checks
+    the strides."""
     with one_cpu_thread(xyz.device):
         centres = farthest_point_sample(xyz, samples, like_kernel=like_kernel)  # (B, S)
-    return centres, knn(gather(xyz, centres), xyz, neighbours)  # (B, S), (B, S, K)
+    return centres.contiguous(), knn(gather(xyz, centres), xyz, neighbours).contiguous()  # (B, S), (B, S, K)
 
 
 # torch.library.define + impl, as attention/functional.py's ops (and why not custom_op: there)
