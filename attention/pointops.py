@@ -4,7 +4,8 @@ torch-geometric's ``fps``/``knn`` need pyg-lib or torch-cluster, which have no
 wheels for every torch build (none for the one we install), so the two
 operations PCT and the local variants need are written here; both run under
 ``no_grad`` because indices carry no gradient. On a GPU, farthest point sampling
-runs as one Triton kernel (attention/fps_triton.py) instead of m steps of torch ops.
+runs as one Triton kernel (attention/fps_triton.py) instead of m steps of torch ops. Both are ``torch.library``
+ops, so that ``torch.compile`` keeps a network that samples in one graph.
 """
 
 from __future__ import annotations
@@ -17,11 +18,6 @@ import torch
 from .triton_kernels import Kernels
 
 
-# Not traced by torch.compile: dynamo would unroll the m steps into the graph (about 20 ms of tracing a step, so
-# seconds for PCT's 512) and hand the Triton launch to inductor, which need not keep enable_fp_fusion=False; run
-# eagerly, it is one kernel launch on a GPU and indices (no gradient) either way.
-@torch.compiler.disable
-@torch.no_grad()
 def farthest_point_sample(xyz: torch.Tensor, m: int, start: int | torch.Tensor = 0,
                           like_kernel: bool = False, backend: str = "auto") -> torch.Tensor:
     """Indices (B, m) of m points picked by farthest point sampling, from point ``start``.
@@ -60,6 +56,11 @@ def farthest_point_sample(xyz: torch.Tensor, m: int, start: int | torch.Tensor =
     and float64 CUDA tensors where Triton works, the torch loop otherwise (CPU, half precision, no Triton).
     Both round every operation alike (``like_kernel``: the same fused multiply-adds), so they return the
     same indices, ties included.
+
+    Under ``torch.compile`` it is one op of the graph (``attention_suite::farthest_point_sample``, with a fake
+    kernel for its shape): dynamo would otherwise unroll the m steps into the graph (about 20 ms of tracing a step,
+    so seconds for PCT's 512) and hand the Triton launch to inductor, which need not keep enable_fp_fusion=False; a
+    ``torch.compiler.disable`` (as before) broke the graph of every network that samples. It runs as in eager mode.
     """
     b, n, _ = xyz.shape
     if not 1 <= m <= n:
@@ -70,14 +71,26 @@ def farthest_point_sample(xyz: torch.Tensor, m: int, start: int | torch.Tensor =
         if start.shape != (b,) or start.dtype != torch.long:
             raise ValueError(f"farthest_point_sample: start must be an int or a ({b},) LongTensor, "
                              f"got {start.dtype} of shape {tuple(start.shape)}.")
+    elif not 0 <= start < n:
+        raise ValueError(f"farthest_point_sample: start {start} is not a point index (N = {n}).")
+    if like_kernel and not (isinstance(start, int) and start == 0):
+        raise ValueError("farthest_point_sample: like_kernel=True starts at point 0, as the CUDA kernel does.")
+    given = start if isinstance(start, torch.Tensor) else None
+    return torch.ops.attention_suite.farthest_point_sample(xyz, m, given, 0 if given is not None else start,
+                                                           like_kernel, backend)  # (B, m)
+
+
+@torch.no_grad()
+def _farthest_point_sample(xyz: torch.Tensor, m: int, start: torch.Tensor | None, start_index: int,
+                           like_kernel: bool, backend: str) -> torch.Tensor:
+    """The op's kernel (arguments checked by :func:`farthest_point_sample`): ``start`` a (B,) LongTensor, or None
+    for ``start_index`` in every sample."""
+    b, n, _ = xyz.shape
+    if start is not None:
         farthest = start.to(xyz.device)  # (B,)
     else:
-        if not 0 <= start < n:
-            raise ValueError(f"farthest_point_sample: start {start} is not a point index (N = {n}).")
-        farthest = torch.full((b,), start, dtype=torch.long, device=xyz.device)  # (B,)
+        farthest = torch.full((b,), start_index, dtype=torch.long, device=xyz.device)  # (B,)
     if like_kernel:
-        if not (isinstance(start, int) and start == 0):
-            raise ValueError("farthest_point_sample: like_kernel=True starts at point 0, as the CUDA kernel does.")
         # The kernel's tie order becomes "first maximum" (argmax's rule) on points permuted by kernel_order;
         # its skipped points start at distance -1 (initial_distances).
         order = kernel_order(n, xyz.device)  # (N,), order[0] == 0
@@ -98,7 +111,7 @@ def farthest_point_sample(xyz: torch.Tensor, m: int, start: int | torch.Tensor =
                                    fused=False, fallback=backend == "auto")
     if idx is None:
         idx = fps_loop(xyz, m, farthest, initial_distances(xyz, like_kernel), fused=fused)  # (B, m)
-    return order[idx] if like_kernel else idx
+    return (order[idx] if like_kernel else idx).contiguous()  # as the fake kernel says (the loop builds it (m, B))
 
 
 def initial_distances(xyz: torch.Tensor, like_kernel: bool) -> torch.Tensor:
@@ -355,11 +368,6 @@ KNN_GRID_ABOVE = 1 << 24
 SYNC_FREE_DEVICES = ("cuda",)
 
 
-# Not traced by torch.compile, as farthest_point_sample: dynamo would hand the Triton kernel's launch to inductor,
-# which need not keep enable_fp_fusion=False (the distances' exact rounding, so the indices), and the grid search's
-# host-side loops would break the graph anyway; indices carry no gradient.
-@torch.compiler.disable
-@torch.no_grad()
 def knn(query: torch.Tensor, points: torch.Tensor, k: int) -> torch.Tensor:
     """Indices (B, M, k) of the k nearest ``points`` (B, N, 3) of each ``query`` (B, M, 3).
 
@@ -371,19 +379,49 @@ def knn(query: torch.Tensor, points: torch.Tensor, k: int) -> torch.Tensor:
     O(M k) for evenly spread points. On CUDA, float32 (and half) points go to one Triton kernel
     (:mod:`attention.knn_triton`: the same indices, O(B M k) memory, no distance matrix in memory at all); float64,
     or k above the kernel's limit, take the torch search, which runs there as it is.
+
+    Under ``torch.compile`` it is one op of the graph (``attention_suite::knn``), as :func:`farthest_point_sample`:
+    dynamo would hand the Triton kernel's launch to inductor, which need not keep enable_fp_fusion=False (the
+    distances' exact rounding, so the indices), and the torch search's tie handling branches on tensor values.
     """
-    b, m, _ = query.shape
     n = points.shape[1]
     if not 1 <= k <= n:
         raise ValueError(f"knn: cannot take {k} neighbours among {n} points.")
+    return torch.ops.attention_suite.knn(query, points, k)  # (B, M, k)
+
+
+@torch.no_grad()
+def _knn(query: torch.Tensor, points: torch.Tensor, k: int) -> torch.Tensor:
+    """The op's kernel (k checked by :func:`knn`)."""
+    m, n = query.shape[1], points.shape[1]
     if (query.is_cuda and query.dtype in KNN_TRITON_DTYPES and points.dtype in KNN_TRITON_DTYPES
             and KNN_KERNELS.wanted((query, points))):
         idx = KNN_KERNELS.call("knn_if_supported", query, points, k)  # (B, M, k); None: k too large, or it failed
         if idx is not None:
-            return idx
+            return idx.contiguous()
     if m * n <= KNN_GRID_ABOVE:
-        return knn_blocks(query, points, k)
+        return knn_blocks(query, points, k).contiguous()
     return torch.stack([knn_grid(q, p, k) for q, p in zip(query, points)])  # (B, M, k)
+
+
+# The two as torch.library ops: leaves of torch.compile's graph, with fake kernels for their shapes (define + impl, as
+# attention/functional.py's ops, and why not custom_op: there). Indices carry no gradient.
+_LIB = torch.library.Library("attention_suite", "FRAGMENT")
+_LIB.define("farthest_point_sample(Tensor xyz, SymInt m, Tensor? start, SymInt start_index, bool like_kernel, "
+            "str backend) -> Tensor", tags=(torch.Tag.pt2_compliant_tag,))
+_LIB.impl("farthest_point_sample", _farthest_point_sample, "CompositeExplicitAutograd")
+_LIB.define("knn(Tensor query, Tensor points, SymInt k) -> Tensor", tags=(torch.Tag.pt2_compliant_tag,))
+_LIB.impl("knn", _knn, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("attention_suite::farthest_point_sample", lib=_LIB)
+def _farthest_point_sample_fake(xyz, m, start, start_index, like_kernel, backend):
+    return xyz.new_empty(xyz.shape[0], m, dtype=torch.long)  # (B, m)
+
+
+@torch.library.register_fake("attention_suite::knn", lib=_LIB)
+def _knn_fake(query, points, k):
+    return query.new_empty(query.shape[0], query.shape[1], k, dtype=torch.long)  # (B, M, k)
 
 
 # Dtypes knn's Triton kernel takes: float32 and half (upcast exactly to float32, as square_distance does).

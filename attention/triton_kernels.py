@@ -13,9 +13,10 @@ the kernel (``fallback=False``: a ``backend="triton"`` the tests use) gets the f
 
 Fake tensors (``FakeTensorMode``: the bench's estimates of FLOPs and memory) have no memory: a kernel launched on
 one reads whatever address its "pointer" is (on an H200, an illegal memory access that left the CUDA context
-unusable for the rest of the process). Families called from torch code directly (FPS, kNN) ask :meth:`Kernels.wanted`
-with their tensors, which sends fake ones to the torch path; the attention ops are ``torch.library`` ops whose fake
-implementations take them, so ``torch.compile`` still traces the op that runs the kernel.
+unusable for the rest of the process). Every family runs inside a ``torch.library`` op (the attention ops,
+``attention_suite::farthest_point_sample`` and ``::knn``) whose fake implementation takes fake tensors, so
+``torch.compile`` traces the op that runs the kernel; FPS and kNN also ask :meth:`Kernels.wanted` with their tensors,
+which sends fake ones to the torch path should one reach them another way.
 """
 
 from __future__ import annotations

@@ -207,15 +207,17 @@ def test_compiled_checkpoint_is_an_uncompiled_one(compiled_run, env, tmp_path): 
         assert eager[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-6), key
 
 
-@pytest.mark.parametrize("embedding", ["neighbor", "point"])
-def test_pct_compiles_as_one_graph(one_thread, embedding):
-    """PCT's sampling and grouping are one library op, a leaf of dynamo's graph (tasks/nets/pct.py neighbourhoods):
-    the whole network is one graph in training and in evaluation, with no break (a break inside its loop over the
-    groupings made dynamo run PCT.forward eagerly and compile only the pieces: CUDA graphs could not take it whole)."""
+@pytest.mark.parametrize("embedding, attn", [("neighbor", "offset"), ("point", "offset"), ("neighbor", "focal"),
+                                             ("neighbor", "dilated")])
+def test_pct_compiles_as_one_graph(one_thread, embedding, attn):
+    """PCT's sampling and grouping are one library op, and so are FPS and kNN that focal and dilated attention run
+    on point sets (attention/pointops.py): leaves of dynamo's graph, so the whole network is one graph in training and
+    in evaluation, with no break (a break inside its loop over the groupings or blocks made dynamo run PCT.forward
+    eagerly and compile only the pieces, 7 to 10 graphs: CUDA graphs could not take it whole)."""
     from tasks.nets.pct import PCT
 
     torch.manual_seed(0)
-    net = PCT(4, {"name": "offset"}, samples=[16, 8], neighbours=4, embedding=embedding)
+    net = PCT(4, {"name": attn}, samples=[16, 8], neighbours=4, embedding=embedding)
     x = torch.randn(4, 32, 3)
     for training in (True, False):
         net.train(training)
@@ -260,3 +262,31 @@ def test_a_gradient_still_reaches_the_points_through_the_neighbourhood_op():
         warnings.simplefilter("error")
         net(x).sum().backward()
     assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("args", [
+    lambda xyz: (xyz, 10, None, 0, True, "auto"),           # pointnet2_ops' picks
+    lambda xyz: (xyz, 10, None, 3, False, "torch"),         # one start for every sample
+    lambda xyz: (xyz, 10, torch.tensor([5, 0, 39]), 0, False, "auto"),  # a start per sample
+])
+def test_fps_op_passes_torchs_custom_op_checks(args):
+    """attention_suite::farthest_point_sample: schema, fake kernel (shape, dtype, strides: inductor asserts them),
+    autograd registration and AOT dispatch, as torch.library.opcheck tests them; the op is what the function returns."""
+    from attention.pointops import farthest_point_sample
+
+    xyz = torch.rand(3, 40, 3, generator=torch.Generator().manual_seed(1))
+    a = args(xyz)
+    torch.library.opcheck(torch.ops.attention_suite.farthest_point_sample.default, a)
+    start = a[2] if a[2] is not None else a[3]
+    want = farthest_point_sample(xyz, 10, start, like_kernel=a[4], backend=a[5])
+    assert torch.equal(torch.ops.attention_suite.farthest_point_sample(*a), want) and want.is_contiguous()
+
+
+@pytest.mark.parametrize("m, n, k", [(7, 40, 5), (40, 40, 40)])
+def test_knn_op_passes_torchs_custom_op_checks(m, n, k):
+    from attention.pointops import knn
+
+    g = torch.Generator().manual_seed(2)
+    query, points = torch.rand(2, m, 3, generator=g), torch.rand(2, n, 3, generator=g)
+    torch.library.opcheck(torch.ops.attention_suite.knn.default, (query, points, k))
+    assert torch.equal(torch.ops.attention_suite.knn(query, points, k), knn(query, points, k))

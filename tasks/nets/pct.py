@@ -241,12 +241,12 @@ def neighbourhoods(xyz: torch.Tensor, samples: int, neighbours: int, like_kernel
     """FPS centres (B, S), their coordinates (B, S, 3) and their k nearest points (B, S, K) of xyz (B, N, 3).
 
     FPS and kNN run as one ``torch.library`` op (``attention_suite::pct_neighbourhoods``): a leaf of the graph under
-    ``torch.compile``, with a fake kernel for its shapes, so that the network compiles as one graph. FPS is a loop of
-    S data-dependent steps that dynamo would trace into one graph of S steps (minutes of compilation for PCT's
-    S = 512 on a CPU) and hand the Triton launches to inductor; a ``torch.compiler.disable`` there instead (as before)
-    broke the graph inside the network's loop over its two groupings, and dynamo then ran the whole ``PCT.forward``
-    eagerly, compiling only the pieces (7 graphs; CUDA graphs could not take the step whole). The indices carry no
-    gradient; the centres' coordinates are gathered outside the op, so a gradient to the points still flows.
+    ``torch.compile``, with a fake kernel for its shapes, so that the network compiles as one graph (FPS and kNN are
+    ops themselves, ``attention.pointops``; this one also holds FPS to one CPU thread, :func:`one_cpu_thread`, which
+    traced code could not). A ``torch.compiler.disable`` there instead (as before) broke the graph inside the
+    network's loop over its two groupings, and dynamo then ran the whole ``PCT.forward`` eagerly, compiling only the
+    pieces (7 graphs; CUDA graphs could not take the step whole). The indices carry no gradient; the centres'
+    coordinates are gathered outside the op, so a gradient to the points still flows.
     """
     centres, groups = torch.ops.attention_suite.pct_neighbourhoods(xyz, samples, neighbours, like_kernel)
     return centres, gather(xyz, centres), groups  # (B, S), (B, S, 3), (B, S, K)
