@@ -17,7 +17,9 @@
 #   5: the `cuda` tests again, named (part 4's time limit stopped two), beside two of the three tests part 4 found
 #     failing for the machine's reasons, then the deterministic mode's cost;
 #   6: the tests no GPU run has yet shown passing on the code of 2026-11-26 (about two minutes): with part 5's and
-#     part 4's, every test of `make test-gpu`.
+#     part 4's, every test of `make test-gpu`;
+#   7: PCT at batch 16 with the compiled networks (`benchmarks.pct_cuda` with compile: inductor's default and its
+#     CUDA graphs, now that the network is one graph), into tables.tar's pct-cuda-compiled.md.
 # Writes OUTDIR/log.txt (each step's summary), OUTDIR/tests-cuda.txt, OUTDIR/tests-rest.txt and OUTDIR/tables.tar
 # (the benchmark tables).
 set -u
@@ -106,6 +108,13 @@ elif [ "$PART" = 5 ]; then
     'bench.variants=[]' 'bench.baselines=[]' bench.tasks=true bench.task_deterministic=true bench.task_pct=false \
     bench.name=deterministic "bench.table_dir=$TABLES" logger=none hydra.run.dir=/tmp/bench-det >> "$LOG" 2>&1
   say "deterministic exit $?"
+elif [ "$PART" = 7 ]; then
+  build_pointnet2 8
+  say "pointnet2_ops build exit $?"
+  say "benchmarks.pct_cuda at batch 16 with the compiled networks: default inductor and CUDA graphs (reduce-overhead)"
+  timeout -s INT "$(left 15)" python3 -m benchmarks.pct_cuda --reference "$REF" --batch 16 --rounds 10 \
+    --out "$TABLES/pct-cuda-compiled.md" >> "$LOG" 2>&1
+  say "pct_cuda exit $?"
 elif [ "$PART" = 6 ]; then
   say "what no GPU run has shown passing on today's code: classification compiled, test_report's runs (PYTHONPATH)"
   timeout -s INT -k 20 "$(left 20 400)" python3 -m pytest -n 6 -p no:cacheprovider -rA \

@@ -514,3 +514,33 @@ def test_a_tasks_only_table_has_no_empty_attention_sections():
         assert gone not in md, gone
     assert "| modelnet | external | experiment=demo | yes | 28 | 600.0 | 1.0 | 25% | ok | 0.75x |" in md
     assert "## Machine limits" in md and "50000.0 GFLOP/s" in md
+
+
+def test_pct_cuda_compiled_forms_are_rows_with_their_compile_times(monkeypatch, one_thread):
+    """benchmarks.pct_cuda with the compiled networks: both compiled by default, the suite also with CUDA graphs
+    (reduce-overhead), each compiled row with both sides' compile times, and the table showing them. torch.compile is
+    replaced by the network itself here (compiling PCT takes minutes on a CPU; the GPU lease runs it for real)."""
+    import types
+
+    from benchmarks import pct_cuda
+
+    fps = types.ModuleType("pointnet2_ops.pointnet2_utils")
+    exec(STUB_FPS, fps.__dict__)
+    package = types.ModuleType("pointnet2_ops")
+    package.pointnet2_utils = fps
+    monkeypatch.setitem(sys.modules, "pointnet2_ops", package)
+    monkeypatch.setitem(sys.modules, "pointnet2_ops.pointnet2_utils", fps)
+    model = types.ModuleType("stub_model")
+    exec(STUB_MODEL, model.__dict__)
+    modes = []
+    monkeypatch.setattr(torch, "compile", lambda net, **kw: modes.append(kw.get("mode")) or net)
+    rows = pct_cuda.pct_rows(model, 2, 64, 1, torch.device("cpu"), samples=(32, 16), neighbours=4)
+    assert modes == [None, None, "reduce-overhead"] * 2  # the reference, the suite, the suite's CUDA graphs; 2 modes
+    for mode in ("train", "eval"):
+        compiled = [r for r in rows if r["mode"] == mode and r["form"].startswith("compiled")]
+        assert [r["form"] for r in compiled] == ["compiled", "compiled, CUDA graphs"]
+        for r in compiled:
+            assert set(r["compile_s"]) == {"reference", "suite"} and r["goal"] == pct_cuda.GOALS["compiled"]
+    out = {"argv": [], "date": "now", "device": "cpu", "libraries": "torch", "reference": "stub", "rounds": 1,
+           "cuda": False, "pct": rows, "why_no_reference": "", "syncs": None, "fps": [], "knn": [], "profile": ""}
+    assert "| PCT | 2 x 64 | train | compiled, CUDA graphs | reference fp32 |" in pct_cuda.markdown(out)
