@@ -365,8 +365,8 @@ def test_like_kernel_equals_pointnet2_ops():
     try:
         from pointnet2_ops import pointnet2_utils
     except Exception as error:  # not built: ImportError, or its fallback's JIT build failing (a RuntimeError)
-        pytest.skip(f"pointnet2_ops is not importable ({type(error).__name__}: {str(error)[:200]}): build PCT_Pytorch's pointnet2_ops_lib with "
-                    "`python setup.py build_ext --inplace` (TORCH_CUDA_ARCH_LIST naming this GPU) and put it on "
+        pytest.skip(f"pointnet2_ops is not importable ({type(error).__name__}: {str(error)[:200]}): build "
+                    "PCT_Pytorch's pointnet2_ops_lib with `python setup.py build_ext --inplace` (TORCH_CUDA_ARCH_LIST naming this GPU) and put it on "
                     "PYTHONPATH to compare like_kernel with the real op")
     for name, xyz, m in gpu_cases():
         want = pointnet2_utils.furthest_point_sample(xyz.cuda().contiguous(), m).long().cpu()  # (B, m) int32 -> long
