@@ -19,7 +19,10 @@
 #   6: the tests no GPU run has yet shown passing on the code of 2026-11-26 (about two minutes): with part 5's and
 #     part 4's, every test of `make test-gpu`;
 #   7: PCT at batch 16 with the compiled networks (`benchmarks.pct_cuda` with compile: inductor's default and its
-#     CUDA graphs, now that the network is one graph), into tables.tar's pct-cuda-compiled.md.
+#     CUDA graphs, now that the network is one graph), into tables.tar's pct-cuda-compiled.md, after FPS against the
+#     built pointnet2_ops (FPS became a torch.library op after part 4 ran that comparison);
+#   8: every `cuda` test but the pointnet2_ops comparison (14 workers, named) beside tests/test_report.py (2): parts
+#     5 and 6 in one call (about six minutes), for the code after FPS and kNN became library ops.
 # Writes OUTDIR/log.txt (each step's summary), OUTDIR/tests-cuda.txt, OUTDIR/tests-rest.txt and OUTDIR/tables.tar
 # (the benchmark tables).
 set -u
@@ -111,10 +114,26 @@ elif [ "$PART" = 5 ]; then
 elif [ "$PART" = 7 ]; then
   build_pointnet2 8
   say "pointnet2_ops build exit $?"
+  say "FPS like_kernel against the built pointnet2_ops"
+  timeout -s INT "$(left 200 60)" python3 -m pytest tests/attention/test_fps_triton.py -k pointnet2_ops \
+    -p no:cacheprovider -q -rfEs 2>&1 | tail -n 5 >> "$LOG"
   say "benchmarks.pct_cuda at batch 16 with the compiled networks: default inductor and CUDA graphs (reduce-overhead)"
   timeout -s INT "$(left 15)" python3 -m benchmarks.pct_cuda --reference "$REF" --batch 16 --rounds 10 \
     --out "$TABLES/pct-cuda-compiled.md" >> "$LOG" 2>&1
   say "pct_cuda exit $?"
+elif [ "$PART" = 8 ]; then
+  PN2=tests/attention/test_fps_triton.py::test_like_kernel_equals_pointnet2_ops  # part 7 runs it after its build
+  say "every cuda test (14 workers, named) beside tests/test_report.py (2)"
+  T=$(left 15)
+  timeout -s INT -k 10 "$T" python3 -m pytest -m cuda -n 14 --dist loadgroup -p no:cacheprovider -rA \
+    --durations=15 --deselect "$PN2" > "$OUT/tests-cuda.txt" 2>&1 &
+  cuda=$!
+  timeout -s INT -k 10 "$T" python3 -m pytest -n 2 -p no:cacheprovider -q -rfE tests/test_report.py \
+    > "$OUT/tests-rest.txt" 2>&1 &
+  rest=$!
+  wait $cuda; say "cuda tests exit $?"; grep -E "^(PASSED|FAILED|ERROR)" "$OUT/tests-cuda.txt" | awk '{print $1}' | \
+    sort | uniq -c >> "$LOG"; grep -E "^(FAILED|ERROR)" "$OUT/tests-cuda.txt" >> "$LOG"; tail -n 20 "$OUT/tests-cuda.txt" >> "$LOG"
+  wait $rest; say "test_report exit $?"; tail -n 5 "$OUT/tests-rest.txt" >> "$LOG"
 elif [ "$PART" = 6 ]; then
   say "what no GPU run has shown passing on today's code: classification compiled, test_report's runs (PYTHONPATH)"
   timeout -s INT -k 20 "$(left 20 400)" python3 -m pytest -n 6 -p no:cacheprovider -rA \
