@@ -22,7 +22,9 @@
 #     CUDA graphs, now that the network is one graph), into tables.tar's pct-cuda-compiled.md, after FPS against the
 #     built pointnet2_ops (FPS became a torch.library op after part 4 ran that comparison);
 #   8: every `cuda` test but the pointnet2_ops comparison (14 workers, named) beside tests/test_report.py (2): parts
-#     5 and 6 in one call (about six minutes), for the code after FPS and kNN became library ops.
+#     5 and 6 in one call (about six minutes), for the code after FPS and kNN became library ops;
+#   9: what part 8 left (its limit stopped two `cuda` tests; test_report's runs lacked the caller's environment),
+#     with pointnet2_ops built beside them, then part 7.
 # Writes OUTDIR/log.txt (each step's summary), OUTDIR/tests-cuda.txt, OUTDIR/tests-rest.txt and OUTDIR/tables.tar
 # (the benchmark tables).
 set -u
@@ -111,8 +113,24 @@ elif [ "$PART" = 5 ]; then
     'bench.variants=[]' 'bench.baselines=[]' bench.tasks=true bench.task_deterministic=true bench.task_pct=false \
     bench.name=deterministic "bench.table_dir=$TABLES" logger=none hydra.run.dir=/tmp/bench-det >> "$LOG" 2>&1
   say "deterministic exit $?"
-elif [ "$PART" = 7 ]; then
-  build_pointnet2 8
+elif [ "$PART" = 7 ] || [ "$PART" = 9 ]; then
+  if [ "$PART" = 9 ]; then
+    build_pointnet2 6 &
+    build=$!
+    say "the two cuda tests part 8 left (2 workers) beside tests/test_report.py (2), pointnet2_ops building (6 jobs)"
+    timeout -s INT -k 10 "$(left 280 200)" python3 -m pytest -n 2 -p no:cacheprovider -rA \
+      "tests/gpu/test_cuda_tasks.py::test_every_task_trains_compiled_on_cuda[classification]" \
+      "tests/gpu/test_cuda_tasks.py::test_training_step_does_not_synchronise_on_cuda[modelnet]" \
+      > "$OUT/tests-cuda.txt" 2>&1 &
+    cuda=$!
+    timeout -s INT -k 10 "$(left 280 200)" python3 -m pytest -n 2 -p no:cacheprovider -q -rfE tests/test_report.py \
+      > "$OUT/tests-rest.txt" 2>&1
+    say "test_report exit $?"; tail -n 3 "$OUT/tests-rest.txt" >> "$LOG"
+    wait $cuda; say "cuda tests exit $?"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/tests-cuda.txt" >> "$LOG"
+    wait $build
+  else
+    build_pointnet2 8
+  fi
   say "pointnet2_ops build exit $?"
   say "FPS like_kernel against the built pointnet2_ops"
   timeout -s INT "$(left 200 60)" python3 -m pytest tests/attention/test_fps_triton.py -k pointnet2_ops \

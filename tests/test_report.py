@@ -38,10 +38,11 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def run_py(args, cwd: Path, check=True):
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(cwd), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-           "WANDB_MODE": "disabled"}
-    if "PYTHONPATH" in os.environ:  # packages installed beside the interpreter's own (the GPU machine's /tmp/site)
-        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    # The caller's environment, as tests/test_run.py's runs have it, without W&B settings: a stripped one broke on
+    # the GPU machine, where packages sit beside the interpreter's (PYTHONPATH) and Lightning's MPI detection starts
+    # Open MPI, which aborts the run without the launcher settings of the caller's environment.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(HOME=str(cwd), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
                           capture_output=True, text=True, timeout=600)
     if check and proc.returncode != 0:
