@@ -116,12 +116,12 @@ def expand_offsets(ws: int, e: int) -> torch.Tensor:
     The window shifted by (+e, +e), (+e, -e), (-e, +e), (-e, -e) (the official
     rolls tl, tr, bl, br), each row-major, without the offsets inside the window.
     """
-    copies = []
-    for shift in ((e, e), (e, -e), (-e, e), (-e, -e)):
-        o = window_offsets(ws) + torch.tensor(shift)  # (ws*ws, 2)
-        inside = ((o >= 0) & (o < ws)).all(dim=1)
-        copies.append(o[~inside])
-    return torch.cat(copies)
+    # Python integers, not a boolean mask: the result is a function of (ws, e) alone, and a mask's data-dependent
+    # shape broke torch.compile's graph at every block of a focal backbone (a graph and recompiles per block)
+    shifted = [(a + dr, b + dc) for dr, dc in ((e, e), (e, -e), (-e, e), (-e, -e))
+               for a in range(ws) for b in range(ws)]  # each copy row-major, as window_offsets
+    outside = [o for o in shifted if not (0 <= o[0] < ws and 0 <= o[1] < ws)]
+    return torch.tensor(outside, dtype=torch.long).reshape(-1, 2)
 
 
 def relative_position_index(ws: int, k: int) -> torch.Tensor:
