@@ -18,10 +18,16 @@ those properties have been set for one backend and not for all (torch 2.11 to 2.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+
+# Lightning's hint, logged once a process at the first float32 run on an Ampere or later GPU while matrix products
+# are IEEE float32 (lightning.fabric.accelerators.cuda._check_cuda_matmul_precision, through rank_zero_info).
+LIGHTNING_HINT = "that has Tensor Cores. To properly utilize them"
+LIGHTNING_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
 
 
 def take_option(trainer_kwargs: dict) -> bool | None:
@@ -53,6 +59,40 @@ def arithmetic(tf32: bool | None) -> Iterator[None]:
     finally:
         torch.set_float32_matmul_precision(before[0])
         torch.backends.cudnn.allow_tf32 = before[1]
+
+
+class TensorCoreHint(logging.Filter):
+    """Lightning's hint to call ``torch.set_float32_matmul_precision`` in one's own code, as this suite's option:
+    with ``trainer.tf32`` unset (torch's defaults) it names ``trainer.tf32=true`` instead; with ``trainer.tf32=false``
+    the user chose IEEE float32 and the hint is dropped. Other records pass unchanged."""
+
+    def __init__(self, tf32: bool | None):
+        super().__init__()
+        self.tf32 = tf32
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if LIGHTNING_HINT not in message:
+            return True
+        if self.tf32 is False:
+            return False
+        device = message.split("(", 1)[1].split(")", 1)[0] if "(" in message else "this GPU"
+        record.msg = (f"{device} has Tensor Cores, and float32 matrix products (nn.Linear, matmul, attention) run "
+                      "in IEEE float32, torch's default, while cuDNN convolutions run in TF32: trainer.tf32=true runs "
+                      "both in TF32 (faster, inputs rounded to 10 mantissa bits), trainer.tf32=false both in IEEE "
+                      "float32 (docs/scale.md#precision).")
+        record.args = ()
+        return True
+
+
+def install_hint_filter(tf32: bool | None) -> None:
+    """:class:`TensorCoreHint` on Lightning's rank-zero loggers, replacing one a previous run of the process put
+    there (a multirun's jobs share the process)."""
+    for name in LIGHTNING_LOGGERS:
+        logger = logging.getLogger(name)
+        for old in [f for f in logger.filters if isinstance(f, TensorCoreHint)]:
+            logger.removeFilter(old)
+        logger.addFilter(TensorCoreHint(tf32))
 
 
 def describe(tf32: bool | None) -> str:

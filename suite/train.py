@@ -226,6 +226,7 @@ def build_trainer(config: dict, module, out_dir: Path, loggers: list, identity: 
     from suite.resume import RandomState
     from suite.tf32 import apply as apply_tf32
     from suite.tf32 import describe as describe_tf32
+    from suite.tf32 import install_hint_filter
     from suite.tf32 import take_option as take_tf32
     from suite.callbacks import TrainThroughput
 
@@ -242,6 +243,7 @@ def build_trainer(config: dict, module, out_dir: Path, loggers: list, identity: 
     callbacks += [best, last, run_identity, RandomState(), guard]
     compiling = take_options(trainer_kwargs)
     tf32 = take_tf32(trainer_kwargs)
+    install_hint_filter(tf32)  # Lightning's Tensor Cores hint names trainer.tf32
     if tf32 is not None:  # float32 matrix products and convolutions alike, before anything runs
         apply_tf32(tf32)
         log.info("trainer.tf32=%s: float32 matrix products and cuDNN convolutions in %s", str(tf32).lower(),

@@ -70,3 +70,36 @@ def test_a_run_takes_the_option_and_says_what_it_set(env, tmp_path):  # noqa: F8
     assert "trainer.tf32=false: float32 matrix products and cuDNN convolutions in IEEE float32" in \
         proc.stdout + proc.stderr
     assert (tmp_path / "run" / "metrics.json").is_file()
+
+
+@pytest.mark.parametrize("choice", [None, False])
+def test_lightnings_tensor_core_hint_names_the_option(torch_defaults, monkeypatch, caplog, choice):
+    """Lightning's own check (lightning.fabric.accelerators.cuda, run as on an H200 with IEEE matrix products) asks
+    for ``torch.set_float32_matmul_precision`` in the user's code; a run says ``trainer.tf32`` instead, and says
+    nothing when the user chose IEEE float32 (``trainer.tf32=false``). Other records of that logger pass."""
+    import logging
+
+    from lightning.fabric.accelerators import cuda as lightning_cuda
+    from lightning.fabric.utilities.rank_zero import rank_zero_info
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(lightning_cuda, "_is_ampere_or_later", lambda device=None: True)
+    try:
+        tf32.install_hint_filter(choice)
+        with caplog.at_level(logging.INFO):
+            lightning_cuda._check_cuda_matmul_precision.__wrapped__(torch.device("cuda", 0))
+            rank_zero_info("GPU available: True (cuda), used: True")
+    finally:
+        for name in tf32.LIGHTNING_LOGGERS:
+            logger = logging.getLogger(name)
+            for f in [f for f in logger.filters if isinstance(f, tf32.TensorCoreHint)]:
+                logger.removeFilter(f)
+    messages = [r.getMessage() for r in caplog.records]
+    assert "GPU available: True (cuda), used: True" in messages
+    assert not any("set_float32_matmul_precision" in m for m in messages), messages
+    hints = [m for m in messages if "Tensor Cores" in m]
+    if choice is None:
+        assert len(hints) == 1 and "'NVIDIA H200' has Tensor Cores" in hints[0] and "trainer.tf32=true" in hints[0]
+    else:
+        assert hints == []
