@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import attention
 from tasks.modelnet import reference_smoothing
-from tasks.nets.pct import PCT
+from tasks.nets.pct import PCT, PCTPartSeg
 
 
 def trainable(m):
@@ -153,3 +153,44 @@ def test_grouping_first_layer_is_the_concatenated_form():
         expected = ref(x).amax(-1).reshape(2, 8, 6)
         torch.testing.assert_close(new_xyz, gather(xyz, centres))
         torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("network", ["PCT", "PCTPartSeg"])
+def test_inference_folds_every_batch_norm_at_once_with_the_same_bits(network):
+    """Eval mode without gradient (validation, test, the bench's eval step): every batch norm is folded into its conv
+    by a few foreach calls over all layers (tasks.nets.pct.fold_all), not about seven ops a layer, whose launches
+    bound PCT's inference forward on a GPU. The logits are those of the layer-by-layer folding, bit for bit (the
+    same operations on each layer), in float32 and float64; nothing of it outlives the forward."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import tasks.nets.pct as pct
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    for dtype in (torch.float32, torch.float64):
+        torch.manual_seed(0)
+        if network == "PCT":
+            net, inputs = PCT(10, {"name": "offset"}, samples=[32, 16], neighbours=8), (torch.rand(4, 64, 3),)
+        else:
+            net, inputs = PCTPartSeg(6, 3, {"name": "offset"}), (torch.rand(2, 48, 3), torch.tensor([0, 2]))
+        net, inputs = net.to(dtype), tuple(t.to(dtype) if t.is_floating_point() else t for t in inputs)
+        for _ in range(2):  # running statistics away from their initial 0 and 1
+            net(*inputs)
+        net.eval()
+        layers = sum(1 for _ in pct.fold_pairs(net))
+        assert layers == (13 if network == "PCT" else 10)  # every conv followed by a batch norm
+        with torch.no_grad(), Ops() as ops:
+            folded_at_once = net(*inputs)
+        by_layer = net(*inputs)  # gradient on: each layer folds its own (the folded weights carry the gradient)
+        assert by_layer.requires_grad and torch.equal(folded_at_once, by_layer.detach()), dtype
+        assert ops.count["rsqrt"] == 0 and ops.count["_foreach_rsqrt_"] == 1, ops.count
+        assert pct._FOLDED.get() is None
