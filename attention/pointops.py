@@ -10,11 +10,11 @@ ops, so that ``torch.compile`` keeps a network that samples in one graph.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
+from .tensor_cache import tensor_cache
 from .triton_kernels import Kernels
 
 
@@ -296,7 +296,7 @@ def kernel_order(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     return _kernel_order(n, torch.device(device))
 
 
-@functools.lru_cache(maxsize=64)
+@tensor_cache(maxsize=64)
 def _kernel_order(n: int, device: torch.device) -> torch.Tensor:
     threads = max(min(1 << int(math.log(n) / math.log(2.0)), 512), 1)  # the kernel's double arithmetic
     bits = threads.bit_length() - 1

@@ -30,6 +30,9 @@ is queued after the GPU has drained, so host overhead counts as the user sees it
 5. kNN: ``attention.pointops.knn`` against the reference's matmul + ``topk``, time and peak memory, at PCT's sizes
    and at 65,536 points.
 6. Where the suite's float32 training step spends its GPU time (``torch.profiler``), the top kernels.
+7. Where each side's float32 training step spends its host time: the ops with the most self CPU time, and each
+   step's aten ops, host and GPU totals. At batch 16 the suite's step is bound by the host's launches (about 8 ms
+   of GPU time in a 19 ms step on an H200), so this is the table that says which ops to fuse or leave out.
 """
 
 from __future__ import annotations
@@ -364,11 +367,41 @@ def _ms(seconds: float | None) -> str:
 
 def profile_table(batch: int, points: int, device, samples=(512, 256), neighbours: int = 32, rows: int = 15) -> str:
     """torch.profiler's table of one float32 training step of the suite's PCT, by GPU time (CPU: CPU time)."""
-    from torch.profiler import ProfilerActivity, profile
-
     from tasks.nets.pct import PCT
 
     net = PCT(40, {"name": "offset"}, samples=list(samples), neighbours=neighbours).to(device)
+    prof = _profiled_step(net, batch, points, device)
+    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
+
+
+def host_profile(model_module, batch: int, points: int, device, samples=(512, 256), neighbours: int = 32,
+                 rows: int = 20) -> str:
+    """Section 7: for the suite's PCT and (with ``model_module``) the reference, one float32 training step's aten
+    ops, host time (self CPU time of every op, profiler overhead included: compare the two, not the absolute
+    numbers), GPU time, then its ops by self CPU time."""
+    from tasks.nets.pct import PCT
+
+    torch.manual_seed(0)
+    nets = {"suite": PCT(40, {"name": "offset"}, samples=list(samples), neighbours=neighbours).to(device)}
+    if model_module is not None:
+        nets["reference"] = ReferencePCT(model_module).to(device)
+    parts = []
+    for side, net in nets.items():
+        events = _profiled_step(net, batch, points, device).key_averages()
+        aten = [e for e in events if e.key.startswith("aten::")]
+        host_us = sum(e.self_cpu_time_total for e in events)
+        gpu_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events)
+        parts.append(f"{side}: {sum(e.count for e in aten)} aten ops, host {host_us / 1e3:.1f} ms, GPU "
+                     f"{gpu_us / 1e3:.1f} ms\n" + events.table(sort_by="self_cpu_time_total", row_limit=rows,
+                                                               max_name_column_width=60))
+    return "\n".join(parts)
+
+
+def _profiled_step(net, batch: int, points: int, device):
+    """torch.profiler over one float32 SGD step of ``net`` on uniform points, after three untimed ones."""
+    from torch.profiler import ProfilerActivity, profile
+
     xyz = (torch.rand(batch, points, 3) * 2 - 1).to(device)
     target = torch.randint(0, 40, (batch,)).to(device)
     step = train_step(net, F.cross_entropy, (xyz,), target, False)
@@ -379,8 +412,7 @@ def profile_table(batch: int, points: int, device, samples=(512, 256), neighbour
     with profile(activities=activities) as prof:
         step()
         measure.sync(device)
-    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
+    return prof
 
 
 # --------------------------------------------------------------------------------------------
@@ -448,7 +480,9 @@ def markdown(out: dict) -> str:
               f"{r['suite_peak_bytes'] / 2 ** 20:.0f} | {_ms(r.get('simple_s'))} | {_ms(r.get('sorted_s'))} |"
               for r in out["knn"]]
     lines += ["", "## Where the suite's float32 training step spends its time", "", "```", out["profile"].rstrip(),
-              "```", ""]
+              "```", "", "## Where each side's float32 training step spends its host time", "",
+              "Self CPU time under torch.profiler (its overhead included: compare the sides, not the numbers).", "",
+              "```", out.get("host_profile", "(not reached)").rstrip(), "```", ""]
     return "\n".join(lines)
 
 
@@ -488,7 +522,8 @@ def main(argv=None) -> dict:
         if args.out is None:
             return
         args.out.write_text(markdown(out))
-        args.out.with_suffix(".json").write_text(json.dumps({k: v for k, v in out.items() if k != "profile"},
+        args.out.with_suffix(".json").write_text(json.dumps({k: v for k, v in out.items()
+                                                             if k not in ("profile", "host_profile")},
                                                             indent=2, default=str) + "\n")
 
     if model_module is not None:
@@ -509,6 +544,8 @@ def main(argv=None) -> dict:
     out["knn"] = knn_rows(args.rounds, device, knn_sizes)
     save()
     out["profile"] = profile_table(max(args.batch), points, device, samples, neighbours)
+    save()
+    out["host_profile"] = host_profile(model_module, max(args.batch), points, device, samples, neighbours)
     if args.out is None:
         print(markdown(out))
     else:

@@ -86,7 +86,6 @@ On point sets (no official counterpart), in place of windows:
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -99,6 +98,7 @@ from ..base import Mixer, check_positive
 from ..errors import UserError
 from ..pointops import farthest_point_sample, gather, knn
 from ..registry import register
+from ..tensor_cache import tensor_cache
 
 
 # --------------------------------------------------------------------------------------------
@@ -152,7 +152,7 @@ BORDERS = ("mask", "roll")
 ROLL_MASK = -100.0  # the official additive mask of pooled slots beyond the pooled map (border=roll)
 
 
-@functools.lru_cache(maxsize=64)
+@tensor_cache(maxsize=64)
 def grid_plan(h: int, w: int, ws: int, e: int, focal_level: int, focal_window: int, device: torch.device,
               border: str = "mask"):
     """The keys of every window of an h x w map, as indices into its key sources.

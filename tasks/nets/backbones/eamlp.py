@@ -30,7 +30,6 @@ variant drops the class token and pools the average token (as ``vit_s``). Inputs
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import ClassVar
 
@@ -42,6 +41,7 @@ from torch import nn
 
 import attention
 from attention.errors import UserError
+from attention.tensor_cache import tensor_cache
 
 from .common import Backbone, Block, attn_options, drop_path_rates, init_linears, make_mixer
 from .registry import register
@@ -91,7 +91,7 @@ class TokensToToken(nn.Module):
         return x, h // 4, w // 4
 
 
-@functools.lru_cache(maxsize=16)
+@tensor_cache(maxsize=16)
 def sinusoid_table(n: int, dim: int) -> torch.Tensor:
     """(1, n, dim) fixed 1-D sinusoid position table: sin on even channels, cos on odd (Vaswani et al.)."""
     pos = torch.arange(n, dtype=torch.float64)[:, None]  # (n, 1)
