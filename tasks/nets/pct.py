@@ -240,7 +240,7 @@ class NormActMax(torch.autograd.Function):
         low, low_idx = h.min(dim=1)
         up = a >= 0
         chosen, idx = torch.where(up, top, low), torch.where(up, top_idx, low_idx)  # (P, C)
-        pre = torch.addcmul(bias - mean * a, chosen, a)  # (P, C)
+        pre = torch.addcmul(torch.addcmul(bias, mean, a, value=-1), chosen, a)  # (P, C): bias - mean a + chosen a
         ctx.save_for_backward(h, weight, mean, invstd, chosen, idx, pre)
         ctx.slope = slope
         return F.leaky_relu(pre, slope) if slope else F.relu(pre)
@@ -248,13 +248,17 @@ class NormActMax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         h, weight, mean, invstd, chosen, idx, pre = ctx.saved_tensors
-        g = torch.where(pre > 0, grad, grad * ctx.slope)  # (P, C), after the activation
+        # (P, C), after the activation: one op, as the activation's own backward
+        g = (torch.ops.aten.leaky_relu_backward(grad, pre, ctx.slope, False) if ctx.slope
+             else torch.ops.aten.threshold_backward(grad, pre, 0))
         rows = h.shape[0] * h.shape[1]
         d_bias = g.sum(0)
         d_weight = ((chosen - mean) * invstd * g).sum(0)
         k1 = weight * invstd
-        k2 = -k1 * invstd * d_weight / rows
-        k3 = -k1 * d_bias / rows - k2 * mean
+        # the (C,) coefficients in few ops (each a launch on a GPU, where this step is bound by its launches):
+        # k2 = -k1 invstd d_weight / rows, k3 = -k1 d_bias / rows - k2 mean
+        k2 = (k1 * invstd).mul_(d_weight).div_(-rows)
+        k3 = torch.addcmul((k1 * d_bias).div_(-rows), k2, mean, value=-1)
         dh = torch.addcmul(k3, h, k2)  # (P, K, C): through the batch statistics, every row
         dh.scatter_add_(1, idx.unsqueeze(1), (g * k1).unsqueeze(1))  # the selected rows' own gradient
         return dh, d_weight, d_bias, None, None, None
