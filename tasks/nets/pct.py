@@ -101,8 +101,8 @@ def fold_all(pairs) -> dict:
     """{conv: (weight (O, I), shift (O,))} of :func:`fold` for every eval-mode, affine pair, with the same
     operations in the same order on each layer (so the same bits), as a few ``torch._foreach_*`` calls over all
     layers instead of about seven ops a layer: on a GPU, PCT's inference forward is bound by its launches (13
-    layers, about 90 launches less of its ~200). The weights' scaling stays one op a layer (a foreach op wants
-    equal shapes within a pair: (O, I) by (O, 1) is not)."""
+    layers, about 80 launches less of its ~200, counted on the CPU). The weights' scaling stays one op a layer (a
+    foreach op wants equal shapes within a pair: (O, I) by (O, 1) is not)."""
     pairs = [(c, b) for c, b in pairs if not b.training and b.running_mean is not None and b.weight is not None
              and b.bias is not None]
     groups: dict[tuple, list] = {}
