@@ -77,20 +77,13 @@ def fold(conv: nn.Module, bn: nn.Module) -> tuple[torch.Tensor, torch.Tensor | N
     """(weight (O, I), bias or None, normalised) of ``conv`` as a linear layer, with ``bn`` folded in when it uses
     its running statistics (eval mode): then ``F.linear`` with them is the conv and the batch norm at once
     (``normalised``). In training the batch statistics are needed, and the conv's own weight and bias come back.
-    Inside :func:`folded_for_inference` the pair's folding comes from there, made for every layer at once."""
-    weight, bias = conv.weight.reshape(conv.weight.shape[0], -1), conv.bias  # (O, I, 1) -> (O, I)
+    Inside :func:`folded_for_inference` the pair's folding was made for every layer at once; otherwise
+    :func:`fold_all` makes this one's."""
     if bn.training or bn.running_mean is None:
-        return weight, bias, False
+        return conv.weight.reshape(conv.weight.shape[0], -1), conv.bias, False  # (O, I, 1) -> (O, I)
     made = None if torch.compiler.is_compiling() else _FOLDED.get()  # compiled: inductor fuses the per-layer form
-    if made is not None and conv in made:
-        return (*made[conv], True)
-    scale = torch.rsqrt(bn.running_var + bn.eps)  # (O,)
-    scale = scale if bn.weight is None else bn.weight * scale
-    shift = -bn.running_mean * scale
-    shift = shift if bn.bias is None else shift + bn.bias
-    if bias is not None:
-        shift = shift + bias * scale
-    return weight * scale.unsqueeze(1), shift, True
+    folded = made.get(conv) if made is not None else None
+    return (*(folded if folded is not None else fold_all([(conv, bn)])[conv]), True)
 
 
 # conv -> (weight, shift) of every layer folded at once, while a network's inference forward runs
@@ -98,32 +91,41 @@ _FOLDED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("pct_folde
 
 
 def fold_all(pairs) -> dict:
-    """{conv: (weight (O, I), shift (O,))} of :func:`fold` for every eval-mode, affine pair, with the same
-    operations in the same order on each layer (so the same bits), as a few ``torch._foreach_*`` calls over all
-    layers instead of about seven ops a layer: on a GPU, PCT's inference forward is bound by its launches (13
-    layers, about 80 launches less of its ~200, counted on the CPU). The weights' scaling stays one op a layer (a
-    foreach op wants equal shapes within a pair: (O, I) by (O, 1) is not)."""
-    pairs = [(c, b) for c, b in pairs if not b.training and b.running_mean is not None and b.weight is not None
-             and b.bias is not None]
+    """{conv: (weight (O, I), shift (O,))} for every (conv, batch norm) pair whose batch norm uses its running
+    statistics: scale = bn.weight / sqrt(running_var + eps), weight * scale and shift = bn.bias - running_mean * scale
+    (+ the conv's bias * scale), each term where the module has it. All layers at once, as a few
+    ``torch._foreach_*`` calls instead of about seven ops a layer: on a GPU, PCT's inference forward is bound by its
+    launches (13 layers, about 80 launches less of its ~200, counted on the CPU). The weights' scaling stays one op a
+    layer (a foreach op wants equal shapes within a pair: (O, I) by (O, 1) is not)."""
     groups: dict[tuple, list] = {}
     for conv, bn in pairs:  # one foreach call per device and dtype
-        groups.setdefault((bn.running_var.device, bn.running_var.dtype, conv.weight.dtype), []).append((conv, bn))
+        if not bn.training and bn.running_mean is not None:
+            groups.setdefault((bn.running_var.device, bn.running_var.dtype, conv.weight.dtype), []).append((conv, bn))
     out = {}
     for group in groups.values():
         convs, bns = zip(*group)
         scale = torch._foreach_add([b.running_var for b in bns], [b.eps for b in bns])
         torch._foreach_rsqrt_(scale)
-        scale = torch._foreach_mul([b.weight for b in bns], scale)  # bn.weight * rsqrt(var + eps)
+        scale = _where_given(scale, [b.weight for b in bns], torch._foreach_mul)  # bn.weight * rsqrt(var + eps)
         shift = torch._foreach_mul([b.running_mean for b in bns], scale)
         torch._foreach_neg_(shift)  # -mean * scale
-        shift = list(torch._foreach_add(shift, [b.bias for b in bns]))
-        biased = [i for i, c in enumerate(convs) if c.bias is not None]
-        if biased:  # shift + conv bias * scale
-            terms = torch._foreach_mul([convs[i].bias for i in biased], [scale[i] for i in biased])
-            for i, total in zip(biased, torch._foreach_add([shift[i] for i in biased], terms)):
-                shift[i] = total
+        shift = _where_given(shift, [b.bias for b in bns], torch._foreach_add)  # + bn.bias
+        biases = [c.bias for c in convs]
+        products = _where_given(biases, [s if b is not None else None for b, s in zip(biases, scale)],
+                                torch._foreach_mul)  # conv bias * scale, None without one
+        shift = _where_given(shift, products, torch._foreach_add)  # + conv bias * scale
         for conv, s, t in zip(convs, scale, shift):
             out[conv] = (conv.weight.reshape(conv.weight.shape[0], -1) * s.unsqueeze(1), t)  # (O, I)
+    return out
+
+
+def _where_given(values: list, others: list, op) -> list:
+    """``values`` with ``op(values[i], others[i])`` (a foreach op over those i) wherever ``others[i]`` is not None."""
+    at = [i for i, other in enumerate(others) if other is not None]
+    out = list(values)
+    if at:
+        for i, result in zip(at, op([values[i] for i in at], [others[i] for i in at])):
+            out[i] = result
     return out
 
 
