@@ -391,7 +391,8 @@ def host_profile(model_module, batch: int, points: int, device, samples=(512, 25
         events = _profiled_step(net, batch, points, device).key_averages()
         aten = [e for e in events if e.key.startswith("aten::")]
         host_us = sum(e.self_cpu_time_total for e in events)
-        gpu_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events)
+        # the kernels' own time, as the profiler's table totals it (an op's self device time repeats its kernels')
+        gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
         parts.append(f"{side}: {sum(e.count for e in aten)} aten ops, host {host_us / 1e3:.1f} ms, GPU "
                      f"{gpu_us / 1e3:.1f} ms\n" + events.table(sort_by="self_cpu_time_total", row_limit=rows,
                                                                max_name_column_width=60))
