@@ -502,7 +502,9 @@ def _(q, k, v, h, w, kernel_size, dilation, mask, scale):
 
 @torch.library.register_fake("attention_suite::dilated_attention_backward", lib=_LIB)
 def _(grad, q, k, v, attn, h, w, kernel_size, dilation, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # Contiguous, as both kernels return them: empty_like would keep the strides of a q split from a fused qkv
+    # projection, and inductor's stride check then fails the compiled backward on CUDA.
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _dilated_setup_context(ctx, inputs, output):

@@ -27,7 +27,10 @@
 #     with pointnet2_ops built beside them, then part 7;
 #  10: what issue 27 still needs after part 9 (about 2 minutes): the classification `cuda` tests, compiled too (Focal-T
 #     was 47 graphs then; one now), and test_report's cost test (fixed for the GPU after part 9); then part 3's
-#     measurements after PCT (cost bench at three sizes, DeiT-S with 20 rounds, small N).
+#     measurements after PCT (cost bench at three sizes, DeiT-S with 20 rounds, small N);
+#  11: what part 10 left: classification compiled alone (part 10 gave it 111 s), small N again (dilated's backward
+#     fake kernel copied q's strides, which a compiled backward on CUDA rejects), then PCT at batch 16 uncompiled
+#     (the batch norms folded at once, NormActMax's fewer launches), pointnet2_ops built beside the test.
 # Writes OUTDIR/log.txt (each step's summary), OUTDIR/tests-cuda.txt, OUTDIR/tests-rest.txt and OUTDIR/tables.tar
 # (the benchmark tables).
 set -u
@@ -207,6 +210,22 @@ elif [ "$PART" = 10 ]; then
   say "test_report exit $?"; tail -n 3 "$OUT/tests-rest.txt" >> "$LOG"
   wait $cuda; say "cuda tests exit $?"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/tests-cuda.txt" >> "$LOG"
   kernels_and_backbones
+elif [ "$PART" = 11 ]; then
+  build_pointnet2 6 &
+  build=$!
+  say "classification compiled, alone, while pointnet2_ops builds (6 jobs)"
+  timeout -s INT -k 10 "$(left 250 270)" python3 -m pytest -p no:cacheprovider -rA --durations=3 \
+    "tests/gpu/test_cuda_tasks.py::test_every_task_trains_compiled_on_cuda[classification]" > "$OUT/tests-cuda.txt" 2>&1
+  say "compiled classification exit $?"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed|slowest|call " \
+    "$OUT/tests-cuda.txt" | tail -n 8 >> "$LOG"
+  wait $build; say "pointnet2_ops build exit $?"; tail -n 2 /tmp/build.log >> "$LOG"
+  say "small N"
+  timeout -s INT "$(left 170 80)" python3 -m benchmarks.small_n --rounds 10 --out "$TABLES/small-n-cuda.md" >> "$LOG" 2>&1
+  say "small_n exit $?"; pack
+  say "benchmarks.pct_cuda at batch 16, uncompiled"
+  timeout -s INT "$(left 10)" python3 -m benchmarks.pct_cuda --reference "$REF" --no-compile --batch 16 --rounds 10 \
+    --out "$TABLES/pct-cuda-b16.md" >> "$LOG" 2>&1
+  say "pct_cuda exit $?"
 else
   build_pointnet2 8
   say "pointnet2_ops build exit $?"

@@ -181,6 +181,20 @@ def test_kernel_op_registration():
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
+def test_backward_op_fake_kernel_matches_on_strided_inputs():
+    """The backward op's fake kernel gives the real kernel's (contiguous) strides when q, k and v are views of a
+    fused qkv projection, as the mixer makes them: a compiled backward on CUDA checks them (inductor's
+    assert_size_stride failed there, 2026-11-26, before the fake kernel stopped copying q's strides)."""
+    gen = torch.Generator().manual_seed(16)
+    qkv = randn(gen, 1, 30, 3, 2, 4)  # (B, N, q/k/v, heads, d): one projection
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, heads, N, d), not contiguous
+    assert not q.is_contiguous()
+    out, attn = torch.ops.attention_suite.dilated_attention(q, k, v, 5, 6, 3, 1, True, 0.5)
+    torch.library.opcheck(torch.ops.attention_suite.dilated_attention_backward.default,
+                          (randn(gen, *out.shape), q, k, v, attn, 5, 6, 3, 1, 0.5),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
 def test_kernel_under_torch_compile():
     """The op is one node of a compiled graph (fake kernels, autograd registration): torch.compile (aot_eager,
     fullgraph) gives eager's output and gradients."""
