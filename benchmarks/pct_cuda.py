@@ -148,13 +148,21 @@ def train_step(net, loss, inputs, target, autocast: bool, tf32: bool | None = No
     return step
 
 
-def eval_step(net, inputs, autocast: bool, tf32: bool | None = None) -> Callable[[], None]:
+def eval_step(net, inputs, autocast: bool, tf32: bool | None = None, at_once: bool = True) -> Callable[[], None]:
+    """One inference forward; ``at_once=False``: the suite's batch norms folded layer by layer
+    (``tasks.nets.pct.FOLD_AT_ONCE``), to time that form beside the default one."""
+    from tasks.nets import pct
+
     device = inputs[0].device.type
 
     def step():
         net.eval()
-        with arithmetic(tf32), torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
-            net(*inputs)
+        pct.FOLD_AT_ONCE = at_once
+        try:
+            with arithmetic(tf32), torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+                net(*inputs)
+        finally:
+            pct.FOLD_AT_ONCE = True
 
     return step
 
@@ -198,6 +206,9 @@ def pct_rows(model_module, batch: int, points: int, rounds: int, device, samples
         for form, tf32, _ in FLOAT32_FORMS:
             steps[_key("reference", form)] = make(reference, tf32=tf32)
             steps[_key("suite", form)] = make(suite, tf32=tf32)
+        if mode == "eval":  # the batch norms folded layer by layer, beside fold_all's form (the default)
+            steps["suite_layerwise"] = eval_step(suite, (xyz,), False, at_once=False)
+            steps["suite_bf16_layerwise"] = eval_step(suite, (xyz,), True, at_once=False)
         first = {}
         if compile_too:
             compiled = {"reference_compiled": make(torch.compile(reference)),
@@ -213,6 +224,9 @@ def pct_rows(model_module, batch: int, points: int, rounds: int, device, samples
         forms = [(form, _key("suite", form), times[_key("reference", form)], against)
                  for form, _, against in FLOAT32_FORMS]
         forms.append(("bfloat16", "suite_bf16", base, "reference fp32"))
+        if mode == "eval":
+            forms += [("float32, folded layer by layer", "suite_layerwise", base, "reference fp32"),
+                      ("bfloat16, folded layer by layer", "suite_bf16_layerwise", base, "reference fp32")]
         if compile_too:
             forms += [("compiled", "suite_compiled", base, "reference fp32"),
                       ("compiled, CUDA graphs", "suite_graphs", base, "reference fp32")]

@@ -86,6 +86,9 @@ def fold(conv: nn.Module, bn: nn.Module) -> tuple[torch.Tensor, torch.Tensor | N
     return (*(folded if folded is not None else fold_all([(conv, bn)])[conv]), True)
 
 
+# False: the inference forward folds layer by layer, as before fold_all (benchmarks.pct_cuda times both forms side
+# by side: the foreach form's gain is measured on the CPU's op counts, not yet on a GPU's clock)
+FOLD_AT_ONCE = True
 # conv -> (weight, shift) of every layer folded at once, while a network's inference forward runs
 _FOLDED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("pct_folded", default=None)
 
@@ -137,7 +140,8 @@ def folded_for_inference(net: nn.Module) -> Iterator[None]:
     the forward would do layer by layer: eval mode, no gradient (a folded weight made here carries none), not under
     torch.compile (inductor fuses the per-layer form itself). Otherwise, and inside another network's block, a
     no-op."""
-    if net.training or torch.is_grad_enabled() or torch.compiler.is_compiling() or _FOLDED.get() is not None:
+    if (not FOLD_AT_ONCE or net.training or torch.is_grad_enabled() or torch.compiler.is_compiling()
+            or _FOLDED.get() is not None):
         yield
         return
     token = _FOLDED.set(fold_all(net.fold_pairs()))

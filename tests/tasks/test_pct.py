@@ -196,3 +196,12 @@ def test_inference_folds_every_batch_norm_at_once_with_the_same_bits(network):
         assert by_layer.requires_grad and torch.equal(folded_at_once, by_layer.detach()), dtype
         assert ops.count["rsqrt"] == 0 and ops.count["_foreach_rsqrt_"] == 1, ops.count
         assert pct._FOLDED.get() is None
+        # FOLD_AT_ONCE=False (the bench's other form): layer by layer without gradient, the same bits
+        pct.FOLD_AT_ONCE = False
+        try:
+            with torch.no_grad(), Ops() as layerwise_ops:
+                layerwise = net(*inputs)
+        finally:
+            pct.FOLD_AT_ONCE = True
+        assert torch.equal(folded_at_once, layerwise), dtype
+        assert layerwise_ops.count["_foreach_rsqrt_"] == len(convs), layerwise_ops.count  # fold_all of one pair
