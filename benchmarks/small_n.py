@@ -15,9 +15,11 @@ eager step's kernels (aten ops that are not views, :class:`benchmarks.measure.Op
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -42,8 +44,8 @@ def kernels(mixer, x, layout) -> int:
     return ops.kernels
 
 
-def rows(variants, n: int, c: int, rounds: int, device) -> list[dict]:
-    out = []
+def rows(variants, n: int, c: int, rounds: int, device) -> Iterator[dict]:
+    """One row per variant at N = n, yielded as each is measured."""
     for name in variants:
         torch.manual_seed(0)
         mixer = attention.build(name, dim=c).to(device)
@@ -70,11 +72,10 @@ def rows(variants, n: int, c: int, rounds: int, device) -> list[dict]:
         compile_s = time.perf_counter() - started
         times = interleaved(steps, rounds, warmup=2, seconds=lambda run: timed(run, device))
         median = {form: statistics.median(t) for form, t in times.items()}
-        out.append({"variant": name, "layout": kind, "n": n, "channels": c, "kernels": kernels(mixer, x, layout),
-                    "compile_s": compile_s, **{f"{form}_s": s for form, s in median.items()}})
+        yield {"variant": name, "layout": kind, "n": n, "channels": c, "kernels": kernels(mixer, x, layout),
+               "compile_s": compile_s, **{f"{form}_s": s for form, s in median.items()}}
         print(f"{name:14s} {kind:6s} eager {1e3 * median['eager']:.3f} ms, compiled {1e3 * median['compiled']:.3f} ms"
               + (f", CUDA graph {1e3 * median['cuda graph']:.3f} ms" if "cuda graph" in median else ""), flush=True)
-    return out
 
 
 def markdown(results: list[dict], device, argv: list[str], started: str) -> str:
@@ -116,7 +117,11 @@ def main(argv=None) -> list[dict]:
         args.variants, args.sizes, args.channels, args.rounds = args.variants or ["external"], [64], 32, 2
     variants = args.variants or attention.names()
     started = time.strftime("%Y-%m-%d %H:%M")
-    results = [r for n in args.sizes for r in rows(variants, n, args.channels, args.rounds, device)]
+    results = []
+    with contextlib.suppress(KeyboardInterrupt):  # a time limit's SIGINT: the rows measured so far are written
+        for n in args.sizes:
+            for row in rows(variants, n, args.channels, args.rounds, device):
+                results.append(row)
     text = markdown(results, device, sys.argv[1:] if argv is None else list(argv), started)
     measure.publish(text, args.out, ROOT / "benchmarks" / f"small-n-{device.type}.md", args.quick)
     return results

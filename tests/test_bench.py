@@ -357,6 +357,24 @@ def test_small_n_benchmark_times_eager_and_compiled_and_counts_kernels(tmp_path,
     assert f"| linear_elu | grid | 64 | 32 | {row['kernels']} |" in out.read_text()
 
 
+def test_small_n_benchmark_writes_what_it_measured_when_interrupted(tmp_path, monkeypatch):
+    """A time limit's SIGINT (gpu_lease.sh's `timeout -s INT`) in the middle of the variants: the rows measured
+    before it are written, not lost with the rest (an H200 run lost all of them, 2026-11-26)."""
+    from benchmarks import small_n
+
+    row = {"variant": "external", "layout": "grid", "n": 64, "channels": 32, "kernels": 7, "compile_s": 1.0,
+           "eager_s": 2e-3, "compiled_s": 1e-3}
+
+    def rows(variants, n, c, rounds, device):
+        yield row
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(small_n, "rows", rows)
+    out = tmp_path / "small-n.md"
+    assert small_n.main(["--quick", "--device", "cpu", "--out", str(out)]) == [row]
+    assert "| external | grid | 64 | 32 | 7 |" in out.read_text()
+
+
 def test_pct_cuda_benchmark_refuses_a_folder_that_is_no_checkout(tmp_path):
     from benchmarks import pct_cuda
 
