@@ -79,6 +79,26 @@ def median_ms(step, device, warmup: int, repeats: int) -> float:
 # Peak memory
 # --------------------------------------------------------------------------------------------
 
+def host_profile(step, device, rows: int = 20) -> str:
+    """One call of ``step`` (after warm-up) under torch.profiler: "<n> aten ops, host <ms>, GPU <ms>" (host: every
+    op's self CPU time, the profiler's overhead included, so compare steps, not the absolute numbers; GPU: the
+    kernels' own time, as the profiler's table totals it, an op's self device time repeating its kernels'), then
+    its ops by self CPU time. Where a step is bound by its launches, this names the ops to fuse or drop."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(device).type == "cuda" else [])
+    sync(device)
+    with profile(activities=activities) as prof:
+        step()
+        sync(device)
+    events = prof.key_averages()
+    aten = sum(e.count for e in events if e.key.startswith("aten::"))
+    host_us = sum(e.self_cpu_time_total for e in events)
+    gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    return (f"{aten} aten ops, host {host_us / 1e3:.1f} ms, GPU {gpu_us / 1e3:.1f} ms\n"
+            + events.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60))
+
+
 def profiler_peak_bytes(step) -> int:
     """Peak of the running sum of the CPU allocator's allocation (+) and free (-) events during ``step``."""
     from torch.profiler import ProfilerActivity, profile

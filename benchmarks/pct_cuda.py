@@ -400,28 +400,25 @@ def host_profile(model_module, batch: int, points: int, device, samples=(512, 25
     nets = {"suite": PCT(40, {"name": "offset"}, samples=list(samples), neighbours=neighbours).to(device)}
     if model_module is not None:
         nets["reference"] = ReferencePCT(model_module).to(device)
-    parts = []
-    for side, net in nets.items():
-        events = _profiled_step(net, batch, points, device).key_averages()
-        aten = [e for e in events if e.key.startswith("aten::")]
-        host_us = sum(e.self_cpu_time_total for e in events)
-        # the kernels' own time, as the profiler's table totals it (an op's self device time repeats its kernels')
-        gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-        parts.append(f"{side}: {sum(e.count for e in aten)} aten ops, host {host_us / 1e3:.1f} ms, GPU "
-                     f"{gpu_us / 1e3:.1f} ms\n" + events.table(sort_by="self_cpu_time_total", row_limit=rows,
-                                                               max_name_column_width=60))
-    return "\n".join(parts)
+    return "\n".join(f"{side}: " + measure.host_profile(_warm_step(net, batch, points, device), device, rows)
+                     for side, net in nets.items())
 
 
-def _profiled_step(net, batch: int, points: int, device):
-    """torch.profiler over one float32 SGD step of ``net`` on uniform points, after three untimed ones."""
-    from torch.profiler import ProfilerActivity, profile
-
+def _warm_step(net, batch: int, points: int, device) -> Callable[[], None]:
+    """One float32 SGD step of ``net`` on uniform points, after three untimed ones."""
     xyz = (torch.rand(batch, points, 3) * 2 - 1).to(device)
     target = torch.randint(0, 40, (batch,)).to(device)
     step = train_step(net, F.cross_entropy, (xyz,), target, False)
     for _ in range(3):
         step()
+    return step
+
+
+def _profiled_step(net, batch: int, points: int, device):
+    """torch.profiler over one float32 SGD step of ``net`` (:func:`_warm_step`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step = _warm_step(net, batch, points, device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     measure.sync(device)
     with profile(activities=activities) as prof:

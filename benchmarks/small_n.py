@@ -44,8 +44,9 @@ def kernels(mixer, x, layout) -> int:
     return ops.kernels
 
 
-def rows(variants, n: int, c: int, rounds: int, device) -> Iterator[dict]:
-    """One row per variant at N = n, yielded as each is measured."""
+def rows(variants, n: int, c: int, rounds: int, device, profile: bool = False) -> Iterator[dict]:
+    """One row per variant at N = n, yielded as each is measured; ``profile``: with its eager step's host profile
+    (:func:`benchmarks.measure.host_profile`)."""
     for name in variants:
         torch.manual_seed(0)
         mixer = attention.build(name, dim=c).to(device)
@@ -73,7 +74,8 @@ def rows(variants, n: int, c: int, rounds: int, device) -> Iterator[dict]:
         times = interleaved(steps, rounds, warmup=2, seconds=lambda run: timed(run, device))
         median = {form: statistics.median(t) for form, t in times.items()}
         yield {"variant": name, "layout": kind, "n": n, "channels": c, "kernels": kernels(mixer, x, layout),
-               "compile_s": compile_s, **{f"{form}_s": s for form, s in median.items()}}
+               "compile_s": compile_s, **{f"{form}_s": s for form, s in median.items()},
+               "profile": measure.host_profile(steps["eager"], device, rows=12) if profile else None}
         print(f"{name:14s} {kind:6s} eager {1e3 * median['eager']:.3f} ms, compiled {1e3 * median['compiled']:.3f} ms"
               + (f", CUDA graph {1e3 * median['cuda graph']:.3f} ms" if "cuda graph" in median else ""), flush=True)
 
@@ -99,7 +101,14 @@ def markdown(results: list[dict], device, argv: list[str], started: str) -> str:
         if graph:
             line += f" {1e3 * r['cuda graph_s']:.3f} | {r['eager_s'] / r['cuda graph_s']:.2f}x |"
         lines.append(line)
-    return "\n".join(lines) + "\n"
+    profiled = [r for r in results if r.get("profile")]
+    if profiled:
+        lines += ["", "## Where each eager step's host time goes", "",
+                  "torch.profiler over one eager forward + backward (`benchmarks.measure.host_profile`): ops by self "
+                  "CPU time, the profiler's overhead included (compare the variants, not the numbers).", ""]
+        for r in profiled:
+            lines += [f"### {r['variant']}, {r['layout']}, N = {r['n']}", "", "```", r["profile"].rstrip(), "```", ""]
+    return "\n".join(lines).rstrip() + "\n"
 
 
 def main(argv=None) -> list[dict]:
@@ -111,6 +120,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="external at N = 64, C = 32, 2 rounds; prints unless --out")
     parser.add_argument("--out", type=Path, help="default: benchmarks/small-n-<device>.md")
+    parser.add_argument("--profile", action="store_true", help="add each eager step's host profile to the table")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if args.quick:
@@ -120,7 +130,7 @@ def main(argv=None) -> list[dict]:
     results = []
     with contextlib.suppress(KeyboardInterrupt):  # a time limit's SIGINT: the rows measured so far are written
         for n in args.sizes:
-            for row in rows(variants, n, args.channels, args.rounds, device):
+            for row in rows(variants, n, args.channels, args.rounds, device, args.profile):
                 results.append(row)
     text = markdown(results, device, sys.argv[1:] if argv is None else list(argv), started)
     measure.publish(text, args.out, ROOT / "benchmarks" / f"small-n-{device.type}.md", args.quick)

@@ -347,14 +347,18 @@ def test_small_n_benchmark_times_eager_and_compiled_and_counts_kernels(tmp_path,
     from benchmarks import small_n
 
     out = tmp_path / "small-n.md"
-    (row,) = small_n.main(["--quick", "--variants", "linear_elu", "--device", "cpu", "--out", str(out)])
+    (row,) = small_n.main(["--quick", "--variants", "linear_elu", "--device", "cpu", "--out", str(out), "--profile"])
     mixer = attention.build("linear_elu", dim=32)
     x = torch.randn(1, 64, 32, requires_grad=True)
     with measure.OpCounter() as ops:
         mixer(x, mixer.example_layout(64, 1, "grid")).sum().backward()
     assert row["kernels"] == ops.kernels > 10 and row["layout"] == "grid"
     assert row["eager_s"] > 0 and row["compiled_s"] > 0 and "cuda graph_s" not in row
-    assert f"| linear_elu | grid | 64 | 32 | {row['kernels']} |" in out.read_text()
+    text = out.read_text()
+    assert f"| linear_elu | grid | 64 | 32 | {row['kernels']} |" in text
+    # the eager step's host profile: its ops counted (views too: at least the kernels), named, in the table
+    profile = text.split("### linear_elu, grid, N = 64")[1]
+    assert int(profile.split(" aten ops, host ")[0].split()[-1]) >= row["kernels"] and "aten::" in profile
 
 
 def test_small_n_benchmark_writes_what_it_measured_when_interrupted(tmp_path, monkeypatch):
@@ -365,7 +369,7 @@ def test_small_n_benchmark_writes_what_it_measured_when_interrupted(tmp_path, mo
     row = {"variant": "external", "layout": "grid", "n": 64, "channels": 32, "kernels": 7, "compile_s": 1.0,
            "eager_s": 2e-3, "compiled_s": 1e-3}
 
-    def rows(variants, n, c, rounds, device):
+    def rows(variants, n, c, rounds, device, profile=False):
         yield row
         raise KeyboardInterrupt
 
