@@ -55,6 +55,19 @@ def float32_kernel(kernel):
     return wrapper
 
 
+def eager_autograd(*tensors: torch.Tensor) -> bool:
+    """Whether a call of one of this module's ``torch.library`` ops with autograd (dilated attention, attention over
+    indexed keys) may run the op's kernel and autograd as a plain ``torch.autograd.Function`` instead: eager code
+    (not traced by torch.compile; no dispatch or function mode, such as a ``FakeTensorMode``, the FLOP counter or
+    a ``torch.device`` context; no functorch transform) on plain tensors. Those see the op itself: a leaf of the
+    graph with a fake kernel and a FLOP formula. The op's dispatch (``torch.library``'s autograd wrapper, which
+    fills defaults and redispatches twice) cost 110-140 us a forward + backward on the CPU, 3x what the
+    Function costs: a step of small kernels, bound by the host on a GPU, pays it per head group."""
+    return not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+                or torch._C._len_torch_function_stack() or torch._C._are_functorch_transforms_active()
+                or any(type(t) is not torch.Tensor or t.is_meta for t in tensors))
+
+
 def softmax_attention(q, k, v, scale: float | None = None):
     """softmax(q k^T * scale) v, scale = d^-0.5 by default, via the fused SDPA kernel."""
     return F.scaled_dot_product_attention(q, k, v, scale=scale)  # (B, heads, N, d_v)
@@ -269,7 +282,8 @@ def dilated_attention(q, k, v, grid: tuple[int, int], kernel_size: int = 3, dila
         raise ValueError(f"dilated_attention: grid {h}x{w} holds {h * w} tokens; q, k, v hold "
                          f"{n}, {k.shape[-2]}, {v.shape[-2]}.")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    out, _ = _dilated_op(q, k, v, h, w, kernel_size, dilation, border == "mask", scale)
+    run = _DilatedFunction.apply if eager_autograd(q, k, v) else _dilated_op
+    out, _ = run(q, k, v, h, w, kernel_size, dilation, border == "mask", scale)
     return out  # (B, heads, N, d_v)
 
 
@@ -519,8 +533,10 @@ def _dilated_grad(ctx, grad, grad_attn):
     if grad is None:
         return (None,) * 9
     q, k, v, attn = ctx.saved_tensors  # float32 or float64: dilated_attention upcasts half precision
+    # the op where its gradient may be differentiated (create_graph: it refuses) or a mode must see it
+    backward = _dilated_backward if not torch.is_grad_enabled() and eager_autograd(grad, q) else _dilated_backward_op
     with torch.autocast(q.device.type, enabled=False):  # a backward called under autocast stays in q's dtype
-        dq, dk, dv = _dilated_backward_op(grad.to(q.dtype), q, k, v, attn, *ctx.args)
+        dq, dk, dv = backward(grad.to(q.dtype), q, k, v, attn, *ctx.args)
     return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -530,6 +546,19 @@ def _dilated_double_grad(ctx, *grads):
 
 torch.library.register_autograd("attention_suite::dilated_attention", _dilated_grad,
                                 setup_context=_dilated_setup_context, lib=_LIB)
+
+
+class _DilatedFunction(torch.autograd.Function):
+    """The dilated op's kernel and autograd (the same functions) without its dispatch, for eager calls
+    (:func:`eager_autograd`); apply takes the op's arguments."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _dilated_forward(*inputs)
+        _dilated_setup_context(ctx, inputs, output)
+        return output
+
+    backward = staticmethod(_dilated_grad)
 # The backward op's own autograd kernel: with create_graph=True its kernel runs below autograd (its in-place and
 # out= ops would refuse inputs that require grad) and the gradients it returns fail only if differentiated again.
 torch.library.register_autograd("attention_suite::dilated_attention_backward", _dilated_double_grad, lib=_LIB)
@@ -677,8 +706,10 @@ def _index_grad(ctx, grad, grad_lse):
         return (None,) * 6
     q, k, v, index, out, lse = ctx.saved_tensors
     device = q.device.type  # a backward called under autocast stays in q's dtype; "meta" (FLOP counts) has none
+    # the op where its gradient may be differentiated (create_graph: it refuses) or a mode must see it
+    backward = _index_backward if not torch.is_grad_enabled() and eager_autograd(grad, q) else _index_backward_op
     with torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else contextlib.nullcontext():
-        dq, dk, dv = _index_backward_op(grad.to(q.dtype), q, k, v, index, out, lse, *ctx.args)
+        dq, dk, dv = backward(grad.to(q.dtype), q, k, v, index, out, lse, *ctx.args)
     return dq, dk, dv, None, None, None
 
 
@@ -689,6 +720,19 @@ def _index_double_grad(ctx, *grads):
 
 torch.library.register_autograd("attention_suite::index_attention", _index_grad,
                                 setup_context=_index_setup_context, lib=_LIB)
+
+
+class _IndexFunction(torch.autograd.Function):
+    """The index-attention op's kernel and autograd without its dispatch, for eager calls (:func:`eager_autograd`),
+    as :class:`_DilatedFunction`."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _index_forward(*inputs)
+        _index_setup_context(ctx, inputs, output)
+        return output
+
+    backward = staticmethod(_index_grad)
 torch.library.register_autograd("attention_suite::index_attention_backward", _index_double_grad, lib=_LIB)
 
 
@@ -717,4 +761,5 @@ def index_attention(q, k, v, index, heads: int, scale: float | None = None):
     their own torch paths keep double backward, which this op refuses.
     """
     scale = (q.shape[1] // heads) ** -0.5 if scale is None else float(scale)
-    return _index_op(q, k, v, index, heads, scale)[0]  # (R, C_v)
+    run = _IndexFunction.apply if eager_autograd(q, k, v, index) else _index_op
+    return run(q, k, v, index, heads, scale)[0]  # (R, C_v)

@@ -444,3 +444,36 @@ def test_cost_counts_the_kernel():
     # on points the same attention work (as batched matmuls); kNN's distances are elementwise coordinate
     # differences (attention.pointops.square_distance), which the FLOP counter skips
     assert mixer.cost(n, batch=B, layout="points")["flops"] == expected
+
+
+def test_eager_calls_run_the_ops_autograd_without_their_dispatch():
+    """In eager code dilated_attention and index_attention run their op's kernel and autograd as a plain
+    autograd.Function (attention.functional.eager_autograd: the op's dispatch cost 3x the Function's per forward +
+    backward), with the op's outputs and gradients bit for bit; under a dispatch mode (here the FLOP counter, which
+    must count the op) the op itself runs."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    gen = torch.Generator().manual_seed(17)
+    q, k, v = (randn(gen, 2, 3, 20, 4).requires_grad_() for _ in range(3))
+    g = randn(gen, 2, 3, 20, 4)
+    rows = randn(gen, 7, 6).requires_grad_(), randn(gen, 9, 6).requires_grad_(), randn(gen, 9, 4).requires_grad_()
+    index = torch.randint(0, 9, (7, 5), generator=gen)
+    calls = {
+        "dilated": (lambda: AF.dilated_attention(q, k, v, (4, 5), 3, 2), (q, k, v),
+                    lambda: AF._dilated_op(q, k, v, 4, 5, 3, 2, False, 4 ** -0.5)[0]),
+        "index": (lambda: AF.index_attention(*rows, index, 2), rows,
+                  lambda: AF._index_op(*rows, index, 2, 3 ** -0.5)[0]),
+    }
+    for name, (call, inputs, through_op) in calls.items():
+        out = call()
+        assert type(out.grad_fn).__name__ == f"_{name.capitalize()}FunctionBackward", out.grad_fn
+        expected = through_op()
+        assert "Function" not in type(expected.grad_fn).__name__, expected.grad_fn
+        upstream = g if name == "dilated" else torch.ones_like(out)
+        grads = torch.autograd.grad(out, inputs, upstream)
+        assert torch.equal(out, expected), name
+        for a, b in zip(grads, torch.autograd.grad(expected, inputs, upstream)):
+            assert torch.equal(a, b), name
+        with FlopCounterMode(display=False) as flops:
+            counted = call()
+        assert "Function" not in type(counted.grad_fn).__name__ and flops.get_total_flops() > 0, name
