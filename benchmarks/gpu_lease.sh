@@ -30,7 +30,11 @@
 #     measurements after PCT (cost bench at three sizes, DeiT-S with 20 rounds, small N);
 #  11: what part 10 left: classification compiled alone (part 10 gave it 111 s), small N again (dilated's backward
 #     fake kernel copied q's strides, which a compiled backward on CUDA rejects), then PCT at batch 16 uncompiled
-#     (the batch norms folded at once, NormActMax's fewer launches), pointnet2_ops built beside the test.
+#     (the batch norms folded at once, NormActMax's fewer launches), pointnet2_ops built beside the test;
+#  12: where the fixed costs go (about 5 minutes): benchmarks.small_n with each eager step's host profile for
+#     dilated, focal and external at N = 256 (dilated and focal took 4 and 7 ms at N = 4,096 on a grid in part 10),
+#     dilated against nn.Unfold and at 4,096 after the eager calls skip the op's dispatch, then PCT at batch 16
+#     uncompiled with the layer-by-layer folding beside fold_all's (part 11's eval ratios fell).
 # Writes OUTDIR/log.txt (each step's summary), OUTDIR/tests-cuda.txt, OUTDIR/tests-rest.txt and OUTDIR/tables.tar
 # (the benchmark tables).
 set -u
@@ -223,6 +227,23 @@ elif [ "$PART" = 11 ]; then
   timeout -s INT "$(left 170 80)" python3 -m benchmarks.small_n --rounds 10 --out "$TABLES/small-n-cuda.md" >> "$LOG" 2>&1
   say "small_n exit $?"; pack
   say "benchmarks.pct_cuda at batch 16, uncompiled"
+  timeout -s INT "$(left 10)" python3 -m benchmarks.pct_cuda --reference "$REF" --no-compile --batch 16 --rounds 10 \
+    --out "$TABLES/pct-cuda-b16.md" >> "$LOG" 2>&1
+  say "pct_cuda exit $?"
+elif [ "$PART" = 12 ]; then
+  build_pointnet2 6 &
+  build=$!
+  say "small N with host profiles: dilated, focal, external"
+  timeout -s INT "$(left 200 150)" python3 -m benchmarks.small_n --variants dilated focal external --sizes 256 \
+    --rounds 10 --profile --out "$TABLES/small-n-cuda.md" >> "$LOG" 2>&1
+  say "small_n exit $?"; pack
+  say "cost bench: dilated at 4,096 and its target against nn.Unfold"
+  timeout -s INT "$(left 120 90)" python3 run.py mode=bench bench.device=cuda 'bench.dtypes=[float32]' \
+    'bench.variants=[dilated,focal]' 'bench.baselines=[]' 'bench.sizes=[4096]' 'bench.channels=[256]' bench.min_seconds=0.2 \
+    "bench.table_dir=$TABLES" bench.name=cost-fixed logger=none hydra.run.dir=/tmp/bench-fixed > /tmp/bench.log 2>&1
+  say "cost bench exit $?"; grep -E "unfold|dilated|focal" /tmp/bench.log | tail -n 12 >> "$LOG"; pack
+  wait $build; say "pointnet2_ops build exit $?"
+  say "benchmarks.pct_cuda at batch 16, uncompiled, with the layer-by-layer folding"
   timeout -s INT "$(left 10)" python3 -m benchmarks.pct_cuda --reference "$REF" --no-compile --batch 16 --rounds 10 \
     --out "$TABLES/pct-cuda-b16.md" >> "$LOG" 2>&1
   say "pct_cuda exit $?"
