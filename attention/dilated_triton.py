@@ -31,7 +31,10 @@ one qkv tensor, and autograd may hand a stride-0 gradient): nothing is copied, a
 attention map the backward reads is the forward's own, contiguous output; another layout is copied once. Memory:
 what the kernels return (output and map; dq, dk, dv, all contiguous) plus, in the backward, the dlogits buffer of
 the map's size. Token indices are int64 in the address arithmetic; a dilation at least max(h, w) is passed as
-max(h, w) (the same windows: every offset but the centre lies outside), so no index overflows int32.
+max(h, w) (the same windows: every offset but the centre lies outside), so no index overflows int32. Each program
+reads its head's rate from a (heads,) table (:func:`rate_table`): DilateFormer's head groups, one rate each, take
+one launch together, where a launch per group paid each launch's fixed cost (on an H200, a mixer's forward and
+backward took 4 ms at any size up to 4,096 tokens with 4 groups).
 
 This module imports Triton at its top; :mod:`attention.functional` imports it only when the kernel is wanted
 (``DILATED_KERNELS``, :mod:`attention.triton_kernels`). tests/attention/test_dilated_triton.py runs the kernels on
@@ -46,6 +49,9 @@ import contextlib
 import torch
 import triton
 import triton.language as tl
+
+from attention.functional import _dilated_groups
+from attention.tensor_cache import tensor_cache
 
 # Programs a launch aims for (about two per SM of an H100, 132 SMs): the block of queries shrinks, down to
 # ``MIN_BLOCK``, until the launch has this many, so that a small grid (one 56 x 56 head) still spreads over the GPU.
@@ -90,7 +96,7 @@ def _tokens(blocks, heads, h, w, BQ: tl.constexpr):
 @triton.jit
 def _forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, attn_ptr,
                     q_sb, q_sh, q_sn, q_sd, k_sb, k_sh, k_sn, k_sd, v_sb, v_sh, v_sn, v_sd,
-                    heads, h, w, d, d_v, dilation, scale, blocks,
+                    heads, h, w, d, d_v, rate_ptr, scale, blocks,
                     KS: tl.constexpr, KK: tl.constexpr, MASK: tl.constexpr,
                     BQ: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr, ALIGN: tl.constexpr):
     """Program (bh, block) (flattened, the blocks of one (sample, head) consecutive): out (B, H, N, d_v) and attn
@@ -101,6 +107,7 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, attn_ptr,
     v_sb, v_sh, v_sn = v_sb * ALIGN, v_sh * ALIGN, v_sn * ALIGN
     d, d_v = d * ALIGN, d_v * ALIGN
     bhl, b, hd, rn, valid, y, x = _tokens(blocks, heads, h, w, BQ)  # rn: (BQ,) query tokens
+    dilation = tl.load(rate_ptr + hd)  # this head's rate: its group's
     n = h * w
     cd = tl.arange(0, DP)
     cv = tl.arange(0, DVP)
@@ -138,7 +145,7 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, attn_ptr,
 @triton.jit
 def _backward_query_kernel(g_ptr, k_ptr, v_ptr, attn_ptr, dlogits_ptr, dq_ptr,
                            g_sb, g_sh, g_sn, g_sd, k_sb, k_sh, k_sn, k_sd, v_sb, v_sh, v_sn, v_sd,
-                           heads, h, w, d, d_v, dilation, scale, blocks,
+                           heads, h, w, d, d_v, rate_ptr, scale, blocks,
                            KS: tl.constexpr, KK: tl.constexpr,
                            BQ: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr, ALIGN: tl.constexpr):
     """Program (bh, block): dlogits (B, H, k*k, N) and dq (B, H, N, d) of queries block*BQ ... + BQ, from the
@@ -148,6 +155,7 @@ def _backward_query_kernel(g_ptr, k_ptr, v_ptr, attn_ptr, dlogits_ptr, dq_ptr,
     v_sb, v_sh, v_sn = v_sb * ALIGN, v_sh * ALIGN, v_sn * ALIGN
     d, d_v = d * ALIGN, d_v * ALIGN
     bhl, b, hd, rn, valid, y, x = _tokens(blocks, heads, h, w, BQ)  # rn: (BQ,) query tokens
+    dilation = tl.load(rate_ptr + hd)  # this head's rate: its group's
     n = h * w
     cd = tl.arange(0, DP)
     cv = tl.arange(0, DVP)
@@ -181,7 +189,7 @@ def _backward_query_kernel(g_ptr, k_ptr, v_ptr, attn_ptr, dlogits_ptr, dq_ptr,
 @triton.jit
 def _backward_key_kernel(q_ptr, g_ptr, attn_ptr, dlogits_ptr, dk_ptr, dv_ptr,
                          q_sb, q_sh, q_sn, q_sd, g_sb, g_sh, g_sn, g_sd,
-                         heads, h, w, d, d_v, dilation, blocks,
+                         heads, h, w, d, d_v, rate_ptr, blocks,
                          KS: tl.constexpr, BQ: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr,
                          ALIGN: tl.constexpr):
     """Program (bh, block): dk (B, H, N, d) and dv (B, H, N, d_v) of keys block*BQ ... + BQ, gathering from each
@@ -190,6 +198,7 @@ def _backward_key_kernel(q_ptr, g_ptr, attn_ptr, dlogits_ptr, dk_ptr, dv_ptr,
     g_sb, g_sh, g_sn = g_sb * ALIGN, g_sh * ALIGN, g_sn * ALIGN
     d, d_v = d * ALIGN, d_v * ALIGN
     bhl, b, hd, rn, valid, y, x = _tokens(blocks, heads, h, w, BQ)  # rn: (BQ,) key tokens
+    dilation = tl.load(rate_ptr + hd)  # this head's rate: its group's
     n = h * w
     cd = tl.arange(0, DP)
     cv = tl.arange(0, DVP)
@@ -261,9 +270,25 @@ def _device(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def forward(q, k, v, h: int, w: int, kernel_size: int, dilation: int, mask: bool, scale: float):
+def rate_table(heads: int, dilation, h: int, w: int, device) -> torch.Tensor:
+    """(heads,) int32 on ``device``: each head's rate, ``dilation`` an int or one rate per equal head group
+    (:func:`attention.functional._dilated_groups`), a rate at least max(h, w) passed as max(h, w) (the same windows:
+    every offset but the centre lies outside), so that no index overflows int32. Made once per (rates, device) and
+    kept (:func:`_rate_table`): a copy to the GPU at every call would wait for it."""
+    per_head = tuple(min(r, max(h, w)) for group, r in _dilated_groups(heads, dilation)
+                     for _ in range(group.stop - group.start))
+    return _rate_table(per_head, torch.device(device))
+
+
+@tensor_cache(maxsize=64)
+def _rate_table(rates: tuple, device: torch.device) -> torch.Tensor:
+    return torch.tensor(rates, dtype=torch.int32).to(device)
+
+
+def forward(q, k, v, h: int, w: int, kernel_size: int, dilation, mask: bool, scale: float):
     """What ``attention.functional._dilated_forward`` returns: the output (B, H, N, d_v) and the attention map
-    (B, H, k*k, h, w), from float32 q, k (B, H, N, d) and v (B, H, N, d_v), any strides."""
+    (B, H, k*k, h, w), from float32 q, k (B, H, N, d) and v (B, H, N, d_v), any strides; ``dilation`` an int or
+    one rate per equal head group (:func:`rate_table`): one launch whatever the groups."""
     _check(q, k, v)
     B, H, n, d = q.shape
     d_v = v.shape[-1]
@@ -277,12 +302,12 @@ def forward(q, k, v, h: int, w: int, kernel_size: int, dilation: int, mask: bool
     with _device(q):
         _forward_kernel[(B * H * blocks,)](
             q, k, v, out, attn, *_strides(q, align), *_strides(k, align), *_strides(v, align),
-            H, h, w, d // align, d_v // align, min(dilation, max(h, w)), float(scale), blocks,
+            H, h, w, d // align, d_v // align, rate_table(H, dilation, h, w, q.device), float(scale), blocks,
             KS=kernel_size, MASK=bool(mask), ALIGN=align, **config)
     return out, attn
 
 
-def backward(grad, q, k, v, attn, h: int, w: int, kernel_size: int, dilation: int, scale: float):
+def backward(grad, q, k, v, attn, h: int, w: int, kernel_size: int, dilation, scale: float):
     """What ``attention.functional._dilated_backward`` returns: dq, dk, dv (contiguous, of q's, k's, v's shapes)
     for the upstream gradient grad (B, H, N, d_v) and the forward's attention map attn (B, H, k*k, h, w), float32."""
     _check(grad, q, k, v, attn)
@@ -295,9 +320,8 @@ def backward(grad, q, k, v, attn, h: int, w: int, kernel_size: int, dilation: in
     dlogits = torch.empty_like(attn)  # (B, H, k*k, h, w)
     config = launch_config(B * H, n, d, d_v, kernel_size)
     blocks = triton.cdiv(n, config["BQ"])
-    dilation = min(dilation, max(h, w))
     align = alignment((grad, q, k, v, dq), (d, d_v))
-    dims = (H, h, w, d // align, d_v // align, dilation)
+    dims = (H, h, w, d // align, d_v // align, rate_table(H, dilation, h, w, q.device))
     with _device(q):
         _backward_query_kernel[(B * H * blocks,)](
             grad, k, v, attn, dlogits, dq, *_strides(grad, align), *_strides(k, align), *_strides(v, align),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -242,7 +243,7 @@ DILATED_BORDERS = ("zeros", "mask")
 
 
 @float32_kernel
-def dilated_attention(q, k, v, grid: tuple[int, int], kernel_size: int = 3, dilation: int = 1,
+def dilated_attention(q, k, v, grid: tuple[int, int], kernel_size: int = 3, dilation: int | Sequence[int] = 1,
                       border: str = "zeros", scale: float | None = None):
     """DilateFormer's sliding-window dilated attention (DilateAttention) on a grid.
 
@@ -250,7 +251,10 @@ def dilated_attention(q, k, v, grid: tuple[int, int], kernel_size: int = 3, dila
     h x w ``grid = (h, w)`` in row-major order (N = h * w). The query at (i, j)
     attends to the k x k keys at (i + p*r, j + q*r), |p|, |q| <= k // 2
     (k = ``kernel_size``, odd; r = ``dilation``), with logits q.k * scale
-    (scale = d^-0.5 by default) and a softmax over those k*k keys.
+    (scale = d^-0.5 by default) and a softmax over those k*k keys. A sequence of
+    rates splits the heads into that many equal groups, group g at rate
+    ``dilation[g]`` (DilateFormer's multi-scale attention in one call: one launch
+    of each kernel on a GPU, not one per group).
 
     ``border`` says what a key outside the grid is: "zeros" (the paper's zero
     padding, as ``nn.Unfold`` does it: a zero key and value with logit 0 that
@@ -274,8 +278,7 @@ def dilated_attention(q, k, v, grid: tuple[int, int], kernel_size: int = 3, dila
         raise ValueError(f"dilated_attention: border={border!r}, expected one of {DILATED_BORDERS}.")
     if kernel_size < 1 or kernel_size % 2 == 0:
         raise ValueError(f"dilated_attention: kernel_size={kernel_size}, expected an odd integer >= 1.")
-    if dilation < 1:
-        raise ValueError(f"dilated_attention: dilation={dilation}, expected an integer >= 1.")
+    rates = _dilated_rates(dilation, q.shape[1])
     h, w = grid
     n = q.shape[-2]
     if h * w != n or k.shape[-2] != n or v.shape[-2] != n:
@@ -283,8 +286,27 @@ def dilated_attention(q, k, v, grid: tuple[int, int], kernel_size: int = 3, dila
                          f"{n}, {k.shape[-2]}, {v.shape[-2]}.")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     run = _DilatedFunction.apply if eager_autograd(q, k, v) else _dilated_op
-    out, _ = run(q, k, v, h, w, kernel_size, dilation, border == "mask", scale)
+    out, _ = run(q, k, v, h, w, kernel_size, rates, border == "mask", scale)
     return out  # (B, heads, N, d_v)
+
+
+def _dilated_rates(dilation, heads: int) -> list[int]:
+    """The rates of :func:`dilated_attention`'s head groups, as a list (the op's ``dilations``), checked."""
+    rates = [dilation] if isinstance(dilation, int) else list(dilation)
+    if not rates or any(not isinstance(r, int) or isinstance(r, bool) or r < 1 for r in rates):
+        raise ValueError(f"dilated_attention: dilation={dilation!r}, expected an integer >= 1 or a non-empty "
+                         "sequence of them (one per head group).")
+    if heads % len(rates):
+        raise ValueError(f"dilated_attention: {heads} heads do not split into {len(rates)} equal groups, one per "
+                         f"rate of dilation={dilation!r}.")
+    return rates
+
+
+def _dilated_groups(heads: int, dilations) -> list[tuple[slice, int]]:
+    """(head slice, rate) of each head group: ``dilations`` an int (one group) or a sequence of rates."""
+    rates = [dilations] if isinstance(dilations, int) else list(dilations)
+    per = heads // len(rates)
+    return [(slice(g * per, (g + 1) * per), int(r)) for g, r in enumerate(rates)]
 
 
 @float32_kernel
@@ -358,6 +380,23 @@ def _dilated_chunks(batch: int, heads: int, pair_bytes: int, device: torch.devic
                 yield slice(b, b + 1), slice(h0, min(heads, h0 + pairs))
 
 
+def _dilated_group_chunks(batch: int, heads: int, dilations, pair_bytes: int, device) -> list:
+    """:func:`_dilated_chunks` within each head group (:func:`_dilated_groups`), as (batch slice, head slice,
+    rate): a chunk's heads share one rate."""
+    return [(bs, slice(group.start + hs.start, group.start + hs.stop), r)
+            for group, r in _dilated_groups(heads, dilations)
+            for bs, hs in _dilated_chunks(batch, group.stop - group.start, pair_bytes, device)]
+
+
+def _dilated_outside(windows, kernel_size: int, h: int, w: int, device) -> torch.Tensor:
+    """(k*k, h, w) bool: where the key at window offset o of the query at (i, j) lies outside the grid, for the
+    rate's ``windows`` (:func:`_dilated_windows`; border "mask": the centre key never does)."""
+    inside = torch.zeros(kernel_size ** 2, h, w, dtype=torch.bool, device=device)
+    for o, (qi, qj), _ in windows:
+        inside[o, qi, qj] = True
+    return ~inside
+
+
 def _dilated_dots(x, y, windows, out, buf):
     """out[:, :, o, i, j] = x[:, :, i, j] . y[:, :, i + p*r, j + q*r] for each window offset o.
 
@@ -395,9 +434,9 @@ _LIB = torch.library.Library("attention_suite", "FRAGMENT")
 # ~0.5 s that a process without torch.compile would pay for its first dilated attention. A kernel registered
 # with impl runs as it is; under torch.compile the op is a leaf of the graph either way (register_fake).
 _LIB.define("dilated_attention(Tensor q, Tensor k, Tensor v, SymInt h, SymInt w, SymInt kernel_size, "
-            "SymInt dilation, bool mask, float scale) -> (Tensor, Tensor)", tags=(torch.Tag.pt2_compliant_tag,))
+            "SymInt[] dilations, bool mask, float scale) -> (Tensor, Tensor)", tags=(torch.Tag.pt2_compliant_tag,))
 _LIB.define("dilated_attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor attn, SymInt h, "
-            "SymInt w, SymInt kernel_size, SymInt dilation, float scale) -> (Tensor, Tensor, Tensor)",
+            "SymInt w, SymInt kernel_size, SymInt[] dilations, float scale) -> (Tensor, Tensor, Tensor)",
             tags=(torch.Tag.pt2_compliant_tag,))
 
 
@@ -438,27 +477,25 @@ def _dilated_forward_torch(q, k, v, h, w, kernel_size, dilation, mask, scale):
     B, H = q.shape[:2]
     d, d_v = q.shape[-1], v.shape[-1]
     qg, kg, vg = (t.reshape(B, H, h, w, t.shape[-1]) for t in (q, k, v))  # (B, H, h, w, .): views (one dim split)
-    windows = _dilated_windows(h, w, kernel_size, dilation)
     attn = q.new_empty(B, H, kernel_size ** 2, h, w)  # the logits, then the weights
     out = v.new_empty(B, H, h, w, d_v)
-    if mask:  # (k*k, h, w): keys inside the grid; the centre key always is
-        inside = torch.zeros(kernel_size ** 2, h, w, dtype=torch.bool, device=q.device)
-        for o, (qi, qj), _ in windows:
-            inside[o, qi, qj] = True
-        outside = ~inside
-    chunks = list(_dilated_chunks(B, H, h * w * max(d, d_v) * q.element_size(), q.device))
-    pairs = max(((bs.stop - bs.start) * (hs.stop - hs.start) for bs, hs in chunks), default=0)  # 0: no tensor
+    chunks = _dilated_group_chunks(B, H, dilation, h * w * max(d, d_v) * q.element_size(), q.device)
+    pairs = max(((bs.stop - bs.start) * (hs.stop - hs.start) for bs, hs, _ in chunks), default=0)  # 0: no tensor
     buf = q.new_empty(pairs * h * w * d)  # one chunk's products q * k
-    for bs, hs in chunks:
+    windows, outside = {}, {}  # per rate
+    for bs, hs, r in chunks:
+        if r not in windows:
+            windows[r] = _dilated_windows(h, w, kernel_size, r)
+            outside[r] = _dilated_outside(windows[r], kernel_size, h, w, q.device) if mask else None
         a = attn[bs, hs]  # (b, H', k*k, h, w)
         a.zero_()  # a key outside the grid is a zero vector: logit 0
-        _dilated_dots(qg[bs, hs], kg[bs, hs], windows, a, buf)
+        _dilated_dots(qg[bs, hs], kg[bs, hs], windows[r], a, buf)
         a.mul_(scale)
         if mask:  # keys outside the grid leave the softmax
-            a.masked_fill_(outside, float("-inf"))
+            a.masked_fill_(outside[r], float("-inf"))
         a.sub_(a.amax(dim=2, keepdim=True)).exp_()  # softmax over the k*k keys, in place
         a.div_(a.sum(dim=2, keepdim=True))
-        _dilated_weighted_sum(out[bs, hs], a, vg[bs, hs], windows)  # zero values outside the grid add nothing
+        _dilated_weighted_sum(out[bs, hs], a, vg[bs, hs], windows[r])  # zero values outside the grid add nothing
     return out.view(B, H, h * w, d_v), attn
 
 
@@ -483,13 +520,14 @@ def _dilated_backward_torch(grad, q, k, v, attn, h, w, kernel_size, dilation, sc
     B, H = q.shape[:2]
     d, d_v = q.shape[-1], v.shape[-1]
     qg, kg, vg, gg = (t.reshape(B, H, h, w, t.shape[-1]) for t in (q, k, v, grad))  # (B, H, h, w, .): views
-    windows = _dilated_windows(h, w, kernel_size, dilation)
     dq, dk, dv = qg.new_empty(qg.shape), kg.new_empty(kg.shape), vg.new_empty(vg.shape)  # (B, H, h, w, .)
-    chunks = list(_dilated_chunks(B, H, h * w * max(d, d_v) * q.element_size(), q.device))
-    pairs = max(((bs.stop - bs.start) * (hs.stop - hs.start) for bs, hs in chunks), default=0)  # 0: no tensor
+    chunks = _dilated_group_chunks(B, H, dilation, h * w * max(d, d_v) * q.element_size(), q.device)
+    pairs = max(((bs.stop - bs.start) * (hs.stop - hs.start) for bs, hs, _ in chunks), default=0)  # 0: no tensor
     buf = q.new_empty(pairs * h * w * d_v)  # one chunk's products grad * v
     dattn_buf = q.new_empty(pairs * kernel_size ** 2 * h * w)  # one chunk's gradient of the attention map
-    for bs, hs in chunks:
+    rates = {r: _dilated_windows(h, w, kernel_size, r) for _, _, r in chunks}
+    for bs, hs, r in chunks:
+        windows = rates[r]
         a, g_c, q_c, k_c = attn[bs, hs], gg[bs, hs], qg[bs, hs], kg[bs, hs]  # a: (b, H', k*k, h, w)
         da = dattn_buf[:a.numel()].view(a.shape).zero_()  # keys outside the grid have zero values: dattn 0
         _dilated_dots(g_c, vg[bs, hs], windows, da, buf)

@@ -84,19 +84,18 @@ class DilatedAttention(Mixer):
         return tuple(int(r) for r in rates)
 
     def mix(self, x, layout):
-        per_group = self.heads // len(self.dilations)
-        # q, k, v: one tuple each of the head groups' (B, heads / groups, N, d) views of the qkv projection. Split,
-        # not indexed: a split's backward is one concatenation, where each indexed slice wrote a zero-filled
-        # gradient of the whole tensor and the slices' gradients were then summed (12 fills and 9 sums of
-        # (B, heads, N, d) a step with 4 groups, more memory traffic than the attention itself on a GPU)
-        q, k, v = (t.split(per_group, dim=1)
-                   for t in rearrange(self.qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.heads))
-        if isinstance(layout, Grid):
-            out = [functional.dilated_attention(qg, kg, vg, (layout.h, layout.w), self.kernel_size, r, self.border)
-                   for qg, kg, vg, r in zip(q, k, v, self.dilations)]  # (B, heads / groups, N, d) each
+        # q, k, v: (B, heads, N, d) views of the qkv projection
+        q, k, v = rearrange(self.qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.heads)
+        if isinstance(layout, Grid):  # every head group at its rate in one call: one launch a kernel on a GPU
+            out = functional.dilated_attention(q, k, v, (layout.h, layout.w), self.kernel_size, self.dilations,
+                                               self.border)  # (B, heads, N, d)
         else:
-            out = self._mix_points(q, k, v, layout.xyz)
-        return self.proj(rearrange(torch.cat(out, dim=1), "b h n d -> b n (h d)"))
+            # the head groups' (B, heads / groups, N, d) views. Split, not indexed: a split's backward is one
+            # concatenation, where each indexed slice wrote a zero-filled gradient of the whole tensor and the
+            # slices' gradients were then summed (12 fills and 9 sums of (B, heads, N, d) a step with 4 groups)
+            per_group = self.heads // len(self.dilations)
+            out = torch.cat(self._mix_points(*(t.split(per_group, dim=1) for t in (q, k, v)), layout.xyz), dim=1)
+        return self.proj(rearrange(out, "b h n d -> b n (h d)"))
 
     def _mix_points(self, q, k, v, xyz):
         """Per head group (q, k, v: a (B, heads / groups, N, d) tensor each, one per group), each point against every

@@ -177,7 +177,7 @@ def test_kernel_op_registration():
     """The torch.library op's schema, fake (meta) kernel and autograd registration are consistent."""
     gen = torch.Generator().manual_seed(15)
     q, k, v = (randn(gen, 1, 2, 6, 3) for _ in range(3))
-    torch.library.opcheck(torch.ops.attention_suite.dilated_attention.default, (q, k, v, 2, 3, 3, 1, True, 0.5),
+    torch.library.opcheck(torch.ops.attention_suite.dilated_attention.default, (q, k, v, 2, 3, 3, [1], True, 0.5),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
@@ -189,9 +189,9 @@ def test_backward_op_fake_kernel_matches_on_strided_inputs():
     qkv = randn(gen, 1, 30, 3, 2, 4)  # (B, N, q/k/v, heads, d): one projection
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, heads, N, d), not contiguous
     assert not q.is_contiguous()
-    out, attn = torch.ops.attention_suite.dilated_attention(q, k, v, 5, 6, 3, 1, True, 0.5)
+    out, attn = torch.ops.attention_suite.dilated_attention(q, k, v, 5, 6, 3, [1], True, 0.5)
     torch.library.opcheck(torch.ops.attention_suite.dilated_attention_backward.default,
-                          (randn(gen, *out.shape), q, k, v, attn, 5, 6, 3, 1, 0.5),
+                          (randn(gen, *out.shape), q, k, v, attn, 5, 6, 3, [1], 0.5),
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -460,7 +460,7 @@ def test_eager_calls_run_the_ops_autograd_without_their_dispatch():
     index = torch.randint(0, 9, (7, 5), generator=gen)
     calls = {
         "dilated": (lambda: AF.dilated_attention(q, k, v, (4, 5), 3, 2), (q, k, v),
-                    lambda: AF._dilated_op(q, k, v, 4, 5, 3, 2, False, 4 ** -0.5)[0]),
+                    lambda: AF._dilated_op(q, k, v, 4, 5, 3, [2], False, 4 ** -0.5)[0]),
         "index": (lambda: AF.index_attention(*rows, index, 2), rows,
                   lambda: AF._index_op(*rows, index, 2, 3 ** -0.5)[0]),
     }
