@@ -31,7 +31,8 @@
 #  11: what part 10 left: classification compiled alone (part 10 gave it 111 s), small N again (dilated's backward
 #     fake kernel copied q's strides, which a compiled backward on CUDA rejects), then PCT at batch 16 uncompiled
 #     (the batch norms folded at once, NormActMax's fewer launches), pointnet2_ops built beside the test;
-#  12: where the fixed costs go (about 5 minutes): benchmarks.small_n with each eager step's host profile for
+#  12: where the fixed costs go (about 5 minutes): benchmarks.launch (a torch op, a bare Triton launch with 2 and 30
+#     arguments, each kernel wrapper at a tiny size), benchmarks.small_n with each eager step's host profile for
 #     dilated, focal and external at N = 256 (dilated and focal took 4 and 7 ms at N = 4,096 on a grid in part 10),
 #     dilated against nn.Unfold and at 4,096 after the eager calls skip the op's dispatch, then PCT at batch 16
 #     uncompiled with the layer-by-layer folding beside fold_all's (part 11's eval ratios fell).
@@ -233,6 +234,9 @@ elif [ "$PART" = 11 ]; then
 elif [ "$PART" = 12 ]; then
   build_pointnet2 6 &
   build=$!
+  say "what one call costs the host (benchmarks.launch)"
+  timeout -s INT "$(left 250 40)" python3 -m benchmarks.launch --out "$TABLES/launch-cuda.md" >> "$LOG" 2>&1
+  say "launch exit $?"; pack
   say "small N with host profiles: dilated, focal, external"
   timeout -s INT "$(left 200 150)" python3 -m benchmarks.small_n --variants dilated focal external --sizes 256 \
     --rounds 10 --profile --out "$TABLES/small-n-cuda.md" >> "$LOG" 2>&1

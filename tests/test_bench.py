@@ -361,6 +361,21 @@ def test_small_n_benchmark_times_eager_and_compiled_and_counts_kernels(tmp_path,
     assert int(profile.split(" aten ops, host ")[0].split()[-1]) >= row["kernels"] and "aten::" in profile
 
 
+def test_launch_benchmark_times_each_call_on_the_host(tmp_path, one_thread):
+    """benchmarks.launch (what one call costs the host) on the CPU: the torch floor and every wrapper timed, the
+    Triton-only rows left out without a GPU, the table written; a torch op is cheaper than any wrapper."""
+    from benchmarks import launch
+
+    out = tmp_path / "launch.md"
+    rows = launch.main(["--quick", "--device", "cpu", "--out", str(out)])
+    works = [r["work"] for r in rows]
+    assert works[0] == "torch add" and not any(w.startswith("triton") for w in works) and len(works) == 6, works
+    assert all(r["us"] > 0 and r["calls"] == 20 for r in rows)
+    assert rows[0]["us"] < min(r["us"] for r in rows[1:]), rows
+    text = out.read_text()
+    assert all(f"| {w} | 20 |" in text for w in works)
+
+
 def test_small_n_benchmark_writes_what_it_measured_when_interrupted(tmp_path, monkeypatch):
     """A time limit's SIGINT (gpu_lease.sh's `timeout -s INT`) in the middle of the variants: the rows measured
     before it are written, not lost with the rest (an H200 run lost all of them, 2026-11-26)."""
