@@ -586,17 +586,19 @@ torch.library.register_autograd("attention_suite::dilated_attention", _dilated_g
                                 setup_context=_dilated_setup_context, lib=_LIB)
 
 
-class _DilatedFunction(torch.autograd.Function):
-    """The dilated op's kernel and autograd (the same functions) without its dispatch, for eager calls
-    (:func:`eager_autograd`); apply takes the op's arguments."""
+def _eager_function(name: str, kernel, setup_context, grad) -> type[torch.autograd.Function]:
+    """A ``torch.library`` op's kernel and autograd (the functions it registers) as a plain autograd.Function
+    without the op's dispatch, for eager calls (:func:`eager_autograd`); its ``apply`` takes the op's arguments."""
 
-    @staticmethod
     def forward(ctx, *inputs):
-        output = _dilated_forward(*inputs)
-        _dilated_setup_context(ctx, inputs, output)
+        output = kernel(*inputs)
+        setup_context(ctx, inputs, output)
         return output
 
-    backward = staticmethod(_dilated_grad)
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(grad)})
+
+
+_DilatedFunction = _eager_function("_DilatedFunction", _dilated_forward, _dilated_setup_context, _dilated_grad)
 # The backward op's own autograd kernel: with create_graph=True its kernel runs below autograd (its in-place and
 # out= ops would refuse inputs that require grad) and the gradients it returns fail only if differentiated again.
 torch.library.register_autograd("attention_suite::dilated_attention_backward", _dilated_double_grad, lib=_LIB)
@@ -760,17 +762,7 @@ torch.library.register_autograd("attention_suite::index_attention", _index_grad,
                                 setup_context=_index_setup_context, lib=_LIB)
 
 
-class _IndexFunction(torch.autograd.Function):
-    """The index-attention op's kernel and autograd without its dispatch, for eager calls (:func:`eager_autograd`),
-    as :class:`_DilatedFunction`."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        output = _index_forward(*inputs)
-        _index_setup_context(ctx, inputs, output)
-        return output
-
-    backward = staticmethod(_index_grad)
+_IndexFunction = _eager_function("_IndexFunction", _index_forward, _index_setup_context, _index_grad)
 torch.library.register_autograd("attention_suite::index_attention_backward", _index_double_grad, lib=_LIB)
 
 
