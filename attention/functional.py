@@ -69,6 +69,18 @@ def eager_autograd(*tensors: torch.Tensor) -> bool:
                 or any(type(t) is not torch.Tensor or t.is_meta for t in tensors))
 
 
+def _eager_function(name: str, kernel, setup_context, grad) -> type[torch.autograd.Function]:
+    """A ``torch.library`` op's kernel and autograd (the functions it registers) as a plain autograd.Function
+    without the op's dispatch, for eager calls (:func:`eager_autograd`); its ``apply`` takes the op's arguments."""
+
+    def forward(ctx, *inputs):
+        output = kernel(*inputs)
+        setup_context(ctx, inputs, output)
+        return output
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(grad)})
+
+
 def softmax_attention(q, k, v, scale: float | None = None):
     """softmax(q k^T * scale) v, scale = d^-0.5 by default, via the fused SDPA kernel."""
     return F.scaled_dot_product_attention(q, k, v, scale=scale)  # (B, heads, N, d_v)
@@ -584,24 +596,11 @@ def _dilated_double_grad(ctx, *grads):
 
 torch.library.register_autograd("attention_suite::dilated_attention", _dilated_grad,
                                 setup_context=_dilated_setup_context, lib=_LIB)
-
-
-def _eager_function(name: str, kernel, setup_context, grad) -> type[torch.autograd.Function]:
-    """A ``torch.library`` op's kernel and autograd (the functions it registers) as a plain autograd.Function
-    without the op's dispatch, for eager calls (:func:`eager_autograd`); its ``apply`` takes the op's arguments."""
-
-    def forward(ctx, *inputs):
-        output = kernel(*inputs)
-        setup_context(ctx, inputs, output)
-        return output
-
-    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(grad)})
-
-
-_DilatedFunction = _eager_function("_DilatedFunction", _dilated_forward, _dilated_setup_context, _dilated_grad)
 # The backward op's own autograd kernel: with create_graph=True its kernel runs below autograd (its in-place and
 # out= ops would refuse inputs that require grad) and the gradients it returns fail only if differentiated again.
 torch.library.register_autograd("attention_suite::dilated_attention_backward", _dilated_double_grad, lib=_LIB)
+
+_DilatedFunction = _eager_function("_DilatedFunction", _dilated_forward, _dilated_setup_context, _dilated_grad)
 
 
 @register_flop_formula(torch.ops.attention_suite.dilated_attention)
@@ -760,10 +759,9 @@ def _index_double_grad(ctx, *grads):
 
 torch.library.register_autograd("attention_suite::index_attention", _index_grad,
                                 setup_context=_index_setup_context, lib=_LIB)
-
+torch.library.register_autograd("attention_suite::index_attention_backward", _index_double_grad, lib=_LIB)
 
 _IndexFunction = _eager_function("_IndexFunction", _index_forward, _index_setup_context, _index_grad)
-torch.library.register_autograd("attention_suite::index_attention_backward", _index_double_grad, lib=_LIB)
 
 
 @register_flop_formula(torch.ops.attention_suite.index_attention)
