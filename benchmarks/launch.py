@@ -16,7 +16,9 @@ tiny, so it keeps up and the time is the host's. The rows:
   1 or 29 integer arguments (strides, sizes: what the suite's kernels take), so that the difference is the
   launcher's cost per argument (CUDA only);
 - ``knn``, ``fps``, ``dilated forward``, ``dilated forward + backward``, ``index attention forward``: the suite's
-  public functions at tiny sizes, what a model calls (on CUDA their Triton kernels, on the CPU the torch paths).
+  public functions at tiny sizes, what a model calls (on CUDA their Triton kernels, on the CPU the torch paths);
+  dilated's forward + backward once more through its ``torch.library`` op, as compiled code and dispatch modes call
+  it (:func:`through_op`), for what the eager path saves.
 """
 
 from __future__ import annotations
@@ -70,6 +72,17 @@ def triton_kernels():
     return few, many
 
 
+def through_op(call):
+    """``call()`` with eager calls sent through their ``torch.library`` op, as under torch.compile or a dispatch
+    mode (``attention.functional.eager_autograd`` off): what the eager path saves is the difference."""
+    eager = AF.eager_autograd
+    AF.eager_autograd = lambda *tensors: False
+    try:
+        return call()
+    finally:
+        AF.eager_autograd = eager
+
+
 def cases(device) -> dict:
     """name -> a call of that work, at sizes where the device's work is nothing."""
     g = torch.Generator().manual_seed(0)
@@ -89,6 +102,8 @@ def cases(device) -> dict:
         "fps (16 of 64 points)": lambda: farthest_point_sample(xyz, 16),
         "dilated forward (4 heads at rates 1-4, 8 x 8)": lambda: AF.dilated_attention(q, k, v, (8, 8), 3, [1, 2, 3, 4]),
         "dilated forward + backward": lambda: AF.dilated_attention(*leaves, (8, 8), 3, [1, 2, 3, 4]).sum().backward(),
+        "dilated forward + backward, through the op's dispatch": lambda: through_op(
+            lambda: AF.dilated_attention(*leaves, (8, 8), 3, [1, 2, 3, 4]).sum().backward()),
         "index attention forward (64 rows, 8 keys)": lambda: AF.index_attention(rows, keys, keys, index, 4),
     })
     return out
