@@ -421,7 +421,12 @@ class FocalAttention(Mixer):
 
         sources = [kv] + [self._kv(self._pool(x, h, w, k)) for k in range(self.focal_level - 1)]
         sources = torch.cat(sources + [x.new_zeros(b, 1, 2 * c)], dim=1)  # (B, pixels + pooled + 1, 2C)
-        k, v = rearrange(sources[:, keys], "b nw m (two heads d) -> two b heads nw m d", two=2, heads=self.heads)
+        # Per head [k | v] rows before the gather (a copy of the sources), so that each head's gathered keys and
+        # values are (M, d) blocks 2d apart that the attention's matmuls read in place: gathered as (B, nW, M, 2C)
+        # and split by head after, both matmuls first copied them out (two copies of the gathered size, about 4.7
+        # times the sources' at Focal-T's levels).
+        sources = rearrange(sources, "b p (two heads d) -> b heads p (two d)", two=2, heads=self.heads)
+        k, v = sources[:, :, keys].chunk(2, dim=-1)  # (B, heads, nW, M, d) each
 
         bias = self._grid_bias()[:, None]  # (heads, 1, ws*ws, M)
         if self.border == "roll":  # slots beyond the pooled map: key and value 0, logit + ROLL_MASK (official)
