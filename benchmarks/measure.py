@@ -90,11 +90,8 @@ def report_header(title: str, script: str, argv: list[str], started: str, device
             f"- device: {name}", f"- libraries: {environment_line()}"]
 
 
-def host_profile(step, device, rows: int = 20) -> str:
-    """One call of ``step`` (after warm-up) under torch.profiler: "<n> aten ops, host <ms>, GPU <ms>" (host: every
-    op's self CPU time, the profiler's overhead included, so compare steps, not the absolute numbers; GPU: the
-    kernels' own time, as the profiler's table totals it, an op's self device time repeating its kernels'), then
-    its ops by self CPU time. Where a step is bound by its launches, this names the ops to fuse or drop."""
+def profiled(step, device):
+    """torch.profiler (CPU, and CUDA on a GPU) over one call of ``step``, the device synchronised before and after."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(device).type == "cuda" else [])
@@ -102,7 +99,15 @@ def host_profile(step, device, rows: int = 20) -> str:
     with profile(activities=activities) as prof:
         step()
         sync(device)
-    events = prof.key_averages()
+    return prof
+
+
+def host_profile(step, device, rows: int = 20) -> str:
+    """One call of ``step`` (after warm-up) under torch.profiler: "<n> aten ops, host <ms>, GPU <ms>" (host: every
+    op's self CPU time, the profiler's overhead included, so compare steps, not the absolute numbers; GPU: the
+    kernels' own time, as the profiler's table totals it, an op's self device time repeating its kernels'), then
+    its ops by self CPU time. Where a step is bound by its launches, this names the ops to fuse or drop."""
+    events = profiled(step, device).key_averages()
     aten = sum(e.count for e in events if e.key.startswith("aten::"))
     host_us = sum(e.self_cpu_time_total for e in events)
     gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)

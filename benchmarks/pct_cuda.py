@@ -384,7 +384,7 @@ def profile_table(batch: int, points: int, device, samples=(512, 256), neighbour
     from tasks.nets.pct import PCT
 
     net = PCT(40, {"name": "offset"}, samples=list(samples), neighbours=neighbours).to(device)
-    prof = _profiled_step(net, batch, points, device)
+    prof = measure.profiled(_warm_step(net, batch, points, device), device)
     key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
 
@@ -413,18 +413,6 @@ def _warm_step(net, batch: int, points: int, device) -> Callable[[], None]:
         step()
     return step
 
-
-def _profiled_step(net, batch: int, points: int, device):
-    """torch.profiler over one float32 SGD step of ``net`` (:func:`_warm_step`)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    step = _warm_step(net, batch, points, device)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    measure.sync(device)
-    with profile(activities=activities) as prof:
-        step()
-        measure.sync(device)
-    return prof
 
 
 # --------------------------------------------------------------------------------------------
