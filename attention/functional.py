@@ -121,6 +121,13 @@ def offset_attention(q, k, v, eps: float = 1e-9):
     m = k.shape[-2]
     if b * h * n * m > OFFSET_FULL_MAX_ELEMENTS:
         return OffsetChunked.apply(q, k, v, eps, max(1, OFFSET_CHUNK_ELEMENTS // (b * h * m)))
+    if torch.compiler.is_compiling():  # inductor fuses the plain ops itself
+        return _offset_full(q, k, v, eps)
+    return OffsetFull.apply(q, k, v, eps)
+
+
+def _offset_full(q, k, v, eps):
+    """:func:`offset_attention` with the whole (N, M) map, as plain differentiable ops."""
     attn = torch.softmax(q @ k.transpose(-2, -1), dim=-1)  # (B, h, N, M)
     colsum = attn.sum(dim=-2)  # (B, h, M): each column's sum over the queries
     # out_j = sum_i A_ij v_i / (eps + c_j): the division by the column sums comes after the product, on the
@@ -128,10 +135,52 @@ def offset_attention(q, k, v, eps: float = 1e-9):
     # product is v^T A rather than A^T v, so that the map's gradient, v dY, comes out (N, M) contiguous. Through
     # A / (eps + c) and A^T, the map was divided, saved twice and its gradient reached the division's and the
     # softmax's backward transposed (a copy each, strided passes): forward + backward at B=8, N=2048 took 1.38x
-    # as long on the CPU, PCT's part segmentation training step 1.5x. Plain differentiable ops: double backward
-    # (a gradient penalty) still works.
+    # as long on the CPU, PCT's part segmentation training step 1.5x.
     out = (v.transpose(-2, -1) @ attn) / (eps + colsum).unsqueeze(-2)  # (B, h, d_v, M)
     return out.transpose(-2, -1)  # (B, h, M, d_v)
+
+
+class OffsetFull(torch.autograd.Function):
+    """:func:`offset_attention` with the whole (N, M) map A held, and a backward written out: with D = eps + c
+    (c the column sums) and G the output's gradient, dU = G / D, dA = v dU^T - rowvec((dU . out)) (one ``baddbmm``:
+    the column sums' gradient added as the product's bias), dS = softmax's backward of dA, dq = dS k, dk = dS^T q,
+    dv = A dU. Autograd's chain of the plain ops (:func:`_offset_full`) spends 13 kernels on this and passes over
+    the (N, M) map once more: the column sums' gradient reaches it as a separate broadcast add, and the division's
+    backward takes five ops on (B, h, d_v, M). On a GPU each kernel is a launch of a step bound by its launches
+    (PCT at batch 16), and at part segmentation's N = 2,048 each (N, M) pass is 16 MiB a shape.
+
+    ``create_graph`` (a gradient penalty) differentiates the plain ops again, recomputed from the inputs: the
+    written-out backward holds A without its graph.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, eps):
+        attn = torch.softmax(q @ k.transpose(-2, -1), dim=-1)  # (B, h, N, M)
+        denom = attn.sum(dim=-2).add_(eps)  # (B, h, M): eps + each column's sum over the queries
+        out = (attn.transpose(-2, -1) @ v).div_(denom.unsqueeze(-1))  # (B, h, M, d_v): A^T v / D
+        ctx.save_for_backward(q, k, v, attn, denom, out)
+        ctx.eps = eps
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, attn, denom, out = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: the plain ops' graph, recomputed
+            with torch.enable_grad():
+                inputs = [t for t, need in zip((q, k, v), ctx.needs_input_grad) if need]
+                grads = iter(torch.autograd.grad(_offset_full(q, k, v, ctx.eps), inputs, grad, create_graph=True))
+            return (*(next(grads) if need else None for need in ctx.needs_input_grad[:3]), None)
+        d_u = grad / denom.unsqueeze(-1)  # (B, h, M, d_v)
+        d_denom = (d_u * out).sum(-1)  # (B, h, M): minus the gradient of D
+        *lead, n, m = attn.shape
+        # dA = v dU^T - dD (B, h, N, M) as one baddbmm over the (B h) matrices, the (M,) row broadcast over N
+        d_attn = torch.baddbmm(d_denom.reshape(-1, 1, m), v.reshape(-1, n, v.shape[-1]),
+                               d_u.reshape(-1, m, d_u.shape[-1]).transpose(1, 2), beta=-1).view(attn.shape)
+        d_logits = torch._softmax_backward_data(d_attn, attn, -1, attn.dtype)  # (B, h, N, M)
+        dq = d_logits @ k if ctx.needs_input_grad[0] else None
+        dk = d_logits.transpose(-2, -1) @ q if ctx.needs_input_grad[1] else None
+        dv = attn @ d_u if ctx.needs_input_grad[2] else None
+        return dq, dk, dv, None
 
 
 class OffsetChunked(torch.autograd.Function):
@@ -179,10 +228,11 @@ class OffsetChunked(torch.autograd.Function):
             dv[..., i:i + ctx.rows, :] = attn @ d_u
             d_attn = torch.baddbmm(d_denom_t.flatten(0, 1), vc.flatten(0, 1), d_u_t.flatten(0, 1)) \
                 .view_as(attn)  # (B, h, rows, M): v_i . dU_j + dD_j
-            d_attn -= (attn * d_attn).sum(-1, keepdim=True)
-            d_attn *= attn  # dS
-            dq[..., i:i + ctx.rows, :] = d_attn @ k
-            dk_3d.baddbmm_(d_attn.flatten(0, 1).transpose(1, 2), qc.flatten(0, 1))  # += dS^T q
+            # dS = A (dA - rowsum(A dA)) in one op: three passes over the (rows, M) chunk where the mul + sum, the
+            # subtraction and the product took eight (at N = 65,536 a chunk is 128 MiB, past a GPU's L2)
+            d_logits = torch._softmax_backward_data(d_attn, attn, -1, attn.dtype)
+            dq[..., i:i + ctx.rows, :] = d_logits @ k
+            dk_3d.baddbmm_(d_logits.flatten(0, 1).transpose(1, 2), qc.flatten(0, 1))  # += dS^T q
         return dq, dk, dv, None, None
 
 

@@ -300,6 +300,73 @@ def offset_full(q, k, v, eps=1e-9):
     return attn.transpose(-2, -1) @ v
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_offset_written_out_backward_equals_autograds_of_the_plain_ops(shape):
+    """OffsetFull's backward (issue 28: fewer kernels) gives the plain ops' gradients in float64, for separate q
+    and k, for one shared q = k (PCT's projection: the two gradients add up) and for v alone."""
+    q, k, v = (t.requires_grad_() for t in qkv_inputs("offset", shape, seed=25))
+    grad = torch.randn(*k.shape[:-1], v.shape[-1], generator=torch.Generator().manual_seed(26),
+                       dtype=torch.float64)
+    out = AF.OffsetFull.apply(q, k, v, 1e-9)
+    assert rel_err(out.detach(), offset_full(q, k, v).detach()) < 1e-13
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad),
+                         torch.autograd.grad(offset_full(q, k, v), (q, k, v), grad)):
+        assert rel_err(got, want) < 1e-12
+    if shape[2] == shape[3]:
+        qk = q.detach().clone().requires_grad_()
+        got = torch.autograd.grad(AF.OffsetFull.apply(qk, qk, v.detach(), 1e-9), qk, grad)[0]
+        assert rel_err(got, torch.autograd.grad(offset_full(qk, qk, v.detach()), qk, grad)[0]) < 1e-12
+    v_only = v.detach().clone().requires_grad_()
+    got = torch.autograd.grad(AF.OffsetFull.apply(q.detach(), k.detach(), v_only, 1e-9), v_only, grad)[0]
+    assert rel_err(got, torch.autograd.grad(offset_full(q.detach(), k.detach(), v_only), v_only, grad)[0]) < 1e-12
+
+
+def test_offset_double_backward():
+    """A gradient penalty differentiates offset attention twice: gradgradcheck through OffsetFull."""
+    inputs = tuple(t.requires_grad_() for t in qkv_inputs("offset", (1, 2, 4, 3, 3, 2), seed=27))
+    assert torch.autograd.gradgradcheck(lambda q, k, v: AF.offset_attention(q, k, v), inputs,
+                                        eps=1e-6, atol=1e-6, rtol=1e-5)
+
+
+def test_offset_backward_launches_fewer_kernels_and_no_broadcast_add_over_the_map():
+    """The written-out backward runs 9 kernels where autograd's chain of the plain ops (``AF._offset_full``, the
+    form before it) ran 13, and its only (N, M) outputs are the map's gradient (the column sums' share added by the
+    product itself) and the softmax's backward: the plain chain adds the column sums' gradient as a pass of its
+    own."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not func.is_view and func.__name__ != "_unsafe_view.default":
+                self.ops.append((func.__name__, out.numel() if isinstance(out, torch.Tensor) else 0))
+            return out
+
+    b, h, n, d, dv = 2, 1, 16, 4, 8
+    gen = torch.Generator().manual_seed(28)
+    qk, v = randn(gen, b, h, n, d).requires_grad_(), randn(gen, b, h, n, dv).requires_grad_()
+    grad = randn(gen, b, h, n, dv)
+    counts = {}
+    for name, fn in (("written", AF.offset_attention), ("plain", lambda q, k, v: AF._offset_full(q, k, v, 1e-9))):
+        out = fn(qk, qk, v)
+        with Ops() as seen:
+            torch.autograd.grad(out, (qk, v), grad)
+        counts[name] = seen.ops
+    written = [op for op, _ in counts["written"]]
+    assert sorted(written) == sorted(["div.Tensor", "mul.Tensor", "sum.dim_IntList", "baddbmm.default",
+                                      "_softmax_backward_data.default", "bmm.default", "bmm.default", "bmm.default",
+                                      "add.Tensor"]), written  # add: q's and k's gradients, one (N, d) tensor
+    map_passes = [op for op, numel in counts["written"] if numel == b * h * n * n]
+    assert map_passes == ["baddbmm.default", "_softmax_backward_data.default"], map_passes
+    plain = counts["plain"]
+    assert len(plain) == 13 and [op for op, numel in plain if numel == b * h * n * n] == [
+        "bmm.default", "add.Tensor", "_softmax_backward_data.default"], plain
+
+
 @pytest.mark.parametrize("rows", [1, 3, 7, 50])  # one query a chunk; chunks that do not divide N; one chunk
 @pytest.mark.parametrize("shape", SHAPES[1:3], ids=SHAPE_IDS[1:3])
 def test_offset_chunked_equals_the_full_map_values_and_gradients(shape, rows):
