@@ -49,8 +49,15 @@ def float32_kernel(kernel):
         if not torch.is_autocast_enabled(device) and not any(
                 isinstance(t, torch.Tensor) and t.dtype in HALF for t in tensors):
             return kernel(q, *args, **kwargs)
+        made = {}  # one upcast per tensor: PCT passes its one projection as both q and k
+
+        def upcast(t):
+            if id(t) not in made:
+                made[id(t)] = _upcast(t)
+            return made[id(t)]
+
         with torch.autocast(device, enabled=False):
-            out = kernel(_upcast(q), *map(_upcast, args), **{k: _upcast(v) for k, v in kwargs.items()})
+            out = kernel(upcast(q), *map(upcast, args), **{k: upcast(v) for k, v in kwargs.items()})
         return out.to(q.dtype)
 
     return wrapper
@@ -164,7 +171,11 @@ class OffsetFull(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, attn, denom, out = ctx.saved_tensors
+        with torch.autocast(grad.device.type, enabled=False):  # in float32 as the forward (float32_kernel), also
+            return OffsetFull._backward(ctx, grad, *ctx.saved_tensors)  # when the caller's backward is under autocast
+
+    @staticmethod
+    def _backward(ctx, grad, q, k, v, attn, denom, out):
         if torch.is_grad_enabled():  # create_graph: the plain ops' graph, recomputed
             with torch.enable_grad():
                 inputs = [t for t, need in zip((q, k, v), ctx.needs_input_grad) if need]
@@ -172,7 +183,7 @@ class OffsetFull(torch.autograd.Function):
             return (*(next(grads) if need else None for need in ctx.needs_input_grad[:3]), None)
         d_u = grad / denom.unsqueeze(-1)  # (B, h, M, d_v)
         d_denom = (d_u * out).sum(-1)  # (B, h, M): minus the gradient of D
-        *lead, n, m = attn.shape
+        n, m = attn.shape[-2:]
         # dA = v dU^T - dD (B, h, N, M) as one baddbmm over the (B h) matrices, the (M,) row broadcast over N
         d_attn = torch.baddbmm(d_denom.reshape(-1, 1, m), v.reshape(-1, n, v.shape[-1]),
                                d_u.reshape(-1, m, d_u.shape[-1]).transpose(1, 2), beta=-1).view(attn.shape)
@@ -214,6 +225,11 @@ class OffsetChunked(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
+        with torch.autocast(grad.device.type, enabled=False):  # in float32 as the forward (float32_kernel), also
+            return OffsetChunked._backward(ctx, grad)  # when the caller's backward is under autocast
+
+    @staticmethod
+    def _backward(ctx, grad):
         q, k, v, colsum, out = ctx.saved_tensors
         denom = (colsum + ctx.eps).unsqueeze(-1)  # (B, h, M, 1)
         d_u = grad / denom  # (B, h, M, d_v)

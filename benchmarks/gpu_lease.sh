@@ -32,7 +32,8 @@
 #     fake kernel copied q's strides, which a compiled backward on CUDA rejects), then PCT at batch 16 uncompiled
 #     (the batch norms folded at once, NormActMax's fewer launches), pointnet2_ops built beside the test;
 #  12: the cuda tests of what changed after part 11 (dilated attention's rate table and one launch for all head
-#     groups, eager calls without the op's dispatch: about 2 minutes; green closes issue 27), then where the fixed
+#     groups, eager calls without the op's dispatch, offset attention's written-out backward, PCT's kept inference
+#     folding: the modelnet runs; about 3 minutes; green closes issue 27), then where the fixed
 #     costs go (about 5 minutes): benchmarks.launch (a torch op, a bare Triton launch with 2 and 30
 #     arguments, each kernel wrapper at a tiny size), benchmarks.small_n with each eager step's host profile for
 #     dilated, focal and external at N = 256 (dilated and focal took 4 and 7 ms at N = 4,096 on a grid in part 10),
@@ -236,10 +237,10 @@ elif [ "$PART" = 11 ]; then
 elif [ "$PART" = 12 ]; then
   build_pointnet2 6 &
   build=$!
-  say "the cuda tests of the code changed after part 11: dilated's rate table, the eager autograd path (6 workers)"
+  say "the cuda tests of the code changed after part 11: dilated's rate table, the eager autograd path, offset's backward, PCT's kept folding (8 workers)"
   timeout -s INT -k 10 "$(left 330 180)" python3 -m pytest -m cuda -n 8 -p no:cacheprovider -rA \
     tests/attention/test_dilated_triton.py tests/attention/test_index_attention_triton.py tests/gpu/test_cuda_tasks.py \
-    -k "(dilated or focal or index or kernels_on_the_gpu or classification) and not compiled" \
+    -k "(dilated or focal or index or kernels_on_the_gpu or classification or modelnet) and not compiled" \
     > "$OUT/tests-cuda.txt" 2>&1
   say "cuda tests exit $?"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/tests-cuda.txt" | tail -n 30 >> "$LOG"
   say "what one call costs the host (benchmarks.launch)"

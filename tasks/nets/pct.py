@@ -73,17 +73,21 @@ class ConvBNMax(ConvBN):
         return conv_bn_act_max(x, self)
 
 
-def fold(conv: nn.Module, bn: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+def fold(conv: nn.Module, bn: nn.Module, cast: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
     """(weight (O, I), bias or None, normalised) of ``conv`` as a linear layer, with ``bn`` folded in when it uses
     its running statistics (eval mode): then ``F.linear`` with them is the conv and the batch norm at once
     (``normalised``). In training the batch statistics are needed, and the conv's own weight and bias come back.
-    Inside :func:`folded_for_inference` the pair's folding was made for every layer at once; otherwise
+    Inside :func:`folded_for_inference` the pair's folding was made for every layer at once (and kept while the
+    parameters do not change), and under autocast, with ``cast``, comes in autocast's dtype, as ``F.linear`` would
+    cast it (``cast=False``: float32, for a caller that computes with the weight before its product); otherwise
     :func:`fold_all` makes this one's."""
     if bn.training or bn.running_mean is None:
         return conv.weight.reshape(conv.weight.shape[0], -1), conv.bias, False  # (O, I, 1) -> (O, I)
     made = None if torch.compiler.is_compiling() else _FOLDED.get()  # compiled: inductor fuses the per-layer form
     folded = made.get(conv) if made is not None else None
-    return (*(folded if folded is not None else fold_all([(conv, bn)])[conv]), True)
+    if folded is None:
+        return (*fold_all([(conv, bn)])[conv], True)
+    return (*(made.cast(conv) if cast else folded), True)
 
 
 # False: the inference forward folds layer by layer, as before fold_all (benchmarks.pct_cuda times both forms side
@@ -139,16 +143,70 @@ def folded_for_inference(net: nn.Module) -> Iterator[None]:
     forward) folded into its conv at once (:func:`fold_all`) for the block, when that is what
     the forward would do layer by layer: eval mode, no gradient (a folded weight made here carries none), not under
     torch.compile (inductor fuses the per-layer form itself). Otherwise, and inside another network's block, a
-    no-op."""
+    no-op. The folding is kept on the network (:class:`Folded`) and made again only when a parameter or running
+    statistic has changed."""
     if (not FOLD_AT_ONCE or net.training or torch.is_grad_enabled() or torch.compiler.is_compiling()
             or _FOLDED.get() is not None):
         yield
         return
-    token = _FOLDED.set(fold_all(net.fold_pairs()))
+    pairs = net.fold_pairs()
+    state = Folded.state(pairs)
+    kept = net.__dict__.get("_folded")  # a plain attribute: not in the state dict (FoldingNetwork.train drops it)
+    if kept is None or kept.key != state:
+        kept = net.__dict__["_folded"] = Folded(fold_all(pairs), state)
+    token = _FOLDED.set(kept)
     try:
         yield
     finally:
         _FOLDED.reset(token)
+
+
+class Folded(dict):
+    """{conv: (weight (O, I), shift (O,))} of :func:`fold_all`, for the parameters and running statistics whose
+    (storage, version) are ``key``: an evaluation over many batches (validation, test, the bench's eval step) folds
+    once, not at every forward (about 20 launches of PCT's ~120 on a GPU, where its inference forward at batch 16
+    is bound by its launches). Every in-place change (an optimizer step, a training forward's running statistics,
+    ``load_state_dict``'s copy) bumps a tensor's version, a new tensor moves its storage: either makes the key
+    stale. Under autocast, :meth:`cast` keeps each weight and shift in autocast's dtype too, cast once as
+    ``F.linear`` would cast it at every call (about 26 launches more of a bfloat16 forward)."""
+
+    def __init__(self, folded: dict, key: tuple):
+        super().__init__(folded)
+        self.key = key
+        self.casts: dict = {}
+
+    @staticmethod
+    def state(pairs) -> tuple:
+        """(data pointer, version) of every tensor a folding reads, in the pairs' order."""
+        return tuple((t.data_ptr(), t._version) for conv, bn in pairs
+                     for t in (conv.weight, conv.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var)
+                     if t is not None)
+
+    def cast(self, conv: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """conv's (weight, shift) in the dtype autocast gives ``F.linear`` on their device, where it is on."""
+        weight, shift = self[conv]
+        device = weight.device.type
+        if not torch.is_autocast_enabled(device) or weight.dtype != torch.float32:
+            return weight, shift
+        dtype = torch.get_autocast_dtype(device)
+        if (conv, dtype) not in self.casts:
+            self.casts[conv, dtype] = (weight.to(dtype), shift.to(dtype))
+        return self.casts[conv, dtype]
+
+
+class FoldingNetwork(nn.Module):
+    """A network whose inference forward runs inside :func:`folded_for_inference`: it lists its (conv, batch norm)
+    pairs (``fold_pairs``), and its kept folding (:class:`Folded`) goes when it is put in training mode, so that a
+    change the version counters miss (an in-place write through ``.data``, as some weight-averaging code does)
+    reaches the next evaluation after training."""
+
+    def fold_pairs(self) -> list[tuple[nn.Module, nn.Module]]:
+        raise NotImplementedError
+
+    def train(self, mode: bool = True):
+        if mode:
+            self.__dict__.pop("_folded", None)
+        return super().train(mode)
 
 
 RELU = nn.ReLU()  # the offset block's activation (it holds no module for it, as the reference's SA_Layer)
@@ -370,7 +428,7 @@ class SampleAndGroup(nn.Module):
         centres, new_xyz, groups = neighbourhoods(xyz, self.samples, self.neighbours, self.like_kernel)
         first, second = self.mlp
         c = feats.shape[-1]
-        weight, bias, normalised = fold(first[0], first[1])  # (C_out, 2C): [W_d | W_c] on [g - c, c]
+        weight, bias, normalised = fold(first[0], first[1], cast=False)  # (C_out, 2C): [W_d | W_c] on [g - c, c]
         w_d, w_c = weight[:, :c], weight[:, c:]
         points = F.linear(feats, w_d)  # (B, N, C_out): W_d g for every point
         centre = F.linear(gather(feats, centres), w_c - w_d, bias)  # (B, S, C_out): (W_c - W_d) c (+ BN's shift)
@@ -411,7 +469,7 @@ def official_offset_blocks(state: Mapping[str, torch.Tensor], renames: list[tupl
     return out
 
 
-class PCT(nn.Module):
+class PCT(FoldingNetwork):
     official_weights: ClassVar[str] = ("PCT_Pytorch's model.t7 (Strawberry-Eat-Mango/PCT_Pytorch, its Pct network, "
                                        "saved from nn.DataParallel; attn=offset with its defaults)")
 
@@ -489,7 +547,7 @@ class PCT(nn.Module):
             return self.head(self.fuse(torch.cat(outs + [feats], dim=-1)))  # (B, 1024) -> (B, classes)
 
 
-class PCTPartSeg(nn.Module):
+class PCTPartSeg(FoldingNetwork):
     """PCT part segmentation, as the reference (Jittor PCT and its PyTorch ports, ``Point_Transformer_partseg``).
 
         xyz (+ normals) (B, N, 3|6)

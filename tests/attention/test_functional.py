@@ -321,6 +321,30 @@ def test_offset_written_out_backward_equals_autograds_of_the_plain_ops(shape):
     assert rel_err(got, torch.autograd.grad(offset_full(q.detach(), k.detach(), v_only), v_only, grad)[0]) < 1e-12
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+def test_offset_backward_called_under_autocast_computes_in_float32(chunked, monkeypatch):
+    """A caller that runs backward() inside its autocast block (torch allows it) gets the gradients of a backward
+    outside it, bit for bit: the written-out backwards switch autocast off, as float32_kernel does for the forward
+    (under autocast their products ran in bfloat16, and the full form's softmax backward failed on mixed dtypes)."""
+    if chunked:
+        monkeypatch.setattr(AF, "OFFSET_FULL_MAX_ELEMENTS", 1)
+        monkeypatch.setattr(AF, "OFFSET_CHUNK_ELEMENTS", 2 * 8)  # chunks of 2 queries
+    gen = torch.Generator().manual_seed(29)
+    qk, v = randn(gen, 1, 2, 8, 4).float(), randn(gen, 1, 2, 8, 6).float()
+    grads = []
+    for inside in (False, True):
+        a, b = qk.clone().requires_grad_(), v.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = AF.offset_attention(a.bfloat16(), a.bfloat16(), b.bfloat16())
+            if inside:
+                out.float().square().sum().backward()
+        if not inside:
+            out.float().square().sum().backward()
+        grads.append((a.grad, b.grad))
+    for outside, inside in zip(*grads):
+        assert inside.dtype == torch.float32 and torch.equal(inside, outside)
+
+
 def test_offset_double_backward():
     """A gradient penalty differentiates offset attention twice: gradgradcheck through OffsetFull."""
     inputs = tuple(t.requires_grad_() for t in qkv_inputs("offset", (1, 2, 4, 3, 3, 2), seed=27))

@@ -155,6 +155,95 @@ def test_grouping_first_layer_is_the_concatenated_form():
         torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
 
 
+class KernelOps:
+    """A dispatch mode counting the ops of a block by name (views too)."""
+
+    def __enter__(self):
+        from collections import Counter
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        count = self.count = Counter()
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                count[func.overloadpacket.__name__] += 1
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
+def _small(network):
+    torch.manual_seed(0)
+    if network == "PCT":
+        return PCT(10, {"name": "offset"}, samples=[32, 16], neighbours=8), (torch.rand(4, 64, 3),)
+    return PCTPartSeg(6, 3, {"name": "offset"}), (torch.rand(2, 48, 3), torch.tensor([0, 2]))
+
+
+@pytest.mark.parametrize("network", ["PCT", "PCTPartSeg"])
+def test_inference_keeps_its_folding_until_a_parameter_changes(network):
+    """An evaluation over many batches folds the batch norms once (tasks.nets.pct.Folded): the second eval forward
+    runs no folding op and gives the first one's bits; an optimizer step (in place: the versions move) or a training
+    forward (the running statistics) makes the next eval forward fold again, with the new values: its logits are
+    those of a network built from the new state dict. Under bf16 autocast the folded weights are cast once, and the
+    logits are bit for bit those of the layer-by-layer folding that F.linear casts at every call."""
+    import tasks.nets.pct as pct
+
+    net, inputs = _small(network)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for _ in range(2):  # running statistics away from their initial 0 and 1
+        net(*inputs)
+    net.eval()
+    with torch.no_grad():
+        first = net(*inputs)
+        with KernelOps() as ops:
+            second = net(*inputs)
+    assert torch.equal(first, second)
+    assert ops.count["_foreach_rsqrt_"] == 0 and ops.count["rsqrt"] == 0, ops.count
+
+    def check_refolds(tag):
+        with torch.no_grad(), KernelOps() as ops:
+            got = net(*inputs)
+        fresh, _ = _small(network)
+        fresh.load_state_dict(net.state_dict())
+        fresh.eval()
+        with torch.no_grad():
+            assert torch.equal(got, fresh(*inputs)), tag
+        assert ops.count["_foreach_rsqrt_"] == 1, (tag, ops.count)
+
+    net.train()
+    net(*inputs)[0].sum().backward()  # a training forward moves the running statistics; then a step
+    net.eval()
+    check_refolds("after a training forward")
+    opt.step()
+    check_refolds("after an optimizer step (still in eval mode)")
+    assert "_folded" not in net.train().__dict__  # training mode drops it (a write through .data has no version)
+    net.eval()
+
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        cast_first = net(*inputs)
+        with KernelOps() as ops:
+            cast_second = net(*inputs)
+        pct.FOLD_AT_ONCE = False
+        try:
+            with KernelOps() as layerwise_ops:
+                layerwise = net(*inputs)
+        finally:
+            pct.FOLD_AT_ONCE = True
+    assert cast_first.dtype == torch.bfloat16 and torch.equal(cast_first, cast_second)
+    assert torch.equal(cast_second, layerwise)
+    # no cast of a folded weight or shift at the second forward (but PCT's two grouping layers: they subtract in
+    # float32 first, as before; part segmentation's head conv cast its weight as two slices); the casts left are
+    # activations' (the offset kernel's float32) and those layers'
+    cast = 2 * len(net.fold_pairs()) + (-4 if network == "PCT" else 1)
+    assert ops.count["_to_copy"] == layerwise_ops.count["_to_copy"] - cast, (ops.count, layerwise_ops.count)
+
+
 @pytest.mark.parametrize("network", ["PCT", "PCTPartSeg"])
 def test_inference_folds_every_batch_norm_at_once_with_the_same_bits(network):
     """Eval mode without gradient (validation, test, the bench's eval step): every batch norm is folded into its conv
