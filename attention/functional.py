@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import register_flop_formula
 
+from .eager import below_autograd, skips_dispatch
 from .triton_kernels import Kernels
 
 HALF = (torch.float16, torch.bfloat16)
@@ -63,30 +64,10 @@ def float32_kernel(kernel):
     return wrapper
 
 
-def eager_autograd(*tensors: torch.Tensor) -> bool:
-    """Whether a call of one of this module's ``torch.library`` ops with autograd (dilated attention, attention over
-    indexed keys) may run the op's kernel and autograd as a plain ``torch.autograd.Function`` instead: eager code
-    (not traced by torch.compile; no dispatch or function mode, such as a ``FakeTensorMode``, the FLOP counter or
-    a ``torch.device`` context; no functorch transform) on plain tensors. Those see the op itself: a leaf of the
-    graph with a fake kernel and a FLOP formula. The op's dispatch (``torch.library``'s autograd wrapper, which
-    fills defaults and redispatches twice) cost 110-140 us a forward + backward on the CPU, 3x what the
-    Function costs: a step of small kernels, bound by the host on a GPU, pays it per head group."""
-    return not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-                or torch._C._len_torch_function_stack() or torch._C._are_functorch_transforms_active()
-                or any(type(t) is not torch.Tensor or t.is_meta for t in tensors))
-
-
-def below_autograd():
-    """Where an op's kernel runs in :func:`eager_autograd`'s calls: below autograd and its view and in-place
-    tracking, as it runs inside its ``torch.library`` op. The kernels read their inputs and write only tensors they
-    made, so nothing there needs version counters; the torch kernels' in-place ops on views took 15% of dilated
-    attention's torch kernel with them (CPU, 4 heads at 4 rates on 8 x 8)."""
-    return torch._C._AutoDispatchBelowADInplaceOrView()
-
-
 def _eager_function(name: str, kernel, setup_context, grad) -> type[torch.autograd.Function]:
     """A ``torch.library`` op's kernel and autograd (the functions it registers) as a plain autograd.Function
-    without the op's dispatch, for eager calls (:func:`eager_autograd`); its ``apply`` takes the op's arguments."""
+    without the op's dispatch, for eager calls (:func:`attention.eager.skips_dispatch`); its ``apply`` takes the
+    op's arguments."""
 
     def forward(ctx, *inputs):
         with below_autograd():
@@ -372,7 +353,7 @@ def dilated_attention(q, k, v, grid: tuple[int, int], kernel_size: int = 3, dila
         raise ValueError(f"dilated_attention: grid {h}x{w} holds {h * w} tokens; q, k, v hold "
                          f"{n}, {k.shape[-2]}, {v.shape[-2]}.")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    run = _DilatedFunction.apply if eager_autograd(q, k, v) else _dilated_op
+    run = _DilatedFunction.apply if skips_dispatch(q, k, v) else _dilated_op
     out, _ = run(q, k, v, h, w, kernel_size, rates, border == "mask", scale)
     return out  # (B, heads, N, d_v)
 
@@ -660,11 +641,11 @@ def _dilated_grad(ctx, grad, grad_attn):
     q, k, v, attn = ctx.saved_tensors  # float32 or float64: dilated_attention upcasts half precision
     # the kernel itself (as the eager forward), or the op where its gradient may be differentiated (create_graph:
     # the op refuses) or a mode must see it
-    eager = not torch.is_grad_enabled() and eager_autograd(grad, q)
+    direct = not torch.is_grad_enabled() and skips_dispatch(grad, q)
     with torch.autocast(q.device.type, enabled=False):  # a backward called under autocast stays in q's dtype
-        with below_autograd() if eager else contextlib.nullcontext():
-            dq, dk, dv = (_dilated_backward if eager else _dilated_backward_op)(grad.to(q.dtype), q, k, v, attn,
-                                                                               *ctx.args)
+        with below_autograd() if direct else contextlib.nullcontext():
+            dq, dk, dv = (_dilated_backward if direct else _dilated_backward_op)(grad.to(q.dtype), q, k, v, attn,
+                                                                                *ctx.args)
     return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -825,11 +806,11 @@ def _index_grad(ctx, grad, grad_lse):
     device = q.device.type  # a backward called under autocast stays in q's dtype; "meta" (FLOP counts) has none
     # the kernel itself (as the eager forward), or the op where its gradient may be differentiated or a mode must
     # see it (as in _dilated_grad)
-    eager = not torch.is_grad_enabled() and eager_autograd(grad, q)
+    direct = not torch.is_grad_enabled() and skips_dispatch(grad, q)
     with torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else contextlib.nullcontext():
-        with below_autograd() if eager else contextlib.nullcontext():
-            dq, dk, dv = (_index_backward if eager else _index_backward_op)(grad.to(q.dtype), q, k, v, index, out,
-                                                                           lse, *ctx.args)
+        with below_autograd() if direct else contextlib.nullcontext():
+            dq, dk, dv = (_index_backward if direct else _index_backward_op)(grad.to(q.dtype), q, k, v, index, out,
+                                                                            lse, *ctx.args)
     return dq, dk, dv, None, None, None
 
 
@@ -870,5 +851,5 @@ def index_attention(q, k, v, index, heads: int, scale: float | None = None):
     their own torch paths keep double backward, which this op refuses.
     """
     scale = (q.shape[1] // heads) ** -0.5 if scale is None else float(scale)
-    run = _IndexFunction.apply if eager_autograd(q, k, v, index) else _index_op
+    run = _IndexFunction.apply if skips_dispatch(q, k, v, index) else _index_op
     return run(q, k, v, index, heads, scale)[0]  # (R, C_v)

@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from .eager import below_autograd, skips_dispatch
 from .tensor_cache import tensor_cache
 from .triton_kernels import Kernels
 
@@ -57,9 +58,10 @@ def farthest_point_sample(xyz: torch.Tensor, m: int, start: int | torch.Tensor =
     Both round every operation alike (``like_kernel``: the same fused multiply-adds), so they return the
     same indices, ties included.
 
-    Under ``torch.compile`` it is one op of the graph (``attention_suite::farthest_point_sample``, with a fake
-    kernel for its shape): dynamo would otherwise unroll the m steps into the graph (about 20 ms of tracing a step,
-    so seconds for PCT's 512) and hand the Triton launch to inductor, which need not keep enable_fp_fusion=False; a
+    Under ``torch.compile`` (and dispatch modes) it is one op of the graph (``attention_suite::farthest_point_sample``,
+    with a fake kernel for its shape; eager calls run its kernel without the op's dispatch, :mod:`attention.eager`):
+    dynamo would otherwise unroll the m steps into the graph (about 20 ms of tracing a step, so seconds for PCT's
+    512) and hand the Triton launch to inductor, which need not keep enable_fp_fusion=False; a
     ``torch.compiler.disable`` (as before) broke the graph of every network that samples. It runs as in eager mode.
     """
     b, n, _ = xyz.shape
@@ -76,8 +78,11 @@ def farthest_point_sample(xyz: torch.Tensor, m: int, start: int | torch.Tensor =
     if like_kernel and not (isinstance(start, int) and start == 0):
         raise ValueError("farthest_point_sample: like_kernel=True starts at point 0, as the CUDA kernel does.")
     given = start if isinstance(start, torch.Tensor) else None
-    return torch.ops.attention_suite.farthest_point_sample(xyz, m, given, 0 if given is not None else start,
-                                                           like_kernel, backend)  # (B, m)
+    args = (xyz, m, given, 0 if given is not None else start, like_kernel, backend)
+    if skips_dispatch(xyz, *(() if given is None else (given,))):  # the op's kernel, without its dispatch
+        with below_autograd():
+            return _farthest_point_sample(*args)  # (B, m)
+    return torch.ops.attention_suite.farthest_point_sample(*args)  # (B, m)
 
 
 @torch.no_grad()
@@ -387,6 +392,9 @@ def knn(query: torch.Tensor, points: torch.Tensor, k: int) -> torch.Tensor:
     n = points.shape[1]
     if not 1 <= k <= n:
         raise ValueError(f"knn: cannot take {k} neighbours among {n} points.")
+    if skips_dispatch(query, points):  # the op's kernel, without its dispatch
+        with below_autograd():
+            return _knn(query, points, k)  # (B, M, k)
     return torch.ops.attention_suite.knn(query, points, k)  # (B, M, k)
 
 

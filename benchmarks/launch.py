@@ -73,14 +73,14 @@ def triton_kernels():
 
 
 def through_op(call):
-    """``call()`` with eager calls sent through their ``torch.library`` op, as under torch.compile or a dispatch
-    mode (``attention.functional.eager_autograd`` off): what the eager path saves is the difference."""
-    eager = AF.eager_autograd
-    AF.eager_autograd = lambda *tensors: False
+    """``call()`` with attention.functional's eager calls sent through their ``torch.library`` op, as under
+    torch.compile or a dispatch mode (its ``skips_dispatch`` off): what the eager path saves is the difference."""
+    skips = AF.skips_dispatch
+    AF.skips_dispatch = lambda *tensors: False
     try:
         return call()
     finally:
-        AF.eager_autograd = eager
+        AF.skips_dispatch = skips
 
 
 def cases(device) -> dict:

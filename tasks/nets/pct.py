@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import attention
+from attention.eager import below_autograd, skips_dispatch
 from attention.errors import UserError
 from attention.pointops import farthest_point_sample, gather, knn
 
@@ -90,8 +91,8 @@ def fold(conv: nn.Module, bn: nn.Module, cast: bool = True) -> tuple[torch.Tenso
     return (*(made.cast(conv) if cast else folded), True)
 
 
-# False: the inference forward folds layer by layer, as before fold_all (benchmarks.pct_cuda times both forms side
-# by side: the foreach form's gain is measured on the CPU's op counts, not yet on a GPU's clock)
+# False: the inference forward folds layer by layer at every call, as before fold_all and Folded (benchmarks.pct_cuda
+# times both forms side by side: their gain is counted in the CPU's ops, not yet timed on a GPU)
 FOLD_AT_ONCE = True
 # conv -> (weight, shift) of every layer folded at once, while a network's inference forward runs
 _FOLDED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("pct_folded", default=None)
@@ -373,7 +374,11 @@ def neighbourhoods(xyz: torch.Tensor, samples: int, neighbours: int, like_kernel
     pieces (7 graphs; CUDA graphs could not take the step whole). The indices carry no gradient; the centres'
     coordinates are gathered outside the op, so a gradient to the points still flows.
     """
-    centres, groups = torch.ops.attention_suite.pct_neighbourhoods(xyz, samples, neighbours, like_kernel)
+    if skips_dispatch(xyz):  # eager: the op's kernel, without its dispatch
+        with below_autograd():
+            centres, groups = _neighbourhoods(xyz, samples, neighbours, like_kernel)
+    else:
+        centres, groups = torch.ops.attention_suite.pct_neighbourhoods(xyz, samples, neighbours, like_kernel)
     return centres, gather(xyz, centres), groups  # (B, S), (B, S, 3), (B, S, K)
 
 

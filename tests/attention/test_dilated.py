@@ -448,7 +448,7 @@ def test_cost_counts_the_kernel():
 
 def test_eager_calls_run_the_ops_autograd_without_their_dispatch():
     """In eager code dilated_attention and index_attention run their op's kernel and autograd as a plain
-    autograd.Function (attention.functional.eager_autograd: the op's dispatch cost 3x the Function's per forward +
+    autograd.Function (attention.eager.skips_dispatch: the op's dispatch cost 3x the Function's per forward +
     backward), with the op's outputs and gradients bit for bit; under a dispatch mode (here the FLOP counter, which
     must count the op) the op itself runs."""
     from torch.utils.flop_counter import FlopCounterMode

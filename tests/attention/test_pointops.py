@@ -378,6 +378,38 @@ def test_fps_stays_out_of_compiled_graphs():
     assert graphs and not any("argmax" in op or "minimum" in op for op in ops), ops
 
 
+def test_eager_calls_run_the_ops_kernels_without_their_dispatch():
+    """FPS, kNN and PCT's neighbourhoods run their op's kernel directly in eager code (attention.eager: the op's
+    dispatch cost 20-40 us a call on the CPU, and PCT's step makes six), with the op's indices; under a dispatch mode
+    (here one that records the ops it sees) the op itself runs, as torch.compile and fake tensors need."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tasks.nets.pct import neighbourhoods
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    xyz = torch.rand(2, 40, 3, generator=torch.Generator().manual_seed(31)) * 2 - 1
+    calls = {"farthest_point_sample": lambda: farthest_point_sample(xyz, 9, like_kernel=True),
+             "knn": lambda: knn(xyz[:, :7], xyz, 5),
+             "pct_neighbourhoods": lambda: neighbourhoods(xyz, 9, 5, True)}
+    for name, call in calls.items():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            direct = call()
+        assert not [e for e in prof.events() if e.name.startswith("attention_suite::")], name
+        with Seen() as seen:
+            through_op = call()
+        assert name in seen.ops, (name, seen.ops)
+        for a, b in zip(*((t if isinstance(t, tuple) else (t,)) for t in (direct, through_op))):
+            assert torch.equal(a, b), name
+
+
 def test_fps_rejects_bad_backend_and_start():
     xyz = torch.rand(2, 5, 3)
     with pytest.raises(ValueError, match="backend"):

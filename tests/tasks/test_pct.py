@@ -1,8 +1,11 @@
 """PCT structure, loss and error behaviour."""
 
+from collections import Counter
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import attention
 from tasks.modelnet import reference_smoothing
@@ -155,27 +158,16 @@ def test_grouping_first_layer_is_the_concatenated_form():
         torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
 
 
-class KernelOps:
-    """A dispatch mode counting the ops of a block by name (views too)."""
+class KernelOps(TorchDispatchMode):
+    """Counts the ops of a block by name (views too)."""
 
-    def __enter__(self):
-        from collections import Counter
+    def __init__(self):
+        super().__init__()
+        self.count = Counter()
 
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        count = self.count = Counter()
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                count[func.overloadpacket.__name__] += 1
-                return func(*args, **(kwargs or {}))
-
-        self.mode = Mode()
-        self.mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self.mode.__exit__(*exc)
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def _small(network):
@@ -250,27 +242,10 @@ def test_inference_folds_every_batch_norm_at_once_with_the_same_bits(network):
     by a few foreach calls over all layers (tasks.nets.pct.fold_all), not about seven ops a layer, whose launches
     bound PCT's inference forward on a GPU. The logits are those of the layer-by-layer folding, bit for bit (the
     same operations on each layer), in float32 and float64; nothing of it outlives the forward."""
-    from collections import Counter
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     import tasks.nets.pct as pct
 
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.count = Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.count[func.overloadpacket.__name__] += 1
-            return func(*args, **(kwargs or {}))
-
     for dtype in (torch.float32, torch.float64):
-        torch.manual_seed(0)
-        if network == "PCT":
-            net, inputs = PCT(10, {"name": "offset"}, samples=[32, 16], neighbours=8), (torch.rand(4, 64, 3),)
-        else:
-            net, inputs = PCTPartSeg(6, 3, {"name": "offset"}), (torch.rand(2, 48, 3), torch.tensor([0, 2]))
+        net, inputs = _small(network)
         net, inputs = net.to(dtype), tuple(t.to(dtype) if t.is_floating_point() else t for t in inputs)
         for _ in range(2):  # running statistics away from their initial 0 and 1
             net(*inputs)
@@ -279,7 +254,7 @@ def test_inference_folds_every_batch_norm_at_once_with_the_same_bits(network):
         convs = [m for m in net.modules() if type(m) is torch.nn.Conv1d and m is not net.head[-1]]
         assert sorted(map(id, convs)) == sorted(id(c) for c, _ in net.fold_pairs())
         assert len(convs) == (13 if network == "PCT" else 10)
-        with torch.no_grad(), Ops() as ops:
+        with torch.no_grad(), KernelOps() as ops:
             folded_at_once = net(*inputs)
         by_layer = net(*inputs)  # gradient on: each layer folds its own (the folded weights carry the gradient)
         assert by_layer.requires_grad and torch.equal(folded_at_once, by_layer.detach()), dtype
@@ -288,7 +263,7 @@ def test_inference_folds_every_batch_norm_at_once_with_the_same_bits(network):
         # FOLD_AT_ONCE=False (the bench's other form): layer by layer without gradient, the same bits
         pct.FOLD_AT_ONCE = False
         try:
-            with torch.no_grad(), Ops() as layerwise_ops:
+            with torch.no_grad(), KernelOps() as layerwise_ops:
                 layerwise = net(*inputs)
         finally:
             pct.FOLD_AT_ONCE = True
