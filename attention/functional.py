@@ -724,8 +724,21 @@ def _index_chunks(rows: int, m: int, width: int):
     return [slice(start, start + step) for start in range(0, rows, step)]
 
 
+def _per_table(index, heads, d, d_v):
+    """G index tables (G, R, M): per table g, its heads' channel slices of q and k (d each) and of v (d_v each)
+    and of lse (one each), as (table, heads per table, q/k columns, v columns, lse columns)."""
+    per = heads // index.shape[0]
+    return [(index[g], per, slice(g * per * d, (g + 1) * per * d), slice(g * per * d_v, (g + 1) * per * d_v),
+             slice(g * per, (g + 1) * per)) for g in range(index.shape[0])]
+
+
 def _index_forward_torch(q, k, v, index, heads, scale):
-    """:func:`_index_forward` in torch ops, in chunks of rows whose keys are gathered, used and dropped."""
+    """:func:`_index_forward` in torch ops, in chunks of rows whose keys are gathered, used and dropped; G tables
+    (G, R, M) as G calls on their heads' channels."""
+    if index.dim() == 3:
+        parts = [_index_forward_torch(q[:, c], k[:, c], v[:, cv], table, per, scale)
+                 for table, per, c, cv, _ in _per_table(index, heads, q.shape[1] // heads, v.shape[1] // heads)]
+        return torch.cat([out for out, _ in parts], 1), torch.cat([lse for _, lse in parts], 1)
     rows, m = index.shape
     d, d_v = q.shape[1] // heads, v.shape[1] // heads
     out, lse = v.new_empty(rows, heads * d_v), q.new_empty(rows, heads)
@@ -753,7 +766,13 @@ def _index_backward(grad, q, k, v, index, out, lse, heads, scale, backend=None):
 
 def _index_backward_torch(grad, q, k, v, index, out, lse, heads, scale):
     """:func:`_index_backward` in torch ops: per chunk of rows p from lse, ds = p (dp - D), dq, and dk, dv summed
-    into the keys by ``index_add_`` (on CUDA in no fixed order: the Triton kernels are the deterministic path)."""
+    into the keys by ``index_add_`` (on CUDA in no fixed order: the Triton kernels are the deterministic path); G
+    tables as G calls, as :func:`_index_forward_torch`."""
+    if index.dim() == 3:
+        parts = [_index_backward_torch(grad[:, cv], q[:, c], k[:, c], v[:, cv], table, out[:, cv], lse[:, cl], per,
+                                       scale)
+                 for table, per, c, cv, cl in _per_table(index, heads, q.shape[1] // heads, v.shape[1] // heads)]
+        return tuple(torch.cat(grads, 1) for grads in zip(*parts))
     rows, m = index.shape
     d, d_v = q.shape[1] // heads, v.shape[1] // heads
     dq, dk, dv = torch.empty_like(q, memory_format=torch.contiguous_format), k.new_zeros(k.shape), v.new_zeros(v.shape)
@@ -828,13 +847,13 @@ _IndexFunction = _eager_function("_IndexFunction", _index_forward, _index_setup_
 
 @register_flop_formula(torch.ops.attention_suite.index_attention)
 def _index_flops(q_shape, k_shape, v_shape, index_shape, *args, out_shape=None, **kwargs):
-    rows, m = index_shape
+    rows, m = index_shape[-2:]  # G tables: each head reads M slots of its own
     return 2 * rows * m * (q_shape[1] + v_shape[1])  # q.k and p v per slot, all heads: as the gathered bmm's
 
 
 @register_flop_formula(torch.ops.attention_suite.index_attention_backward)
 def _index_backward_flops(grad_shape, q_shape, k_shape, v_shape, index_shape, *args, out_shape=None, **kwargs):
-    rows, m = index_shape
+    rows, m = index_shape[-2:]
     return 2 * rows * m * (3 * q_shape[1] + 2 * v_shape[1])  # recomputed q.k, dp and dv (C_v), dq and dk (C)
 
 
@@ -844,12 +863,17 @@ def index_attention(q, k, v, index, heads: int, scale: float | None = None):
 
     q (R, C), k (T, C), v (T, C_v), index (R, M) integer rows of k and v (repeats count once per slot):
     out[r, h] = sum_j softmax_j(q[r, h] . k[index[r, j], h] * scale) v[index[r, j], h], per head of
-    d = C / heads channels (scale d^-0.5 by default) -> (R, C_v). A ``torch.library`` op (a leaf under
+    d = C / heads channels (scale d^-0.5 by default) -> (R, C_v). Or G tables (G, R, M), G dividing ``heads``:
+    table g for the g-th group of heads / G consecutive heads (dilated's head groups, each at its rate, in one
+    call: one launch forward and two backward for all). A ``torch.library`` op (a leaf under
     torch.compile, its FLOPs counted as the gathered form's): on the Triton path (:mod:`attention.index_attention_
     triton`: one launch forward, two backward, deterministic, nothing of size R M C held), where ``INDEX_BACKEND``
     picks it, else in chunked torch ops. The variants call it on the Triton path only (:func:`index_backend`);
     their own torch paths keep double backward, which this op refuses.
     """
+    if index.dim() not in (2, 3) or (index.dim() == 3 and heads % index.shape[0]):
+        raise ValueError(f"index_attention: index must be (R, M), or (G, R, M) with G dividing heads = {heads}; got "
+                         f"{tuple(index.shape)}.")
     scale = (q.shape[1] // heads) ** -0.5 if scale is None else float(scale)
     run = _IndexFunction.apply if skips_dispatch(q, k, v, index) else _index_op
     return run(q, k, v, index, heads, scale)[0]  # (R, C_v)

@@ -7,8 +7,10 @@ A key named twice in a row takes part twice (its weight counted once per slot), 
 k[index] and v[index] and calling softmax attention does (``attention.variants.focal._GatheredAttention``, which has
 no masked slot or sentinel row either: every slot is a real key). Two variants on point sets are this operation:
 ``focal`` (index: each point's fine neighbours, then its nearest pooled tokens; R = N queries over T = N + pooled
-tokens) and ``dilated`` (per head group, each point's K dilated nearest neighbours; the batch flattened, the rows
-of sample b at b N + j).
+tokens) and ``dilated`` (each point's K dilated nearest neighbours, one table per head group at its rate; the batch
+flattened, the rows of sample b at b N + j). G tables (G, R, M) serve G equal groups of consecutive heads in one
+call, table g for group g: dilated's groups take one launch forward and two backward together, where a call per
+group paid each launch, and the inverse index's dozen small torch ops, once a group.
 
 Why. Their torch paths gather (rows, M, C) keys and values chunk by chunk (focal: ``index_select``, small ``bmm``,
 ``index_add_`` backward) or whole (dilated: ``pointops.gather`` to (B, h, N, K, d), einsum, softmax, einsum): on an
@@ -64,8 +66,8 @@ Cost at N = 65,536 points, C = 256, float32, B = 1 (estimates from the sizes; no
   Launches: forward 1 Triton; backward 2 Triton + about 15 small torch ones (the index's int32 copy, the
   stable sort, division, searchsorted, the schedule's diff, pad, amax and argsort). Programs: forward and query
   kernel R / BR x heads = 131,072 (BR = 2), key kernel T x heads = 267,496 (BK = 1).
-- dilated (8 heads in 4 groups of 2, d = 32, K = 9 per group, E = 0.6 M edges a group): per group, forward 1
-  launch, backward 2 + the CSR; gathered bytes R K (C_g + C_g) 4 B = 302 MB a group, 1.2 GB in all (the grid kernel
+- dilated (8 heads in 4 groups of 2, d = 32, K = 9 per group, E = 0.6 M edges a group): for all groups at once,
+  forward 1 launch, backward 2 + one CSR of the four tables; gathered bytes R K (C_g + C_g) 4 B = 302 MB a group, 1.2 GB in all (the grid kernel
   of :mod:`attention.dilated_triton` reads its k*k = 9 neighbours the same number of times), DRAM ~0.75 GiB forward
   + backward for all groups; extra memory per group ~10 MiB (CSR) instead of the (B, 2, N, 9, 32) gathered keys and
   values (2 x 151 MiB) and their gradients.
@@ -110,15 +112,17 @@ NUM_WARPS = 4
 @triton.jit
 def _forward_kernel(q_ptr, k_ptr, v_ptr, index_ptr, out_ptr, lse_ptr,
                     q_sr, q_sc, k_sr, k_sc, v_sr, v_sc,
-                    rows, m, heads, d, d_v, scale,
+                    rows, m, heads, group_heads, d, d_v, scale,
                     BR: tl.constexpr, BM: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr, ALIGN: tl.constexpr):
     """Program (block, head) (flattened, heads fastest): out (R, heads d_v) and lse (R, heads) of rows
     block*BR ... + BR, for q (R, heads d), k (T, heads d), v (T, heads d_v) (strided: row stride, channel stride)
-    and index (R, M) int32 or int64, contiguous. Row strides, d and d_v come divided by ALIGN."""
+    and index (G, R, M) int32 or int64, contiguous, table g for heads g*group_heads ... + group_heads. Row
+    strides, d and d_v come divided by ALIGN."""
     q_sr, k_sr, v_sr = q_sr * ALIGN, k_sr * ALIGN, v_sr * ALIGN
     d, d_v = d * ALIGN, d_v * ALIGN
     pid = tl.program_id(0)
     hd = pid % heads
+    index_ptr = index_ptr + (hd // group_heads).to(tl.int64) * rows * m  # this head's group's table
     rr = (pid // heads) * BR + tl.arange(0, BR)  # (BR,) query rows
     valid = rr < rows
     rl = rr.to(tl.int64)
@@ -159,7 +163,7 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, index_ptr, out_ptr, lse_ptr,
 @triton.jit
 def _backward_query_kernel(q_ptr, k_ptr, v_ptr, index_ptr, g_ptr, out_ptr, lse_ptr, dq_ptr, delta_ptr,
                            q_sr, q_sc, k_sr, k_sc, v_sr, v_sc, g_sr, g_sc,
-                           rows, m, heads, d, d_v, scale,
+                           rows, m, heads, group_heads, d, d_v, scale,
                            BR: tl.constexpr, BM: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr,
                            ALIGN: tl.constexpr):
     """Program (block, head): dq (R, heads d) and D = rowsum(dO o O) (R, heads) of rows block*BR ... + BR, from the
@@ -168,6 +172,7 @@ def _backward_query_kernel(q_ptr, k_ptr, v_ptr, index_ptr, g_ptr, out_ptr, lse_p
     d, d_v = d * ALIGN, d_v * ALIGN
     pid = tl.program_id(0)
     hd = pid % heads
+    index_ptr = index_ptr + (hd // group_heads).to(tl.int64) * rows * m  # this head's group's table
     rr = (pid // heads) * BR + tl.arange(0, BR)  # (BR,) query rows
     valid = rr < rows
     rl = rr.to(tl.int64)
@@ -204,12 +209,12 @@ def _backward_query_kernel(q_ptr, k_ptr, v_ptr, index_ptr, g_ptr, out_ptr, lse_p
 @triton.jit
 def _backward_key_kernel(q_ptr, k_ptr, v_ptr, g_ptr, lse_ptr, delta_ptr, edge_row_ptr, offsets_ptr, schedule_ptr,
                          dk_ptr, dv_ptr, q_sr, q_sc, k_sr, k_sc, v_sr, v_sc, g_sr, g_sc,
-                         keys, heads, d, d_v, scale,
+                         keys, heads, group_heads, d, d_v, scale,
                          BK: tl.constexpr, BE: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr,
                          ALIGN: tl.constexpr):
     """Program (i, head): dk (T, heads d) and dv (T, heads d_v) of keys block*BK ... + BK, block = schedule[i],
-    summing over each key's incoming edges (edge_row[offsets[key]:offsets[key + 1]], in (row, slot) order)
-    BE at a time."""
+    summing over each key's incoming edges in its head's group g (edge_row[offsets[g T + key]:offsets[g T + key
+    + 1]], in (row, slot) order) BE at a time."""
     q_sr, k_sr, v_sr, g_sr = q_sr * ALIGN, k_sr * ALIGN, v_sr * ALIGN, g_sr * ALIGN
     d, d_v = d * ALIGN, d_v * ALIGN
     pid = tl.program_id(0)
@@ -227,8 +232,9 @@ def _backward_key_kernel(q_ptr, k_ptr, v_ptr, g_ptr, lse_ptr, delta_ptr, edge_ro
     kmv = valid[:, None] & mv[None, :]  # (BK, DVP)
     kt = tl.load(k_ptr + kl[:, None] * k_sr + cd[None, :] * k_sc, mask=kmd, other=0.0)  # (BK, DP)
     vt = tl.load(v_ptr + kl[:, None] * v_sr + cv[None, :] * v_sc, mask=kmv, other=0.0)  # (BK, DVP)
-    start = tl.load(offsets_ptr + kl, mask=valid, other=0)  # (BK,) int64: first edge of each key
-    count = tl.load(offsets_ptr + kl + 1, mask=valid, other=0) - start  # (BK,) its in-degree
+    slot = (hd // group_heads).to(tl.int64) * keys + kl  # (BK,) the keys in this head's group's CSR
+    start = tl.load(offsets_ptr + slot, mask=valid, other=0)  # (BK,) int64: first edge of each key
+    count = tl.load(offsets_ptr + slot + 1, mask=valid, other=0) - start  # (BK,) its in-degree
     longest = tl.max(count, axis=0)
     dk = tl.zeros((BK, DP), tl.float32)
     dv = tl.zeros((BK, DVP), tl.float32)
@@ -275,36 +281,42 @@ def key_config(edges: int, keys: int, d: int, d_v: int) -> dict:
 
 
 def inverse_index(index: torch.Tensor, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The index table (R, M) inverted, as a CSR over the T = ``keys`` keys: ``edge_row`` (R M,) int32, the query
-    row of every edge grouped by key, each key's edges in (row, slot) order (a stable sort of the flattened
-    table, whose order is (row, slot)), and ``offsets`` (T + 1,) int64, where each key's edges start
-    (searchsorted of 0 .. T in the sorted keys: no host synchronisation, unlike bincount)."""
-    m = index.shape[1]
-    sorted_keys, edge = torch.sort(index.reshape(-1), stable=True)  # (E,) each: keys ascending, ties in edge order
-    edge_row = torch.div(edge, m, rounding_mode="floor").to(torch.int32)  # (E,) edge r*M + j comes from row r
-    bounds = torch.arange(keys + 1, device=index.device, dtype=sorted_keys.dtype)  # (T + 1,)
-    return edge_row, torch.searchsorted(sorted_keys, bounds)  # offsets (T + 1,) int64
+    """The index tables (G, R, M) (or one, (R, M)) inverted, as one CSR over the G T slots (g, key), T = ``keys``:
+    ``edge_row`` (G R M,) int32, the query row of every edge grouped by (table, key), each key's edges in (row,
+    slot) order (a stable sort of the flattened tables, whose order is (table, row, slot), by g T + key), and
+    ``offsets`` (G T + 1,) int64, where each slot's edges start (searchsorted of 0 .. G T in the sorted keys: no
+    host synchronisation, unlike bincount)."""
+    tables, rows, m = index.view(-1, *index.shape[-2:]).shape
+    flat = index.reshape(tables, -1)  # (G, R M)
+    if tables > 1:  # table g's keys as g T + key: one sort for every table
+        flat = flat + torch.arange(tables, device=index.device, dtype=index.dtype).unsqueeze(1) * keys
+    sorted_keys, edge = torch.sort(flat.reshape(-1), stable=True)  # (E,) each: keys ascending, ties in edge order
+    edge_row = torch.div(edge % (rows * m), m, rounding_mode="floor").to(torch.int32)  # edge (g, r, j): row r
+    bounds = torch.arange(tables * keys + 1, device=index.device, dtype=sorted_keys.dtype)  # (G T + 1,)
+    return edge_row, torch.searchsorted(sorted_keys, bounds)  # offsets (G T + 1,) int64
 
 
 def _check(q, k, v, index, heads) -> None:
     if any(t.dtype != torch.float32 for t in (q, k, v)):
         raise ValueError(f"index_attention_triton: float32 tensors only, got {[t.dtype for t in (q, k, v)]} "
                          "(the torch path takes float64; index_attention upcasts half precision).")
-    if q.dim() != 2 or k.dim() != 2 or v.dim() != 2 or index.dim() != 2 or index.shape[0] != q.shape[0] \
-            or k.shape[0] != v.shape[0] or q.shape[1] != k.shape[1] or q.shape[1] % heads or v.shape[1] % heads:
-        raise ValueError(f"index_attention_triton: expected q (R, C), k (T, C), v (T, C_v), index (R, M) with heads "
-                         f"= {heads} dividing C and C_v; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, "
-                         f"{tuple(index.shape)}.")
-    if max(q.shape[0], k.shape[0], index.numel()) >= 2 ** 31:
-        raise ValueError("index_attention_triton: rows, keys and R M must stay below 2^31 (int32 indices).")
+    if q.dim() != 2 or k.dim() != 2 or v.dim() != 2 or index.dim() not in (2, 3) or index.shape[-2] != q.shape[0] \
+            or k.shape[0] != v.shape[0] or q.shape[1] != k.shape[1] or q.shape[1] % heads or v.shape[1] % heads \
+            or heads % (index.shape[0] if index.dim() == 3 else 1):
+        raise ValueError(f"index_attention_triton: expected q (R, C), k (T, C), v (T, C_v), index (R, M) or (G, R, M) "
+                         f"with heads = {heads} dividing C and C_v and G dividing heads; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}, {tuple(index.shape)}.")
+    tables = index.shape[0] if index.dim() == 3 else 1
+    if max(q.shape[0], tables * k.shape[0], index.numel()) >= 2 ** 31:
+        raise ValueError("index_attention_triton: rows, G keys and G R M must stay below 2^31 (int32 indices).")
 
 
-def _index(index: torch.Tensor) -> torch.Tensor:
-    """The index table as the kernels read it: contiguous int32 or int64 (either is loaded and widened to int64),
-    copied only if it is neither."""
-    if index.dtype in (torch.int32, torch.int64) and index.is_contiguous():
-        return index
-    return index.to(torch.int64).contiguous()
+def _index(index: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The index tables as the kernels read them, contiguous int32 or int64 (either is loaded and widened to int64),
+    copied only if they are neither, and how many (G: one for (R, M))."""
+    if not (index.dtype in (torch.int32, torch.int64) and index.is_contiguous()):
+        index = index.to(torch.int64).contiguous()
+    return index, index.shape[0] if index.dim() == 3 else 1
 
 
 def _strides(t: torch.Tensor, align: int) -> tuple[int, int]:
@@ -324,21 +336,22 @@ def _align(tensors, d: int, d_v: int) -> int:
 
 def forward(q, k, v, index, heads: int, scale: float):
     """The output (R, C_v) and the log-sum-exp lse (R, heads) of the scaled logits, float32, contiguous, for
-    float32 q (R, C), k (T, C), v (T, C_v) (any strides) and an integer index (R, M) of rows of k and v."""
+    float32 q (R, C), k (T, C), v (T, C_v) (any strides) and an integer index (R, M) of rows of k and v, or G such
+    tables (G, R, M), table g for the g-th of G equal groups of consecutive heads (one launch for all)."""
     _check(q, k, v, index, heads)
-    rows, m = index.shape
+    rows, m = index.shape[-2:]
     d, d_v = q.shape[1] // heads, v.shape[1] // heads
     out = q.new_empty(rows, v.shape[1])  # (R, C_v)
     lse = q.new_empty(rows, heads)  # (R, heads)
     if rows == 0 or m == 0 or k.shape[0] == 0:  # no slot: softmax over nothing, as the torch path (zeros)
         return out.zero_(), lse.fill_(float("-inf"))
-    index = _index(index)  # (R, M): as it is (the variants' are contiguous int64)
+    index, tables = _index(index)  # (G, R, M) or (R, M): as it is (the variants' are contiguous int64)
     config = forward_config(m, d, d_v)
     align = _align((q, k, v, out), d, d_v)
     with _device(q):
         _forward_kernel[(triton.cdiv(rows, config["BR"]) * heads,)](
             q, k, v, index, out, lse, *_strides(q, align), *_strides(k, align), *_strides(v, align),
-            rows, m, heads, d // align, d_v // align, float(scale), ALIGN=align, **config)
+            rows, m, heads, heads // tables, d // align, d_v // align, float(scale), ALIGN=align, **config)
     return out, lse
 
 
@@ -346,13 +359,13 @@ def backward(grad, q, k, v, index, out, lse, heads: int, scale: float):
     """dq (R, C), dk (T, C), dv (T, C_v), contiguous float32, for the upstream gradient grad (R, C_v) (any strides)
     and the forward's out and lse: two launches, and the CSR of :func:`inverse_index` in torch between them."""
     _check(q, k, v, index, heads)
-    rows, m = index.shape
+    rows, m = index.shape[-2:]
     keys = k.shape[0]
     d, d_v = q.shape[1] // heads, v.shape[1] // heads
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     if rows == 0 or m == 0 or keys == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    index = _index(index)  # (R, M)
+    index, tables = _index(index)  # (G, R, M) or (R, M)
     out, lse = out.contiguous(), lse.contiguous()  # the forward's: no copy
     delta = torch.empty_like(lse)  # (R, heads) D = dO . O
     align = _align((grad, q, k, v, out, dq, dk, dv), d, d_v)
@@ -360,15 +373,16 @@ def backward(grad, q, k, v, index, out, lse, heads: int, scale: float):
     config = forward_config(m, d, d_v)
     with _device(q):
         _backward_query_kernel[(triton.cdiv(rows, config["BR"]) * heads,)](
-            q, k, v, index, grad, out, lse, dq, delta, *strides, rows, m, heads, d // align, d_v // align,
-            float(scale), ALIGN=align, **config)
+            q, k, v, index, grad, out, lse, dq, delta, *strides, rows, m, heads, heads // tables, d // align,
+            d_v // align, float(scale), ALIGN=align, **config)
         edge_row, offsets = inverse_index(index.to(torch.int32), keys)  # int32 keys: a shorter radix sort
         config = key_config(rows * m, keys, d, d_v)
         blocks = triton.cdiv(keys, config["BK"])
-        # each block's largest in-degree (its loop's length), blocks of most work first
-        work = F.pad(offsets.diff(), (0, blocks * config["BK"] - keys)).view(blocks, -1).amax(1)  # (blocks,)
+        # each block's largest in-degree over the tables (its loop's length), blocks of most work first
+        work = F.pad(offsets.diff().view(tables, keys), (0, blocks * config["BK"] - keys)) \
+            .view(tables, blocks, -1).amax((0, 2))  # (blocks,)
         schedule = torch.argsort(work, descending=True, stable=True).to(torch.int32)  # (blocks,)
         _backward_key_kernel[(blocks * heads,)](
             q, k, v, grad, lse, delta, edge_row, offsets, schedule, dk, dv, *strides, keys, heads,
-            d // align, d_v // align, float(scale), ALIGN=align, **config)
+            heads // tables, d // align, d_v // align, float(scale), ALIGN=align, **config)
     return dq, dk, dv

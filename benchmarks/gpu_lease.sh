@@ -32,8 +32,9 @@
 #     fake kernel copied q's strides, which a compiled backward on CUDA rejects), then PCT at batch 16 uncompiled
 #     (the batch norms folded at once, NormActMax's fewer launches), pointnet2_ops built beside the test;
 #  12: the cuda tests of what changed after part 11 (dilated attention's rate table and one launch for all head
-#     groups, eager calls without the op's dispatch, offset attention's written-out backward, PCT's kept inference
-#     folding: the modelnet runs; about 3 minutes; green closes issue 27), then where the fixed
+#     groups, on grids and on points (index attention with a table per group), eager calls without the op's
+#     dispatch, offset attention's written-out backward, PCT's kept inference folding: the modelnet runs; about
+#     3 minutes; green closes issue 27), then where the fixed
 #     costs go (about 5 minutes): benchmarks.launch (a torch op, a bare Triton launch with 2 and 30
 #     arguments, each kernel wrapper at a tiny size), benchmarks.small_n with each eager step's host profile for
 #     dilated, focal and external at N = 256 (dilated and focal took 4 and 7 ms at N = 4,096 on a grid in part 10),

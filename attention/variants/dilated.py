@@ -90,48 +90,48 @@ class DilatedAttention(Mixer):
             out = functional.dilated_attention(q, k, v, (layout.h, layout.w), self.kernel_size, self.dilations,
                                                self.border)  # (B, heads, N, d)
         else:
-            # the head groups' (B, heads / groups, N, d) views. Split, not indexed: a split's backward is one
-            # concatenation, where each indexed slice wrote a zero-filled gradient of the whole tensor and the
-            # slices' gradients were then summed (12 fills and 9 sums of (B, heads, N, d) a step with 4 groups)
-            per_group = self.heads // len(self.dilations)
-            out = torch.cat(self._mix_points(*(t.split(per_group, dim=1) for t in (q, k, v)), layout.xyz), dim=1)
+            out = self._mix_points(q, k, v, layout.xyz)  # (B, heads, N, d)
         return self.proj(rearrange(out, "b h n d -> b n (h d)"))
 
     def _mix_points(self, q, k, v, xyz):
-        """Per head group (q, k, v: a (B, heads / groups, N, d) tensor each, one per group), each point against every
-        r-th of its K*r nearest points: (B, heads / groups, N, d) each.
+        """Each point against every r-th of its K*r nearest points, r its head group's rate: q, k, v (B, heads, N, d)
+        -> (B, heads, N, d).
 
-        Where :func:`functional.index_backend` picks the Triton kernels (float32 or half CUDA tensors), a group's
-        queries, keys and values go to :func:`functional.index_attention` as (B N, heads / groups * d) row views of
-        the qkv projection and its neighbours as indices into them; elsewhere (the CPU, float64) the keys and
-        values of each point's K neighbours are gathered (B, heads / groups, N, K, d) as before.
+        Where :func:`functional.index_backend` picks the Triton kernels (float32 or half CUDA tensors), the
+        queries, keys and values go to :func:`functional.index_attention` as (B N, heads * d) row views of the qkv
+        projection, with one table of neighbour rows per head group, all groups in one call; elsewhere (the CPU,
+        float64) the keys and values of each point's K neighbours are gathered (B, heads / groups, N, K, d) per
+        group as before.
         """
         n = xyz.shape[1]
         nearest = knn(xyz, xyz, min(self.neighbours * max(self.dilations), n))  # (B, N, K * r_max), nearest first
-        if functional.index_backend((*q, *k, *v)) == "triton":
+        if functional.index_backend((q, k, v)) == "triton":
             return self._mix_points_indexed(q, k, v, nearest)
+        # the head groups' (B, heads / groups, N, d) views. Split, not indexed: a split's backward is one
+        # concatenation, where each indexed slice wrote a zero-filled gradient of the whole tensor and the
+        # slices' gradients were then summed (12 fills and 9 sums of (B, heads, N, d) a step with 4 groups)
+        per_group = self.heads // len(self.dilations)
         out = []
-        for qg, kg, vg, r in zip(q, k, v, self.dilations):
+        for qg, kg, vg, r in zip(*(t.split(per_group, dim=1) for t in (q, k, v)), self.dilations):
             idx = nearest[:, :, :self.neighbours * r:r]  # (B, N, K): every r-th of the K*r nearest
             kv = [rearrange(gather(rearrange(t, "b h n d -> b n (h d)"), idx),  # (B, N, K, h*d)
                             "b n k (h d) -> b h n k d", d=t.shape[-1])  # (B, heads / groups, N, K, d)
                   for t in (kg, vg)]
             out.append(functional.dilated_point_attention(qg, *kv))  # (B, heads / groups, N, d)
-        return out
+        return torch.cat(out, dim=1)
 
     def _mix_points_indexed(self, q, k, v, nearest):
-        """:meth:`_mix_points` by :func:`functional.index_attention`, one call per head group, never gathering the
-        (B, heads / groups, N, K, d) keys and values. The batch is flattened: sample b's points are rows b N + j."""
-        b, heads, n, d = q[0].shape
+        """:meth:`_mix_points` by one :func:`functional.index_attention` call for every head group, never gathering
+        the (B, heads / groups, N, K, d) keys and values. The batch is flattened: sample b's points are rows
+        b N + j; group g's table holds every r_g-th of each point's nearest rows."""
+        b, heads, n, d = q.shape
         first = (torch.arange(b, device=nearest.device) * n).view(b, 1, 1)  # (B, 1, 1) first row of each sample
-        out = []
-        for qg, kg, vg, r in zip(q, k, v, self.dilations):
-            idx = (nearest[:, :, :self.neighbours * r:r] + first).reshape(b * n, -1)  # (B N, K) rows of the batch
-            # (B, h, N, d) -> (B, N, h, d) -> (B N, h d): views of the qkv projection (rows 3C apart), no copy
-            rows = [t.transpose(1, 2).reshape(b * n, -1) for t in (qg, kg, vg)]
-            o = functional.index_attention(*rows, idx, heads)  # (B N, h d)
-            out.append(o.view(b, n, -1, d).transpose(1, 2))  # (B, h, N, d)
-        return out
+        tables = torch.stack([nearest[:, :, :self.neighbours * r:r] for r in self.dilations])  # (G, B, N, K)
+        idx = (tables + first).view(len(self.dilations), b * n, -1)  # (G, B N, K) rows of the batch
+        # (B, heads, N, d) -> (B, N, heads, d) -> (B N, heads d): views of the qkv projection (rows 3C apart)
+        rows = [t.transpose(1, 2).reshape(b * n, -1) for t in (q, k, v)]
+        out = functional.index_attention(*rows, idx, heads)  # (B N, heads d)
+        return out.view(b, n, heads, d).transpose(1, 2)  # (B, heads, N, d)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, dilations={list(self.dilations)}, kernel_size={self.kernel_size}, "

@@ -40,11 +40,16 @@ def rel_err(a, b):
 
 def reference(q, k, v, index, heads, scale, g):
     """Float64 brute force: k[index], v[index] gathered whole, a softmax per (row, head), autograd for the
-    gradients. Returns out (R, C_v), lse (R, heads), dq, dk, dv."""
+    gradients. Returns out (R, C_v), lse (R, heads), dq, dk, dv. G tables (G, R, M): head h gathers through table
+    h // (heads / G)."""
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
-    rows, m = index.shape
-    kg = k[index].view(rows, m, heads, -1)  # (R, M, heads, d)
-    vg = v[index].view(rows, m, heads, -1)  # (R, M, heads, d_v)
+    tables = index.view(-1, *index.shape[-2:])  # (G, R, M)
+    _, rows, m = tables.shape
+    per = heads // tables.shape[0]
+    head_tables = tables.repeat_interleave(per, dim=0)  # (heads, R, M)
+    heads_of = torch.arange(heads).view(1, 1, heads)
+    kg = k.view(-1, heads, k.shape[1] // heads)[head_tables.permute(1, 2, 0), heads_of]  # (R, M, heads, d)
+    vg = v.view(-1, heads, v.shape[1] // heads)[head_tables.permute(1, 2, 0), heads_of]  # (R, M, heads, d_v)
     logits = torch.einsum("rhd,rmhd->rhm", q.view(rows, heads, -1), kg) * scale  # (R, heads, M)
     out = torch.einsum("rhm,rmhd->rhd", logits.softmax(-1), vg).reshape(rows, -1)  # (R, C_v)
     grads = torch.autograd.grad(out, (q, k, v), g.double())
@@ -56,7 +61,7 @@ def cases() -> dict:
     gen = torch.Generator().manual_seed(28)
     out = {}
 
-    def add(name, rows, keys, m, heads, d, d_v, index=None, layout="contiguous", scale=None, unused=0):
+    def add(name, rows, keys, m, heads, d, d_v, index=None, layout="contiguous", scale=None, unused=0, tables=0):
         if layout == "module":  # a head group's row views of a qkv projection, rows 3C apart (dilated's layout)
             assert d == d_v
             qkv = torch.randn(keys, 3 * 2 * heads * d, generator=gen)  # (T, 3C) with twice the group's heads
@@ -65,8 +70,8 @@ def cases() -> dict:
         else:
             q, k = torch.randn(rows, heads * d, generator=gen), torch.randn(keys, heads * d, generator=gen)
             v = torch.randn(keys, heads * d_v, generator=gen)
-        if index is None:  # the last ``unused`` keys are never named: zero gradients
-            index = torch.randint(0, keys - unused, (rows, m), generator=gen)
+        if index is None:  # the last ``unused`` keys are never named: zero gradients; ``tables``: (G, R, M)
+            index = torch.randint(0, keys - unused, (tables, rows, m) if tables else (rows, m), generator=gen)
         if layout in ("module", "expanded"):  # autograd's gradient of a sum: stride 0 along the rows
             g = torch.randn(1, heads * d_v, generator=gen).expand(rows, -1)
         else:
@@ -85,6 +90,10 @@ def cases() -> dict:
     add("M=1, 1 head d=8", 7, 7, 1, 1, 8, 8, index=torch.randperm(7, generator=gen)[:, None])
     add("R != T (queries N, keys N + pooled), M=19 > BM, d=6 d_v=4", 12, 17, 19, 2, 6, 4, unused=2)
     add("strided module layout, expanded gradient, d=8", 9, 14, 6, 2, 8, 8, layout="module", unused=3)
+    add("2 tables for 4 heads (dilated's head groups), d=4 d_v=3, M=19 > BM", 11, 13, 19, 4, 4, 3, unused=2,
+        tables=2)
+    add("4 tables for 4 heads, module layout, expanded gradient, d=4", 10, 10, 5, 4, 4, 4, layout="module",
+        tables=4)
     return out
 
 
@@ -176,7 +185,7 @@ def test_kernels_equal_brute_force_and_the_torch_path(interpreted, name):
     want64 = reference(c["q"], c["k"], c["v"], c["index"], c["heads"], c["scale"], c["g"])
     # focal's torch path (_GatheredAttention, values as wide as keys) in float32, through autograd; else the op's
     want32 = [None] * 5
-    if c["v"].shape[1] == c["k"].shape[1]:
+    if c["v"].shape[1] == c["k"].shape[1] and c["index"].dim() == 2:
         leaves = [c[t].detach().clone().requires_grad_() for t in "qkv"]
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(AF, "INDEX_BACKEND", "torch")
@@ -200,13 +209,11 @@ def test_kernels_equal_brute_force_and_the_torch_path(interpreted, name):
 
 
 def test_mixers_with_the_triton_kernels_equal_their_torch_paths(interpreted):
-    # the Triton runs called the kernels once forward and once backward (per head group for dilated), the torch
-    # runs never
-    groups = {"focal": 1, "dilated": len(MODULES["dilated"][1]["dilations"])}
+    # the Triton runs called the kernels once forward and once backward (dilated: once for all its head groups, a
+    # table each), the torch runs never
     expected = []
     for name in MODULES:
-        expected += ["forward"] * groups[name] + ["backward"] * groups[name]
-        expected += [f"{name} triton done", f"{name} torch done"]
+        expected += ["forward", "backward", f"{name} triton done", f"{name} torch done"]
     assert interpreted["calls"] == expected
     for name in MODULES:
         triton_run, torch_run = interpreted["modules"][name]
@@ -232,6 +239,14 @@ def test_inverse_index_is_a_stable_csr():
     edge = torch.arange(index.numel()).view(300, 7)
     order = torch.cat([edge[index == key] for key in range(45)])  # flattened (row, slot) positions by key
     assert torch.equal(edge_row.long(), order // 7)
+    # G tables: one CSR over the (table, key) slots, table by table, each as its own
+    tables = torch.stack([index, torch.randint(0, 45, (300, 7), generator=gen), index.flip(0)])  # (3, R, M)
+    edge_row, offsets = IT.inverse_index(tables.to(torch.int32), 45)
+    assert edge_row.shape == (3 * 300 * 7,) and offsets.shape == (3 * 45 + 1,) and offsets[-1] == tables.numel()
+    for g in range(3):
+        rows_g, offsets_g = IT.inverse_index(tables[g].to(torch.int32), 45)
+        assert torch.equal(offsets[g * 45:(g + 1) * 45 + 1] - offsets[g * 45], offsets_g), g
+        assert torch.equal(edge_row[offsets[g * 45]:offsets[(g + 1) * 45]], rows_g), g
 
 
 def test_kernels_take_float32_only():
@@ -240,6 +255,19 @@ def test_kernels_take_float32_only():
     q = torch.zeros(3, 4, dtype=torch.float64)
     with pytest.raises(ValueError, match="float32 tensors only"):
         IT.forward(q, q, q, torch.zeros(3, 2, dtype=torch.long), 2, 0.5)
+
+
+def test_tables_must_divide_the_heads():
+    """G index tables serve G equal groups of heads: 3 tables for 4 heads is refused, by the op and the kernels."""
+    from attention import index_attention_triton as IT
+
+    q, index = torch.zeros(3, 8), torch.zeros(3, 3, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="G dividing heads = 4"):
+        AF.index_attention(q, q, q, index, 4)
+    with pytest.raises(ValueError, match="G dividing heads"):
+        IT.forward(q, q, q, index, 4, 0.5)
+    with pytest.raises(ValueError, match=r"index must be \(R, M\)"):
+        AF.index_attention(q, q, q, torch.zeros(3, dtype=torch.long), 4)
 
 
 def test_auto_keeps_the_torch_paths_on_the_cpu(monkeypatch):
@@ -373,10 +401,10 @@ from triton_sm90 import compile_sm90, record_launches
 launches = record_launches(IT._forward_kernel, IT._backward_query_kernel, IT._backward_key_kernel)
 
 n = 4096
-qkv = torch.empty(n, 3 * 256)  # dilated: a group of 2 heads of 8, d = 32, row views of the qkv projection
+qkv = torch.empty(n, 3 * 256)  # dilated: 8 heads in 4 groups, d = 32, row views of the qkv projection, a table each
 table = torch.empty(n + 84, 256)  # focal: 4 heads, d = 64, N points + pooled tokens
 layouts = {
-    "dilated C=256": ((qkv[:, 64:128], qkv[:, 320:384], qkv[:, 576:640]), torch.randint(0, n, (n, 9)), 2),
+    "dilated C=256": ((qkv[:, :256], qkv[:, 256:512], qkv[:, 512:]), torch.randint(0, n, (4, n, 9)), 8),
     "focal C=256": ((torch.empty(n, 256), table, table.clone()), torch.randint(0, n + 84, (n, 98)), 4),
 }
 for name, ((q, k, v), index, heads) in layouts.items():
@@ -478,7 +506,8 @@ def test_kernels_on_the_gpu_against_float64():
         args = (c["index"].cuda(), c["heads"], c["scale"])
         leaves = [c[t].cuda().requires_grad_() for t in "qkv"]
         assert AF.index_backend(leaves) == "triton"
-        out = focal_module.gathered_attention(*leaves, *args)
+        attend = focal_module.gathered_attention if c["index"].dim() == 2 else AF.index_attention  # G tables
+        out = attend(*leaves, *args)
         got = (out, *torch.autograd.grad(out, leaves, c["g"].cuda()))
         want = reference(c["q"], c["k"], c["v"], c["index"], c["heads"], c["scale"], c["g"])
         for a, w in zip(got, want[:1] + want[2:]):
