@@ -151,10 +151,14 @@ def folded_for_inference(net: nn.Module) -> Iterator[None]:
         yield
         return
     pairs = net.fold_pairs()
-    state = Folded.state(pairs)
-    kept = net.__dict__.get("_folded")  # a plain attribute: not in the state dict (FoldingNetwork.train drops it)
-    if kept is None or kept.key != state:
-        kept = net.__dict__["_folded"] = Folded(fold_all(pairs), state)
+    try:
+        state = Folded.state(pairs)
+    except RuntimeError:  # parameters made under torch.inference_mode keep no version: fold at every forward
+        kept = Folded(fold_all(pairs), None)
+    else:
+        kept = net.__dict__.get("_folded")  # a plain attribute: not in the state dict (FoldingNetwork.train drops it)
+        if kept is None or kept.key != state:
+            kept = net.__dict__["_folded"] = Folded(fold_all(pairs), state)
     token = _FOLDED.set(kept)
     try:
         yield

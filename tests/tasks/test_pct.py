@@ -235,6 +235,13 @@ def test_inference_keeps_its_folding_until_a_parameter_changes(network):
     cast = 2 * len(net.fold_pairs()) + (-4 if network == "PCT" else 1)
     assert ops.count["_to_copy"] == layerwise_ops.count["_to_copy"] - cast, (ops.count, layerwise_ops.count)
 
+    # a network made under torch.inference_mode has parameters without version counters: it folds at every forward
+    with torch.inference_mode():
+        made_there, _ = _small(network)
+        made_there.load_state_dict(net.state_dict())
+        made_there.eval()
+        assert torch.equal(made_there(*inputs), net(*inputs)) and "_folded" not in made_there.__dict__
+
 
 @pytest.mark.parametrize("network", ["PCT", "PCTPartSeg"])
 def test_inference_folds_every_batch_norm_at_once_with_the_same_bits(network):
