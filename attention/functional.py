@@ -158,10 +158,15 @@ class OffsetFull(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, grad, q, k, v, attn, denom, out):
         if torch.is_grad_enabled():  # create_graph: the plain ops' graph, recomputed
+            # each input once: PCT passes one tensor as q and k, and autograd.grad gives a repeated input its whole
+            # gradient at every repeat (which autograd would then add up twice)
+            first = [need and not any(t is u for u in (q, k, v)[:i]) for i, (t, need) in
+                     enumerate(zip((q, k, v), ctx.needs_input_grad))]
             with torch.enable_grad():
-                inputs = [t for t, need in zip((q, k, v), ctx.needs_input_grad) if need]
-                grads = iter(torch.autograd.grad(_offset_full(q, k, v, ctx.eps), inputs, grad, create_graph=True))
-            return (*(next(grads) if need else None for need in ctx.needs_input_grad[:3]), None)
+                grads = iter(torch.autograd.grad(_offset_full(q, k, v, ctx.eps),
+                                                 [t for t, take in zip((q, k, v), first) if take], grad,
+                                                 create_graph=True))
+            return (*(next(grads) if take else None for take in first), None)
         d_u = grad / denom.unsqueeze(-1)  # (B, h, M, d_v)
         d_denom = (d_u * out).sum(-1)  # (B, h, M): minus the gradient of D
         n, m = attn.shape[-2:]

@@ -346,9 +346,19 @@ def test_offset_backward_called_under_autocast_computes_in_float32(chunked, monk
 
 
 def test_offset_double_backward():
-    """A gradient penalty differentiates offset attention twice: gradgradcheck through OffsetFull."""
+    """A gradient penalty differentiates offset attention twice: gradgradcheck through OffsetFull, and PCT's one
+    tensor as q and k gets the plain ops' gradient and second gradient (each input's share counted once)."""
     inputs = tuple(t.requires_grad_() for t in qkv_inputs("offset", (1, 2, 4, 3, 3, 2), seed=27))
     assert torch.autograd.gradgradcheck(lambda q, k, v: AF.offset_attention(q, k, v), inputs,
+                                        eps=1e-6, atol=1e-6, rtol=1e-5)
+    qk, v = inputs[0].detach().requires_grad_(), inputs[2][..., :4, :].detach().requires_grad_()
+    results = []
+    for fn in (AF.offset_attention, lambda *t: AF._offset_full(*t, 1e-9)):
+        grad, = torch.autograd.grad(fn(qk, qk, v).square().sum(), qk, create_graph=True)
+        results.append((grad, *torch.autograd.grad(grad.square().sum(), (qk, v))))
+    for got, want in zip(*results):
+        assert rel_err(got.detach(), want.detach()) < 1e-12
+    assert torch.autograd.gradgradcheck(lambda q, v: AF.offset_attention(q, q, v), (qk, v),
                                         eps=1e-6, atol=1e-6, rtol=1e-5)
 
 
