@@ -67,10 +67,10 @@ Cost at N = 65,536 points, C = 256, float32, B = 1 (estimates from the sizes; no
   stable sort, division, searchsorted, the schedule's diff, pad, amax and argsort). Programs: forward and query
   kernel R / BR x heads = 131,072 (BR = 2), key kernel T x heads = 267,496 (BK = 1).
 - dilated (8 heads in 4 groups of 2, d = 32, K = 9 per group, E = 0.6 M edges a group): for all groups at once,
-  forward 1 launch, backward 2 + one CSR of the four tables; gathered bytes R K (C_g + C_g) 4 B = 302 MB a group, 1.2 GB in all (the grid kernel
-  of :mod:`attention.dilated_triton` reads its k*k = 9 neighbours the same number of times), DRAM ~0.75 GiB forward
-  + backward for all groups; extra memory per group ~10 MiB (CSR) instead of the (B, 2, N, 9, 32) gathered keys and
-  values (2 x 151 MiB) and their gradients.
+  forward 1 launch, backward 2 + one CSR of the four tables; gathered bytes R K (C_g + C_g) 4 B = 302 MB a group,
+  1.2 GB in all (the grid kernel of :mod:`attention.dilated_triton` reads its k*k = 9 neighbours the same number of
+  times), DRAM ~0.75 GiB forward + backward for all groups; extra memory per group ~10 MiB (CSR) instead of the
+  (B, 2, N, 9, 32) gathered keys and values (2 x 151 MiB) and their gradients.
 
 At the H100's ~3.35 TB/s of DRAM (~1 ms for focal's 1.5 GiB, ~0.2 ms for dilated's) and ~5-7 TB/s of L2,
 forward + backward is bound by the gathers' cache traffic: focal ~40 GB (3 x 13.2), 6-8 ms if every gather came
@@ -286,7 +286,7 @@ def inverse_index(index: torch.Tensor, keys: int) -> tuple[torch.Tensor, torch.T
     slot) order (a stable sort of the flattened tables, whose order is (table, row, slot), by g T + key), and
     ``offsets`` (G T + 1,) int64, where each slot's edges start (searchsorted of 0 .. G T in the sorted keys: no
     host synchronisation, unlike bincount)."""
-    tables, rows, m = index.view(-1, *index.shape[-2:]).shape
+    tables, rows, m = index.reshape(-1, *index.shape[-2:]).shape
     flat = index.reshape(tables, -1)  # (G, R M)
     if tables > 1:  # table g's keys as g T + key: one sort for every table
         flat = flat + torch.arange(tables, device=index.device, dtype=index.dtype).unsqueeze(1) * keys

@@ -238,7 +238,8 @@ elif [ "$PART" = 11 ]; then
 elif [ "$PART" = 12 ]; then
   build_pointnet2 6 &
   build=$!
-  say "the cuda tests of the code changed after part 11: dilated's rate table, the eager autograd path, offset's backward, PCT's kept folding (8 workers)"
+  say "the cuda tests of the code changed after part 11 (8 workers): dilated's rate table and grouped index tables,
+the eager paths, offset's backward, PCT's kept folding"
   timeout -s INT -k 10 "$(left 330 180)" python3 -m pytest -m cuda -n 8 -p no:cacheprovider -rA \
     tests/attention/test_dilated_triton.py tests/attention/test_index_attention_triton.py tests/gpu/test_cuda_tasks.py \
     -k "(dilated or focal or index or kernels_on_the_gpu or classification or modelnet) and not compiled" \
