@@ -39,7 +39,8 @@
 #     arguments, each kernel wrapper at a tiny size), benchmarks.small_n with each eager step's host profile for
 #     dilated, focal and external at N = 256 (dilated and focal took 4 and 7 ms at N = 4,096 on a grid in part 10),
 #     dilated against nn.Unfold and at 4,096 after the eager calls skip the op's dispatch, then PCT at batch 16
-#     uncompiled with the layer-by-layer folding beside fold_all's (part 11's eval ratios fell).
+#     uncompiled with the layer-by-layer folding beside the kept one (part 11's eval ratios fell) and the plain
+#     batch norm + max beside NormActMax in training (fewer launches against fewer bytes).
 # Writes OUTDIR/log.txt (each step's summary), OUTDIR/tests-cuda.txt, OUTDIR/tests-rest.txt and OUTDIR/tables.tar
 # (the benchmark tables).
 set -u

@@ -148,6 +148,21 @@ def train_step(net, loss, inputs, target, autocast: bool, tf32: bool | None = No
     return step
 
 
+def plain_max(step: Callable[[], None]) -> Callable[[], None]:
+    """``step`` with PCT's grouping and fuse layers in the plain batch norm, activation and max instead of
+    NormActMax (``tasks.nets.pct.FUSED_NORM_ACT_MAX``), to time that form beside the default one."""
+    from tasks.nets import pct
+
+    def plain():
+        pct.FUSED_NORM_ACT_MAX = False
+        try:
+            step()
+        finally:
+            pct.FUSED_NORM_ACT_MAX = True
+
+    return plain
+
+
 def eval_step(net, inputs, autocast: bool, tf32: bool | None = None, at_once: bool = True) -> Callable[[], None]:
     """One inference forward; ``at_once=False``: the suite's batch norms folded layer by layer
     (``tasks.nets.pct.FOLD_AT_ONCE``), to time that form beside the default one."""
@@ -209,6 +224,8 @@ def pct_rows(model_module, batch: int, points: int, rounds: int, device, samples
         if mode == "eval":  # the batch norms folded layer by layer, beside fold_all's form (the default)
             steps["suite_layerwise"] = eval_step(suite, (xyz,), False, at_once=False)
             steps["suite_bf16_layerwise"] = eval_step(suite, (xyz,), True, at_once=False)
+        else:  # the plain batch norm + max, beside NormActMax (the default)
+            steps["suite_plain_max"] = plain_max(make(suite))
         first = {}
         if compile_too:
             compiled = {"reference_compiled": make(torch.compile(reference)),
@@ -227,6 +244,8 @@ def pct_rows(model_module, batch: int, points: int, rounds: int, device, samples
         if mode == "eval":
             forms += [("float32, folded layer by layer", "suite_layerwise", base, "reference fp32"),
                       ("bfloat16, folded layer by layer", "suite_bf16_layerwise", base, "reference fp32")]
+        else:
+            forms.append(("float32, plain batch norm + max", "suite_plain_max", base, "reference fp32"))
         if compile_too:
             forms += [("compiled", "suite_compiled", base, "reference fp32"),
                       ("compiled, CUDA graphs", "suite_graphs", base, "reference fp32")]

@@ -94,6 +94,11 @@ def fold(conv: nn.Module, bn: nn.Module, cast: bool = True) -> tuple[torch.Tenso
 # False: the inference forward folds layer by layer at every call, as before fold_all and Folded (benchmarks.pct_cuda
 # times both forms side by side: their gain is counted in the CPU's ops, not yet timed on a GPU)
 FOLD_AT_ONCE = True
+# False: training takes the plain batch norm, activation and max after PCT's grouping and fuse layers, not NormActMax
+# (benchmarks.pct_cuda times both side by side: NormActMax moves a third of the plain form's bytes over the
+# (B, S, K, C) groups but dispatches about 30 ops a layer where the plain form takes 10: PCT's CPU-counted training
+# step has 407 kernel-level ops with it, 347 without, and at batch 16 a GPU step is bound by its launches)
+FUSED_NORM_ACT_MAX = True
 # conv -> (weight, shift) of every layer folded at once, while a network's inference forward runs
 _FOLDED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("pct_folded", default=None)
 
@@ -258,7 +263,8 @@ def conv_bn_act_max(x: torch.Tensor, layer: nn.Sequential) -> torch.Tensor:
         return act_(h.max(dim=-2).values, act)  # act(max) = max(act): the scale is folded in, h is a h + c
     # Under torch.compile the plain form: the compiler fuses it itself, and batch_norm_update_stats (below) has no
     # fake-tensor kernel, so the fused form would break the graph there.
-    fused = (monotone and type(bn) is nn.BatchNorm1d and bn.affine and h.dtype in (torch.float32, torch.float64)
+    fused = (FUSED_NORM_ACT_MAX and monotone and type(bn) is nn.BatchNorm1d and bn.affine
+             and h.dtype in (torch.float32, torch.float64)
              and not torch.is_autocast_enabled(h.device.type) and not torch.compiler.is_compiling())
     if not fused:
         return (act_(h, act) if normalised else bn_act(h, bn, act)).max(dim=-2).values
