@@ -96,8 +96,8 @@ def fold(conv: nn.Module, bn: nn.Module, cast: bool = True) -> tuple[torch.Tenso
 FOLD_AT_ONCE = True
 # False: training takes the plain batch norm, activation and max after PCT's grouping and fuse layers, not NormActMax
 # (benchmarks.pct_cuda times both side by side: NormActMax moves a third of the plain form's bytes over the
-# (B, S, K, C) groups but dispatches about 30 ops a layer where the plain form takes 10: PCT's CPU-counted training
-# step has 407 kernel-level ops with it, 347 without, and at batch 16 a GPU step is bound by its launches)
+# (B, S, K, C) groups but dispatches about 24 ops a layer where the plain form takes 10: PCT's CPU-counted training
+# step has 389 kernel-level ops with it, 347 without, and at batch 16 a GPU step is bound by its launches)
 FUSED_NORM_ACT_MAX = True
 # conv -> (weight, shift) of every layer folded at once, while a network's inference forward runs
 _FOLDED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("pct_folded", default=None)
@@ -299,32 +299,33 @@ class NormActMax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, bias, mean, invstd, slope):
-        a = weight * invstd  # (C,)
         top, top_idx = h.max(dim=1)  # (P, C)
         low, low_idx = h.min(dim=1)
-        up = a >= 0
+        up = weight >= 0  # the sign of a = weight * invstd (invstd > 0)
         chosen, idx = torch.where(up, top, low), torch.where(up, top_idx, low_idx)  # (P, C)
-        pre = torch.addcmul(torch.addcmul(bias, mean, a, value=-1), chosen, a)  # (P, C): bias - mean a + chosen a
-        ctx.save_for_backward(h, weight, mean, invstd, chosen, idx, pre)
+        xhat = (chosen - mean).mul_(invstd)  # (P, C): the selected rows normalised
+        pre = torch.addcmul(bias, xhat, weight)  # (P, C): BN's output at the selected rows
+        ctx.save_for_backward(h, weight, mean, invstd, xhat, idx, pre)
         ctx.slope = slope
         return F.leaky_relu(pre, slope) if slope else F.relu(pre)
 
     @staticmethod
     def backward(ctx, grad):
-        h, weight, mean, invstd, chosen, idx, pre = ctx.saved_tensors
+        h, weight, mean, invstd, xhat, idx, pre = ctx.saved_tensors
         # (P, C), after the activation: one op, as the activation's own backward
         g = (torch.ops.aten.leaky_relu_backward(grad, pre, ctx.slope, False) if ctx.slope
              else torch.ops.aten.threshold_backward(grad, pre, 0))
         rows = h.shape[0] * h.shape[1]
         d_bias = g.sum(0)
-        d_weight = ((chosen - mean) * invstd * g).sum(0)
-        k1 = weight * invstd
-        # the (C,) coefficients in few ops (each a launch on a GPU, where this step is bound by its launches):
-        # k2 = -k1 invstd d_weight / rows, k3 = -k1 d_bias / rows - k2 mean
-        k2 = (k1 * invstd).mul_(d_weight).div_(-rows)
-        k3 = torch.addcmul((k1 * d_bias).div_(-rows), k2, mean, value=-1)
+        d_weight = (xhat * g).sum(0)
+        # the (C,) coefficients in few launches (a foreach op is one on a GPU, where this step is bound by its
+        # launches): a = weight invstd, u = invstd d_weight, k2 = -a u / rows, k3 = -a (d_bias - mean u) / rows
+        a, u = torch._foreach_mul([weight, invstd], [invstd, d_weight])
+        w = torch.addcmul(d_bias, mean, u, value=-1)
+        k2, k3 = torch._foreach_mul([u, w], [a, a])
+        torch._foreach_mul_([k2, k3], -1.0 / rows)
         dh = torch.addcmul(k3, h, k2)  # (P, K, C): through the batch statistics, every row
-        dh.scatter_add_(1, idx.unsqueeze(1), (g * k1).unsqueeze(1))  # the selected rows' own gradient
+        dh.scatter_add_(1, idx.unsqueeze(1), (g * a).unsqueeze(1))  # the selected rows' own gradient
         return dh, d_weight, d_bias, None, None, None
 
 
