@@ -282,7 +282,7 @@ def test_training_with_or_without_norm_act_max_is_the_same_function(monkeypatch)
     """PCT's grouping and fuse layers in training: NormActMax (batch norm, activation and max without the normalised
     (B, S, K, C) tensor) and the plain batch norm + activation + max (tasks.nets.pct.FUSED_NORM_ACT_MAX = False,
     which benchmarks.pct_cuda times beside it) give the same logits, gradients and running statistics in float64;
-    the plain form dispatches fewer ops (10 a layer against about 30), NormActMax moves fewer bytes."""
+    the plain form dispatches fewer ops (10 a layer against about 24), NormActMax moves fewer bytes."""
     import tasks.nets.pct as pct
 
     from benchmarks.measure import OpCounter
@@ -299,8 +299,11 @@ def test_training_with_or_without_norm_act_max_is_the_same_function(monkeypatch)
         runs[fused] = (logits.detach(), [p.grad for p in net.parameters()], bn.running_mean, bn.running_var, ops)
     (a, grads_a, mean_a, var_a, ops_a), (b, grads_b, mean_b, var_b, ops_b) = runs[True], runs[False]
     torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    # against the whole gradient's norm: single entries near 0 cancel differently (1e-12 apart at 1e-3), and a bias
+    # before a batch norm has a gradient of 0 in exact arithmetic, rounding noise in both forms
+    scale = torch.stack([g.norm() for g in grads_b]).norm()
     for ga, gb in zip(grads_a, grads_b):
-        torch.testing.assert_close(ga, gb, rtol=1e-10, atol=1e-12)
+        assert ((ga - gb).norm() / scale).item() < 1e-12
     torch.testing.assert_close(mean_a, mean_b, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(var_a, var_b, rtol=1e-12, atol=1e-14)
     assert ops_b.kernels < ops_a.kernels and ops_a.bytes_moved < ops_b.bytes_moved, (ops_a.kernels, ops_b.kernels)
