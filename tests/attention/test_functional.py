@@ -367,18 +367,7 @@ def test_offset_backward_launches_fewer_kernels_and_no_broadcast_add_over_the_ma
     form before it) ran 13, and its only (N, M) outputs are the map's gradient (the column sums' share added by the
     product itself) and the softmax's backward: the plain chain adds the column sums' gradient as a pass of its
     own."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if not func.is_view and func.__name__ != "_unsafe_view.default":
-                self.ops.append((func.__name__, out.numel() if isinstance(out, torch.Tensor) else 0))
-            return out
+    from op_log import OpLog
 
     b, h, n, d, dv = 2, 1, 16, 4, 8
     gen = torch.Generator().manual_seed(28)
@@ -387,9 +376,9 @@ def test_offset_backward_launches_fewer_kernels_and_no_broadcast_add_over_the_ma
     counts = {}
     for name, fn in (("written", AF.offset_attention), ("plain", lambda q, k, v: AF._offset_full(q, k, v, 1e-9))):
         out = fn(qk, qk, v)
-        with Ops() as seen:
+        with OpLog() as log:
             torch.autograd.grad(out, (qk, v), grad)
-        counts[name] = seen.ops
+        counts[name] = [(op, numel) for op, view, numel in log.ops if not view and op != "_unsafe_view.default"]
     written = [op for op, _ in counts["written"]]
     assert sorted(written) == sorted(["div.Tensor", "mul.Tensor", "sum.dim_IntList", "baddbmm.default",
                                       "_softmax_backward_data.default", "bmm.default", "bmm.default", "bmm.default",

@@ -1,13 +1,11 @@
 """PCT structure, loss and error behaviour."""
 
-from collections import Counter
-
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import attention
+from op_log import OpLog
 from tasks.modelnet import reference_smoothing
 from tasks.nets.pct import PCT, PCTPartSeg
 
@@ -158,18 +156,6 @@ def test_grouping_first_layer_is_the_concatenated_form():
         torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
 
 
-class KernelOps(TorchDispatchMode):
-    """Counts the ops of a block by name (views too)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _small(network):
     torch.manual_seed(0)
     if network == "PCT":
@@ -193,13 +179,13 @@ def test_inference_keeps_its_folding_until_a_parameter_changes(network):
     net.eval()
     with torch.no_grad():
         first = net(*inputs)
-        with KernelOps() as ops:
+        with OpLog() as ops:
             second = net(*inputs)
     assert torch.equal(first, second)
     assert ops.count["_foreach_rsqrt_"] == 0 and ops.count["rsqrt"] == 0, ops.count
 
     def check_refolds(tag):
-        with torch.no_grad(), KernelOps() as ops:
+        with torch.no_grad(), OpLog() as ops:
             got = net(*inputs)
         fresh, _ = _small(network)
         fresh.load_state_dict(net.state_dict())
@@ -219,11 +205,11 @@ def test_inference_keeps_its_folding_until_a_parameter_changes(network):
 
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         cast_first = net(*inputs)
-        with KernelOps() as ops:
+        with OpLog() as ops:
             cast_second = net(*inputs)
         pct.FOLD_AT_ONCE = False
         try:
-            with KernelOps() as layerwise_ops:
+            with OpLog() as layerwise_ops:
                 layerwise = net(*inputs)
         finally:
             pct.FOLD_AT_ONCE = True
@@ -261,7 +247,7 @@ def test_inference_folds_every_batch_norm_at_once_with_the_same_bits(network):
         convs = [m for m in net.modules() if type(m) is torch.nn.Conv1d and m is not net.head[-1]]
         assert sorted(map(id, convs)) == sorted(id(c) for c, _ in net.fold_pairs())
         assert len(convs) == (13 if network == "PCT" else 10)
-        with torch.no_grad(), KernelOps() as ops:
+        with torch.no_grad(), OpLog() as ops:
             folded_at_once = net(*inputs)
         by_layer = net(*inputs)  # gradient on: each layer folds its own (the folded weights carry the gradient)
         assert by_layer.requires_grad and torch.equal(folded_at_once, by_layer.detach()), dtype
@@ -270,7 +256,7 @@ def test_inference_folds_every_batch_norm_at_once_with_the_same_bits(network):
         # FOLD_AT_ONCE=False (the bench's other form): layer by layer without gradient, the same bits
         pct.FOLD_AT_ONCE = False
         try:
-            with torch.no_grad(), KernelOps() as layerwise_ops:
+            with torch.no_grad(), OpLog() as layerwise_ops:
                 layerwise = net(*inputs)
         finally:
             pct.FOLD_AT_ONCE = True
