@@ -74,14 +74,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .pointops import MORTON_BITS, morton_codes
+
 # Queries a program takes.
 BQ = 16
 # Largest k the kernel takes (its running top-k is BQ x KP int64 in registers); above, the torch search.
 MAX_K = 128
 # From this many points per sample on, knn sorts points and queries spatially first (see the module docstring).
 SORTED_FROM = 4096
-# Bits per axis of the cells the Morton code quantises coordinates to (1024 cells; :func:`morton_codes` spreads 10).
-MORTON_BITS = 10
 # The key of "no point": above every real key.
 NO_KEY = tl.constexpr(0x7FFFFFFFFFFFFFFF)
 
@@ -183,17 +183,6 @@ def _knn_kernel(q_ptr, p_ptr, out_ptr, m, n, k, row_ptr, index_ptr, box_ptr, sta
         tl.store(stats_ptr + (b * programs + j) * 3 + 0, i)
         tl.store(stats_ptr + (b * programs + j) * 3 + 1, computed)
         tl.store(stats_ptr + (b * programs + j) * 3 + 2, merged)
-
-
-def morton_codes(x: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Z-order codes (B, L) int64 of x (B, L, 3): each coordinate quantised to ``(x - lo) * scale`` cells, clamped
-    to [0, 2^MORTON_BITS), and the three cell numbers' bits interleaved (x lowest). Non-finite coordinates get
-    some cell: the code only orders the work, never the answer."""
-    c = ((x - lo) * scale).clamp_(0, (1 << MORTON_BITS) - 1).nan_to_num_(0).long()  # (B, L, 3) cell numbers
-    # spread each 10-bit cell number so that its bit i lands on bit 3 i, in four shift-and-mask steps
-    for shift, mask in ((16, 0x030000FF), (8, 0x0300F00F), (4, 0x030C30C3), (2, 0x09249249)):
-        c = (c | (c << shift)) & mask
-    return c[..., 0] | (c[..., 1] << 1) | (c[..., 2] << 2)  # (B, L)
 
 
 def spatial_order(query: torch.Tensor, points: torch.Tensor, kp: int) -> tuple[torch.Tensor, ...]:

@@ -90,10 +90,10 @@ class DilatedAttention(Mixer):
             out = functional.dilated_attention(q, k, v, (layout.h, layout.w), self.kernel_size, self.dilations,
                                                self.border)  # (B, heads, N, d)
         else:
-            out = self._mix_points(q, k, v, layout.xyz)  # (B, heads, N, d)
+            out = self._mix_points(q, k, v, layout)  # (B, heads, N, d)
         return self.proj(rearrange(out, "b h n d -> b n (h d)"))
 
-    def _mix_points(self, q, k, v, xyz):
+    def _mix_points(self, q, k, v, layout):
         """Each point against every r-th of its K*r nearest points, r its head group's rate: q, k, v (B, heads, N, d)
         -> (B, heads, N, d).
 
@@ -103,10 +103,11 @@ class DilatedAttention(Mixer):
         float64) the keys and values of each point's K neighbours are gathered (B, heads / groups, N, K, d) per
         group as before.
         """
-        n = xyz.shape[1]
-        nearest = knn(xyz, xyz, min(self.neighbours * max(self.dilations), n))  # (B, N, K * r_max), nearest first
+        kr = min(self.neighbours * max(self.dilations), len(layout))
+        # (B, N, K * r_max), nearest first: searched once for all the layers that share the layout and K r_max
+        nearest = layout.memo(("knn", kr), lambda: knn(layout.xyz, layout.xyz, kr))
         if functional.index_backend((q, k, v)) == "triton":
-            return self._mix_points_indexed(q, k, v, nearest)
+            return self._mix_points_indexed(q, k, v, nearest, layout)
         # the head groups' (B, heads / groups, N, d) views. Split, not indexed: a split's backward is one
         # concatenation, where each indexed slice wrote a zero-filled gradient of the whole tensor and the
         # slices' gradients were then summed (12 fills and 9 sums of (B, heads, N, d) a step with 4 groups)
@@ -120,14 +121,18 @@ class DilatedAttention(Mixer):
             out.append(functional.dilated_point_attention(qg, *kv))  # (B, heads / groups, N, d)
         return torch.cat(out, dim=1)
 
-    def _mix_points_indexed(self, q, k, v, nearest):
+    def _mix_points_indexed(self, q, k, v, nearest, layout):
         """:meth:`_mix_points` by one :func:`functional.index_attention` call for every head group, never gathering
         the (B, heads / groups, N, K, d) keys and values. The batch is flattened: sample b's points are rows
-        b N + j; group g's table holds every r_g-th of each point's nearest rows."""
+        b N + j; group g's table holds every r_g-th of each point's nearest rows (kept on the layout too)."""
         b, heads, n, d = q.shape
-        first = (torch.arange(b, device=nearest.device) * n).view(b, 1, 1)  # (B, 1, 1) first row of each sample
-        tables = torch.stack([nearest[:, :, :self.neighbours * r:r] for r in self.dilations])  # (G, B, N, K)
-        idx = (tables + first).view(len(self.dilations), b * n, -1)  # (G, B N, K) rows of the batch
+
+        def tables():
+            first = (torch.arange(b, device=nearest.device) * n).view(b, 1, 1)  # (B, 1, 1) first row of each sample
+            per_rate = torch.stack([nearest[:, :, :self.neighbours * r:r] for r in self.dilations])  # (G, B, N, K)
+            return (per_rate + first).view(len(self.dilations), b * n, -1)  # (G, B N, K) rows of the batch
+
+        idx = layout.memo(("dilated rows", nearest.shape[-1], self.neighbours, tuple(self.dilations)), tables)
         # (B, heads, N, d) -> (B, N, heads, d) -> (B N, heads d): views of the qkv projection (rows 3C apart)
         rows = [t.transpose(1, 2).reshape(b * n, -1) for t in (q, k, v)]
         out = functional.index_attention(*rows, idx, heads)  # (B N, heads d)

@@ -96,7 +96,7 @@ from torch import nn
 from .. import functional
 from ..base import Mixer, check_positive
 from ..errors import UserError
-from ..pointops import farthest_point_sample, gather, knn
+from ..pointops import MORTON_BITS, farthest_point_sample, gather, knn, morton_codes
 from ..registry import register
 from ..tensor_cache import tensor_cache
 
@@ -210,24 +210,20 @@ GATHER_CHUNK_ELEMENTS = {"cpu": 1 << 19}
 GATHER_CHUNK_ELEMENTS_ELSEWHERE = 1 << 24
 
 
-def morton_order(xyz: torch.Tensor, bits: int = 10) -> torch.Tensor:
+def morton_order(xyz: torch.Tensor) -> torch.Tensor:
     """(B, N) permutation of each sample's points along a Morton (Z-order) curve through their bounding box.
 
     A memory layout only: the point-set path runs its attention with queries and keys in this order, so that
     a chunk of queries lies in a small region of space and gathers its keys from a few nearby rows, which stay
     in cache (at N = 16384 on a CPU the attention took 0.46 s, forward and backward, against 0.84 s with the
-    points in a random order); the result does not depend on the order. Coordinates are quantised to 2^bits
-    cells a side; equal codes keep the points' order.
+    points in a random order); the result does not depend on the order. Coordinates are quantised to
+    2^MORTON_BITS cells along each side of the box (:func:`attention.pointops.morton_codes`); equal codes keep the
+    points' order.
     """
     xyz = xyz.float() if xyz.dtype in functional.HALF else xyz
     lo, hi = xyz.amin(dim=1, keepdim=True), xyz.amax(dim=1, keepdim=True)  # (B, 1, 3)
-    cells = ((xyz - lo) / (hi - lo).clamp_min(torch.finfo(xyz.dtype).tiny) * (2 ** bits - 1)).long()  # (B, N, 3)
-    cells = cells.clamp_(0, 2 ** bits - 1)
-    code = torch.zeros(xyz.shape[:2], dtype=torch.long, device=xyz.device)  # (B, N)
-    for bit in range(bits):
-        for axis in range(3):
-            code |= ((cells[..., axis] >> bit) & 1) << (3 * bit + axis)
-    return code.argsort(dim=1, stable=True)
+    scale = (1 << MORTON_BITS) / (hi - lo).clamp_min(torch.finfo(xyz.dtype).tiny)  # (B, 1, 3) cells per unit
+    return morton_codes(xyz, lo, scale).argsort(dim=1, stable=True)
 
 
 def _chunks(index: torch.Tensor, channels: int):
@@ -392,7 +388,7 @@ class FocalAttention(Mixer):
     def mix(self, x, layout):
         if layout.kind == "grid":
             return self._mix_grid(x, layout.h, layout.w)
-        return self._mix_points(x, layout.xyz)
+        return self._mix_points(x, layout)
 
     def _kv(self, t):
         """Keys and values (..., 2C) of tokens t (..., C): the k and v rows of the qkv projection."""
@@ -487,36 +483,49 @@ class FocalAttention(Mixer):
             seen.append(everyone if m <= t else knn(xyz, centres[:, :m], t))  # (B, N, min(t, m))
         return fine, regions, seen
 
-    def _mix_points(self, x, xyz):
+    @torch.no_grad()
+    def point_plan(self, xyz) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What :meth:`_mix_points` derives from the points alone: the coarse levels' regions to pool (B, m, s)
+        (:meth:`point_regions`), the order the attention runs the points in (B, N) and each point's place in it
+        (B, N) (:func:`morton_order`), and every query's key rows (B N, M) in that order, in one table of sources
+        a sample (its points in order, then each level's pooled tokens), samples one after another."""
+        b, n, _ = xyz.shape
+        fine, regions, seen = self.point_regions(xyz)
+        order = morton_order(xyz)  # (B, N): the points in the order the attention runs them
+        arange = torch.arange(n, device=xyz.device).expand(b, n)  # (B, N)
+        rank = torch.empty_like(order).scatter_(1, order, arange)  # (B, N): each point's place in the order
+        # first source row of each level in a sample's table: points, then each level's m pooled tokens
+        firsts = [n + sum(r.shape[1] for r in regions[:k]) for k in range(len(regions))]
+        index = torch.cat([fine] + [near + first for near, first in zip(seen, firsts)], dim=2)  # (B, N, M)
+        s = n + sum(r.shape[1] for r in regions)  # sources a sample
+        # the row of each source in the flattened table (B*S) whose points are in order
+        row = torch.cat([rank, torch.arange(n, s, device=xyz.device).expand(b, -1)], dim=1)  # (B, S)
+        row = row + s * torch.arange(b, device=xyz.device)[:, None]
+        index = row.gather(1, index.view(b, -1)).view(b, n, -1)  # (B, N, M) rows of the table
+        index = index.gather(1, order[..., None].expand(-1, -1, index.shape[-1]))  # queries in order
+        return regions, order, rank, index.view(b * n, -1)
+
+    def _mix_points(self, x, layout):
         """Each point against its fine neighbours, then each level's nearest pooled tokens, in one softmax.
 
         The keys are named by an index into one table of sources (the points, then each level's pooled
         tokens) and :func:`gathered_attention` gathers them chunk by chunk, never the (B, N, K + t, 2C) keys
         and values at once. Queries and point sources run in :func:`morton_order`, for the cache; the output
         comes back in the points' order, and each point's keys keep their order (fine, then level by level).
+        The plan (:meth:`point_plan`) is kept on the layout: the layers of a network that share it search the
+        points once.
         """
         b, n, c = x.shape
-        fine, regions, seen = self.point_regions(xyz)
+        options = (self.neighbours, self.window_size, self.focal_level, self.focal_window, self.coarse_neighbours)
+        regions, order, rank, index = layout.memo(("focal plan", options), lambda: self.point_plan(layout.xyz))
         qkv = self.qkv(x)  # (B, N, 3C)
         pooled = [self._kv(gather(x, region).mean(dim=2)) for region in regions]  # per level (B, m, 2C)
-        with torch.no_grad():
-            order = morton_order(xyz)  # (B, N): the points in the order the attention runs them
-            arange = torch.arange(n, device=x.device).expand(b, n)  # (B, N)
-            rank = torch.empty_like(order).scatter_(1, order, arange)  # (B, N): each point's place in the order
-            # first source row of each level in a sample's table: points, then each level's pooled tokens
-            firsts = [n + sum(p.shape[1] for p in pooled[:k]) for k in range(len(pooled))]
-            index = torch.cat([fine] + [near + first for near, first in zip(seen, firsts)], dim=2)  # (B, N, M)
-            s = n + sum(p.shape[1] for p in pooled)  # sources a sample
-            # the row of each source in the flattened table (B*S) whose points are in order
-            row = torch.cat([rank, torch.arange(n, s, device=x.device).expand(b, -1)], dim=1)  # (B, S)
-            row = row + s * torch.arange(b, device=x.device)[:, None]
-            index = row.gather(1, index.view(b, -1)).view(b, n, -1)  # (B, N, M) rows of the table
-            index = index.gather(1, order[..., None].expand(-1, -1, index.shape[-1]))  # queries in order
+        s = n + sum(p.shape[1] for p in pooled)  # sources a sample
         q = gather(qkv[..., :c], order)  # (B, N, C) in order
         k = torch.cat([gather(qkv[..., c:2 * c], order)] + [p[..., :c] for p in pooled], dim=1)  # (B, S, C)
         v = torch.cat([gather(qkv[..., 2 * c:], order)] + [p[..., c:] for p in pooled], dim=1)
-        out = gathered_attention(q.reshape(b * n, c), k.reshape(b * s, c), v.reshape(b * s, c),
-                                 index.view(b * n, -1), self.heads)  # (B*N, C) in order
+        out = gathered_attention(q.reshape(b * n, c), k.reshape(b * s, c), v.reshape(b * s, c), index,
+                                 self.heads)  # (B*N, C) in order
         return self.proj(gather(out.view(b, n, c), rank))  # (B, N, C) in the points' order
 
     def extra_repr(self) -> str:

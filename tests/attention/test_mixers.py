@@ -136,6 +136,56 @@ def test_layout_constructors_validate():
     assert len(Points(torch.rand(2, 7, 3))) == 7
 
 
+@pytest.mark.parametrize("name", ["dilated", "focal"])
+def test_layers_sharing_a_points_layout_search_the_points_once(name):
+    """What a local variant derives from the points alone (dilated's nearest neighbours, focal's regions, order and
+    key rows) is kept on the layout: the second layer of a network searches nothing, and computes what a layer
+    with its own fresh layout computes, bit for bit, forward and backward. An in-place change to the points makes
+    the layout search again."""
+    from op_log import OpLog
+
+    first, second = build(name, neighbours=6), build(name, neighbours=6)
+    gen = torch.Generator().manual_seed(3)
+    xyz = torch.rand(2, 40, 3, generator=gen)
+    x = torch.randn(2, 40, DIM, generator=gen, requires_grad=True)
+    shared = Points(xyz.clone())
+
+    def searches(call):
+        with OpLog() as log:
+            out = call()
+        return out, sum(op in ("knn", "farthest_point_sample") for op in log.count.elements())
+
+    h, searched = searches(lambda: first(x, shared))
+    assert searched > 0
+    out, searched = searches(lambda: second(h, shared))
+    assert searched == 0
+    expected = second(first(x, Points(xyz.clone())), Points(xyz.clone()))
+    assert torch.equal(out, expected)
+    (grad,) = torch.autograd.grad(out.square().sum(), x)
+    assert torch.equal(grad, torch.autograd.grad(expected.square().sum(), x)[0])
+
+    shared.xyz.mul_(-1)  # the points move: the kept search is stale
+    out, searched = searches(lambda: second(h, shared))
+    assert searched > 0
+    assert torch.equal(out, second(h, Points(-xyz)))
+
+
+def test_points_memo_is_kept_per_key_and_not_under_a_fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    layout, made = Points(torch.rand(1, 5, 3)), []
+    assert layout.memo("a", lambda: made.append("a") or 1) == 1
+    assert layout.memo("a", lambda: made.append("a") or 2) == 1
+    assert layout.memo("b", lambda: made.append("b") or 3) == 3
+    assert made == ["a", "b"]
+    with FakeTensorMode():
+        fake = Points(torch.rand(1, 5, 3))
+        fake.memo("a", lambda: made.append("fake"))
+        fake.memo("a", lambda: made.append("fake"))
+    assert made == ["a", "b", "fake", "fake"]
+    assert "xyz" in repr(layout) and "memo" not in repr(layout)
+
+
 # --------------------------------------------------------------------------------------------
 # Options, registry
 # --------------------------------------------------------------------------------------------

@@ -602,7 +602,7 @@ torch.save(out, sys.argv[2])
 def morton_neighbours(points: torch.Tensor, first: int, count: int) -> torch.Tensor:
     """The indices (count,) of points (N, 3) at places first .. first + count - 1 of their Morton order: queries
     like those one program takes when the queries are the points (M = N)."""
-    from attention.knn_triton import morton_codes
+    from attention.pointops import morton_codes
 
     lo = points.amin(0)
     side = (points.amax(0) - lo).max()
@@ -713,7 +713,7 @@ def test_knn_triton_visit_order_takes_every_tile_once_nearest_first():
 
 
 def test_knn_triton_morton_codes_interleave_the_cells_bits():
-    from attention.knn_triton import morton_codes
+    from attention.pointops import morton_codes
 
     cells = torch.tensor([[[1023, 0, 0], [0, 1023, 0], [5, 3, 1], [2000, -5, float("nan")]]])  # (1, 4, 3)
     codes = morton_codes(cells, torch.zeros(1, 1, 3), torch.ones(1, 1, 1))[0].tolist()
