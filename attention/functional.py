@@ -143,12 +143,15 @@ class OffsetFull(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, eps):
-        attn = torch.softmax(q @ k.transpose(-2, -1), dim=-1)  # (B, h, N, M)
-        denom = attn.sum(dim=-2).add_(eps)  # (B, h, M): eps + each column's sum over the queries
-        out = (attn.transpose(-2, -1) @ v).div_(denom.unsqueeze(-1))  # (B, h, M, d_v): A^T v / D
+        # on the (B h) matrices: bmm, where matmul on (B, h, ., .) wraps each product in about ten more dispatched
+        # ops (its expands and reshapes; host time, in a step bound by its launches); views where h = 1 (PCT)
+        q3, k3, v3 = (t.flatten(0, 1) for t in (q, k, v))  # (B h, N | M, d)
+        attn = torch.softmax(torch.bmm(q3, k3.transpose(1, 2)), dim=-1)  # (B h, N, M)
+        denom = attn.sum(dim=1).add_(eps)  # (B h, M): eps + each column's sum over the queries
+        out = torch.bmm(attn.transpose(1, 2), v3).div_(denom.unsqueeze(-1))  # (B h, M, d_v): A^T v / D
         ctx.save_for_backward(q, k, v, attn, denom, out)
         ctx.eps = eps
-        return out
+        return out.view(*k.shape[:-1], v.shape[-1])  # (B, h, M, d_v)
 
     @staticmethod
     def backward(ctx, grad):
@@ -167,16 +170,15 @@ class OffsetFull(torch.autograd.Function):
                                                  [t for t, take in zip((q, k, v), first) if take], grad,
                                                  create_graph=True))
             return (*(next(grads) if take else None for take in first), None)
-        d_u = grad / denom.unsqueeze(-1)  # (B, h, M, d_v)
-        d_denom = (d_u * out).sum(-1)  # (B, h, M): minus the gradient of D
-        n, m = attn.shape[-2:]
-        # dA = v dU^T - dD (B, h, N, M) as one baddbmm over the (B h) matrices, the (M,) row broadcast over N
-        d_attn = torch.baddbmm(d_denom.reshape(-1, 1, m), v.reshape(-1, n, v.shape[-1]),
-                               d_u.reshape(-1, m, d_u.shape[-1]).transpose(1, 2), beta=-1).view(attn.shape)
-        d_logits = torch._softmax_backward_data(d_attn, attn, -1, attn.dtype)  # (B, h, N, M)
-        dq = d_logits @ k if ctx.needs_input_grad[0] else None
-        dk = d_logits.transpose(-2, -1) @ q if ctx.needs_input_grad[1] else None
-        dv = attn @ d_u if ctx.needs_input_grad[2] else None
+        q3, k3, v3 = (t.flatten(0, 1) for t in (q, k, v))  # (B h, N | M, d)
+        d_u = grad.flatten(0, 1) / denom.unsqueeze(-1)  # (B h, M, d_v)
+        d_denom = (d_u * out).sum(-1)  # (B h, M): minus the gradient of D
+        # dA = v dU^T - dD (B h, N, M) as one baddbmm, the (M,) row broadcast over N
+        d_attn = torch.baddbmm(d_denom.unsqueeze(1), v3, d_u.transpose(1, 2), beta=-1)
+        d_logits = torch._softmax_backward_data(d_attn, attn, -1, attn.dtype)  # (B h, N, M)
+        dq = torch.bmm(d_logits, k3).view(q.shape) if ctx.needs_input_grad[0] else None
+        dk = torch.bmm(d_logits.transpose(1, 2), q3).view(k.shape) if ctx.needs_input_grad[1] else None
+        dv = torch.bmm(attn, d_u).view(v.shape) if ctx.needs_input_grad[2] else None
         return dq, dk, dv, None
 
 
