@@ -235,14 +235,30 @@ def act_(y: torch.Tensor, act: nn.Module) -> torch.Tensor:
 def bn_act(h: torch.Tensor, bn: nn.Module, act: nn.Module) -> torch.Tensor:
     """act(bn(h)) over the rows of h (..., C). BatchNorm1d on (R, C) is BatchNorm1d on (B, C, N) with R = B N rows:
     the same statistics and running-stat updates. The module itself runs, so SyncBatchNorm works too."""
-    return act_(bn(h.reshape(-1, h.shape[-1])), act).view(h.shape)  # (R, C) -> (..., C)
+    out = act_(bn(rows(h)), act)  # (R, C)
+    return out if h.dim() == 2 else out.view(h.shape)  # (..., C)
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` on the rows of x (..., I) -> (R, O). On a (R, I) matrix ``F.linear`` is one ``addmm`` or ``mm``
+    and its backward two products; on (..., I) it goes through ``matmul``, whose reshapes and transposes
+    around the product are more host ops each way (PCT's eager step at batch 16 is bound by its host)."""
+    return F.linear(rows(x), weight, bias)
+
+
+def rows(x: torch.Tensor) -> torch.Tensor:
+    """x (..., C) as a (R, C) matrix: x itself, a view (one op: ``reshape`` is two) or, not contiguous, a copy."""
+    if x.dim() == 2:
+        return x
+    return x.view(-1, x.shape[-1]) if x.is_contiguous() else x.reshape(-1, x.shape[-1])
 
 
 def linear_bn_act(x: torch.Tensor, conv: nn.Module, bn: nn.Module, act: nn.Module) -> torch.Tensor:
     """act(bn(conv(x))) on token-major x (..., I) -> (..., O)."""
     weight, bias, normalised = fold(conv, bn)
-    y = F.linear(x, weight, bias)  # (..., O)
-    return act_(y, act) if normalised else bn_act(y, bn, act)
+    y = linear_rows(x, weight, bias)  # (R, O)
+    y = act_(y, act) if normalised else bn_act(y, bn, act)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])  # (..., O)
 
 
 def conv_bn_act_max(x: torch.Tensor, layer: nn.Sequential) -> torch.Tensor:
@@ -257,19 +273,20 @@ def conv_bn_act_max(x: torch.Tensor, layer: nn.Sequential) -> torch.Tensor:
     """
     conv, bn, act = layer
     weight, bias, normalised = fold(conv, bn)
-    h = F.linear(x, weight, bias)  # (..., K, O)
+    *lead, k, _ = x.shape
+    h = linear_rows(x, weight, bias)  # (R K, O)
+    c = h.shape[-1]
     monotone = type(act) is nn.ReLU or (type(act) is nn.LeakyReLU and act.negative_slope >= 0)
-    if normalised and monotone:
-        return act_(h.max(dim=-2).values, act)  # act(max) = max(act): the scale is folded in, h is a h + c
+    if normalised and monotone:  # act(max) = max(act): the scale is folded in, h is a h + c
+        return act_(h.view(-1, k, c).max(dim=1).values, act).view(*lead, c)
     # Under torch.compile the plain form: the compiler fuses it itself, and batch_norm_update_stats (below) has no
     # fake-tensor kernel, so the fused form would break the graph there.
     fused = (FUSED_NORM_ACT_MAX and monotone and type(bn) is nn.BatchNorm1d and bn.affine
              and h.dtype in (torch.float32, torch.float64)
              and not torch.is_autocast_enabled(h.device.type) and not torch.compiler.is_compiling())
     if not fused:
-        return (act_(h, act) if normalised else bn_act(h, bn, act)).max(dim=-2).values
-    *lead, k, c = h.shape
-    mean, invstd = batch_statistics(h.view(-1, c), bn)
+        return (act_(h, act) if normalised else bn_act(h, bn, act)).view(-1, k, c).max(dim=1).values.view(*lead, c)
+    mean, invstd = batch_statistics(h, bn)
     slope = act.negative_slope if type(act) is nn.LeakyReLU else 0.0
     return NormActMax.apply(h.view(-1, k, c), bn.weight, bn.bias, mean, invstd, slope).view(*lead, c)
 
@@ -415,13 +432,13 @@ def _neighbourhoods_fake(xyz, samples, neighbours, like_kernel):
     return xyz.new_empty(b, samples, dtype=torch.long), xyz.new_empty(b, samples, neighbours, dtype=torch.long)
 
 
-def group_rows(points: torch.Tensor, centre: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-    """points (B, N, C) at groups (B, S, K), plus centre (B, S, C) -> (B, S, K, C), by :class:`GroupRows`: rows of
-    the (B N, C) matrix by indexing, a quarter faster, forward and backward, than ``torch.gather`` with an
-    index expanded over the channels (``attention.pointops.gather``)."""
-    b, n, c = points.shape
-    rows = groups + torch.arange(b, device=groups.device).view(b, 1, 1) * n  # (B, S, K) rows of (B N, C)
-    return GroupRows.apply(points.reshape(b * n, c), centre, rows)  # (B, S, K, C)
+def group_rows(points: torch.Tensor, centre: torch.Tensor, groups: torch.Tensor, n: int) -> torch.Tensor:
+    """points (B N, C), B samples of n, at groups (B, S, K), plus centre (B, S, C) -> (B, S, K, C), by
+    :class:`GroupRows`: rows of the (B N, C) matrix by indexing, a quarter faster, forward and backward, than
+    ``torch.gather`` with an index expanded over the channels (``attention.pointops.gather``)."""
+    b = groups.shape[0]
+    index = groups + torch.arange(b, device=groups.device).view(b, 1, 1) * n  # (B, S, K) rows of (B N, C)
+    return GroupRows.apply(points, centre, index)  # (B, S, K, C)
 
 
 class SampleAndGroup(nn.Module):
@@ -446,9 +463,10 @@ class SampleAndGroup(nn.Module):
         c = feats.shape[-1]
         weight, bias, normalised = fold(first[0], first[1], cast=False)  # (C_out, 2C): [W_d | W_c] on [g - c, c]
         w_d, w_c = weight[:, :c], weight[:, c:]
-        points = F.linear(feats, w_d)  # (B, N, C_out): W_d g for every point
+        b, n, _ = feats.shape
+        points = linear_rows(feats, w_d)  # (B N, C_out): W_d g for every point
         centre = F.linear(gather(feats, centres), w_c - w_d, bias)  # (B, S, C_out): (W_c - W_d) c (+ BN's shift)
-        h = group_rows(points, centre, groups)  # (B, S, K, C_out)
+        h = group_rows(points, centre, groups, n)  # (B, S, K, C_out)
         x = act_(h, first[2]) if normalised else bn_act(h, first[1], first[2])
         return new_xyz, conv_bn_act_max(x, second)  # (B, S, C_out)
 
@@ -551,11 +569,12 @@ class PCT(FoldingNetwork):
             raise UserError(f"PCT got {xyz.shape[1]} points per shape but samples {self.min_points} centres with "
                             f"{self.neighbours} neighbours; raise data.npoints or lower model.samples/model.neighbours.")
         with folded_for_inference(self):
-            feats = self.embed(xyz)  # (B, N, C)
+            b, n, _ = xyz.shape
+            feats = self.embed(rows(xyz)).view(b, n, -1)  # (B, N, C): the layers on (B N, .) rows, one view each way
             for group in self.groups:
                 xyz, feats = group(xyz, feats)  # (B, S, 3), (B, S, C)
             layout = attention.Points(xyz)
-            x = self.pre(feats)  # (B, S, C)
+            x = self.pre(rows(feats)).view(feats.shape[0], feats.shape[1], -1)  # (B, S, C)
             outs = []
             for block in self.blocks:
                 x = block(x, layout)
@@ -619,7 +638,8 @@ class PCTPartSeg(FoldingNetwork):
         # points (B, N, 3 or 6) with xyz first, category (B,) -> part logits (B, parts, N)
         with folded_for_inference(self):
             layout = attention.Points(points[..., :3])
-            x = self.embed(points)  # (B, N, 128)
+            b, n, _ = points.shape
+            x = self.embed(rows(points)).view(b, n, -1)  # (B, N, 128): the layers on (B N, .) rows
             outs = []
             for block in self.blocks:
                 x = block(x, layout)
@@ -634,7 +654,8 @@ class PCTPartSeg(FoldingNetwork):
             conv, bn, act, drop, *rest = self.head
             weight, bias, normalised = fold(conv, bn)  # (512, 3136)
             c = x.shape[-1]
-            h = F.linear(x, weight[:, :c]) + F.linear(glob, weight[:, c:], bias).unsqueeze(1)  # (B, N, 512)
-            x = drop(act_(h, act) if normalised else bn_act(h, bn, act))
-            x = linear_bn_act(x, *rest[:3])  # (B, N, 256)
-            return F.linear(x, rest[3].weight.squeeze(-1), rest[3].bias).transpose(1, 2)  # (B, parts, N)
+            h = linear_rows(x, weight[:, :c]).view(b, n, -1) + F.linear(glob, weight[:, c:], bias).unsqueeze(1)
+            x = drop(act_(h.view(b * n, -1), act) if normalised else bn_act(h.view(b * n, -1), bn, act))  # (B N, 512)
+            x = linear_bn_act(x, *rest[:3])  # (B N, 256)
+            logits = F.linear(x, rest[3].weight.squeeze(-1), rest[3].bias)  # (B N, parts)
+            return logits.view(b, n, -1).transpose(1, 2)  # (B, parts, N)
