@@ -6,7 +6,6 @@ owns the conv after it). With the defaults this is exactly PCT's SA_Layer
 minus ``trans_conv`` and ``after_norm``.
 """
 
-from einops import rearrange
 from torch import nn
 
 from .. import functional
@@ -27,7 +26,11 @@ class OffsetAttention(Mixer):
         self.v = nn.Linear(dim, dim)
 
     def mix(self, x, layout):
-        qk = rearrange(self.qk(x), "b n (h d) -> b h n d", h=self.heads)
-        v = rearrange(self.v(x), "b n (h d) -> b h n d", h=self.heads)
-        out = functional.offset_attention(qk, qk, v)  # (B, h, N, d)
-        return rearrange(out, "b h n d -> b n (h d)")
+        # the projections on the (B N, C) rows: nn.Linear on (B, N, C) goes through matmul's reshapes (host ops,
+        # in PCT's batch-16 GPU step that its host bounds); views where x is contiguous
+        b, n, c = x.shape
+        rows = x.view(b * n, c) if x.is_contiguous() else x.reshape(b * n, c)
+        qk = self.qk(rows).view(b, n, self.heads, -1).transpose(1, 2)  # (B, h, N, d)
+        v = self.v(rows).view(b, n, self.heads, -1).transpose(1, 2)  # (B, h, N, d_v)
+        out = functional.offset_attention(qk, qk, v)  # (B, h, N, d_v)
+        return out.transpose(1, 2).reshape(b, n, -1)  # (B, N, h d_v): a view where h = 1
