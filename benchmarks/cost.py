@@ -149,8 +149,11 @@ class Case:
         self.layout = Points(layout.xyz.to(device)) if isinstance(layout, Points) else layout
 
     def forward(self):
+        # a fresh layout of the same points each step: a layout keeps the neighbour searches it was given
+        # (attention.Points.memo, so that a network's layers share them), and one layer's step includes its search
+        layout = Points(self.layout.xyz) if isinstance(self.layout, Points) else self.layout
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
-            return self.call(self.x, self.layout)
+            return self.call(self.x, layout)
 
     def backward(self, y):
         y.backward(self.grad.to(y.dtype))

@@ -39,6 +39,8 @@ def kernels(mixer, x, layout) -> int:
     after a training step's ``zero_grad``."""
     x.grad = None
     mixer.zero_grad(set_to_none=True)
+    if isinstance(layout, attention.Points):
+        layout = attention.Points(layout.xyz)  # fresh: its searches counted (attention.Points.memo)
     with measure.OpCounter() as ops:
         mixer(x, layout).sum().backward()
     return ops.kernels
@@ -63,7 +65,8 @@ def rows(variants, n: int, c: int, rounds: int, device, profile: bool = False) -
             def run():  # a training step's: gradients set to None, then forward and backward
                 x.grad = None
                 mixer.zero_grad(set_to_none=True)
-                fn(x, layout).sum().backward()
+                # a fresh point layout each step: one layer's step includes its searches (attention.Points.memo)
+                fn(x, attention.Points(layout.xyz) if kind == "points" else layout).sum().backward()
             return run
 
         steps = {form: step(fn) for form, fn in forms.items()}
