@@ -462,7 +462,7 @@ class SampleAndGroup(nn.Module):
         first, second = self.mlp
         c = feats.shape[-1]
         weight, bias, normalised = fold(first[0], first[1], cast=False)  # (C_out, 2C): [W_d | W_c] on [g - c, c]
-        w_d, w_c = weight[:, :c], weight[:, c:]
+        w_d, w_c = weight.split(c, dim=1)  # split, not sliced: a split's backward is one cat, each slice's a zero fill
         b, n, _ = feats.shape
         points = linear_rows(feats, w_d)  # (B N, C_out): W_d g for every point
         centre = F.linear(gather(feats, centres), w_c - w_d, bias)  # (B, S, C_out): (W_c - W_d) c (+ BN's shift)
@@ -654,7 +654,8 @@ class PCTPartSeg(FoldingNetwork):
             conv, bn, act, drop, *rest = self.head
             weight, bias, normalised = fold(conv, bn)  # (512, 3136)
             c = x.shape[-1]
-            h = linear_rows(x, weight[:, :c]).view(b, n, -1) + F.linear(glob, weight[:, c:], bias).unsqueeze(1)
+            w_x, w_g = weight.split([c, weight.shape[1] - c], dim=1)  # (512, 1024), (512, 2112): split, not sliced
+            h = linear_rows(x, w_x).view(b, n, -1) + F.linear(glob, w_g, bias).unsqueeze(1)  # (B, N, 512)
             x = drop(act_(h.view(b * n, -1), act) if normalised else bn_act(h.view(b * n, -1), bn, act))  # (B N, 512)
             x = linear_bn_act(x, *rest[:3])  # (B N, 256)
             logits = F.linear(x, rest[3].weight.squeeze(-1), rest[3].bias)  # (B N, parts)
