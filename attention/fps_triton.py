@@ -43,14 +43,19 @@ MAX_ONE_BLOCK = 8192
 CHUNK = 4096
 # Warps a program runs with; None: ``warps_for``'s rule. Every step ends in an argmax over the program's lanes, a
 # chain of dependent steps (argmax, load the new centre, distances, argmax), so fewer warps reduce with fewer
-# shared-memory round trips and barriers, more warps hold fewer points a thread. Not tuned on a GPU yet:
-# benchmarks/pct_cuda.py times the kernel with 1 to 16 warps beside pointnet2_ops to choose.
+# shared-memory round trips and barriers, more warps hold fewer points a thread. benchmarks/pct_cuda.py times the
+# kernel with 1 to 16 warps beside pointnet2_ops; the rule is what two H200 leases measured (pct-cuda-b16.md,
+# pct-cuda-compiled.md): 4 warps at 2,048 points (0.51 ms against 0.58-0.60 with the 8 of the rule before), 8 at
+# 8,192 (1.62-1.79 against 1.70-1.84 with 16) and in chunks at 65,536 (98 against 105 ms), 2 at 1,024 (3% faster
+# than 4 in both); at 512, 1 warp took 0.21 ms against 0.26 with 4 in one lease and 0.27 against 0.26 in the
+# other.
 WARPS: int | None = None
 
 
 def warps_for(block: int) -> int:
-    """Warps for a program sweeping ``block`` lanes: 8 points a thread (16 at 8192), 4 to 16 warps, unless ``WARPS``."""
-    return WARPS or min(16, max(4, block // 256))
+    """Warps for a program sweeping ``block`` lanes: 16 points a thread, 1 to 8 warps (32 points a thread at 8,192
+    in registers: 200 registers, no spills, compiled for sm_90), unless ``WARPS``."""
+    return WARPS or min(8, max(1, block // 512))
 
 
 @triton.jit

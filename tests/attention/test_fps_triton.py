@@ -273,6 +273,48 @@ def test_kernel_compiles_for_sm90_as_the_gpu_runs_it(tmp_path):
             assert not any(op.startswith("fma") for op in ops), r
 
 
+# Records the launches farthest_point_sample makes at the sizes of pct_cuda's FPS rows (and float64's largest in
+# registers and in chunks) with the warps of fps_triton.warps_for, compiles each for sm_90 and prints its resources.
+RESOURCES = """
+import json
+import sys
+import torch
+from attention import fps_triton
+from attention.pointops import farthest_point_sample
+
+sys.path.insert(0, "tests")
+from triton_sm90 import compile_sm90
+
+launches = []
+
+
+def run(planes, dist, start, out, *args, grid, warmup, **options):  # records the launch, returns indices 0
+    launches.append((fps_triton._fps_kernel, (planes, dist, start, out, *args), options))
+    out.zero_()
+
+
+fps_triton._fps_kernel.run = run
+for dtype, n in [(torch.float32, 512), (torch.float32, 1024), (torch.float32, 2048), (torch.float32, 8192),
+                 (torch.float32, 65536), (torch.float64, 4096), (torch.float64, 8192)]:
+    del launches[:]
+    farthest_point_sample(torch.rand(2, n, 3, dtype=dtype), 4, like_kernel=dtype == torch.float32, backend="triton")
+    for kernel, args, options in launches:
+        print(json.dumps(dict(n=n, dtype=str(dtype), warps=options["num_warps"], **compile_sm90(kernel, args, options))))
+"""
+
+
+def test_default_warps_hold_the_points_in_registers_without_spills(tmp_path):
+    """The warps the rule picks (1 at 512 points to 8 from 4,096, what two H200 leases measured fastest) leave the
+    compiled kernel within the register file: no stack, no local memory (1 warp at 2,048 or 4 at 8,192 would spill)."""
+    from triton_sm90 import compiled_rows
+
+    rows = compiled_rows(RESOURCES, tmp_path)
+    assert [(r["n"], r["warps"]) for r in rows] == [(512, 1), (1024, 2), (2048, 4), (8192, 8), (65536, 8),
+                                                    (4096, 8), (8192, 8)]
+    for r in rows:
+        assert r["STACK"] == 0 and r["LOCAL"] == 0 and r["REG"] <= 255, r
+
+
 def test_auto_takes_the_torch_loop_on_the_cpu(monkeypatch):
     def no_kernel(*args, **kwargs):
         raise AssertionError("backend='auto' launched the Triton kernel for CPU tensors")
