@@ -59,8 +59,8 @@ class Points:
     def memo(self, key: Hashable, make: Callable[[], T]) -> T:
         """``make()``, a function of the points alone named by ``key`` (the deriving code and its options), made
         once for this layout and kept while ``xyz`` is not changed in place (its version counter is part of the
-        key). Made anew under torch.compile (dynamo traces ``make``; the compiled graph computes it once anyway)
-        and under a fake mode (its tensors would be fake)."""
+        key). Made anew under torch.compile (dynamo traces ``make`` into the graph: a dict on the layout is not
+        state a graph can keep) and under a fake mode (its tensors would be fake)."""
         if torch.compiler.is_compiling() or under_fake_mode():
             return make()
         try:
