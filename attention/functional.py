@@ -262,6 +262,20 @@ def external_attention(q, mem_k, mem_v, eps: float = 1e-9, dropout: float = 0.0,
     return attn.transpose(-1, -2) @ mem_v  # (B, h, N, d)
 
 
+def batched_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a (..., n, k) @ b (..., k, m) -> (..., n, m), as one ``bmm`` over the flattened leading dims where they are
+    equal: ``matmul`` on tensors of more than three dims wraps the product in about ten more dispatched ops (its
+    expands and reshapes, forward and backward), host time a small N's step is bound by on a GPU. Broadcast
+    leading dims go to ``matmul``."""
+    lead = a.shape[:-2]
+    if a.dim() < 3 or lead != b.shape[:-2]:
+        return a @ b
+    if a.dim() == 3:
+        return torch.bmm(a, b)
+    out = torch.bmm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))  # (prod(...), n, m)
+    return out.view(*lead, *out.shape[-2:])
+
+
 @float32_kernel
 def taylor_linear_attention(q, k, v, eps: float = 1e-6):
     """LAM (Li et al., 2021): softmax approximated by its first-order Taylor expansion.
@@ -271,9 +285,9 @@ def taylor_linear_attention(q, k, v, eps: float = 1e-6):
     """
     q = F.normalize(q, dim=-1)
     k = F.normalize(k, dim=-1)
-    kv = k.transpose(-2, -1) @ v  # (B, h, d, d_v)
-    num = v.sum(dim=-2, keepdim=True) + q @ kv  # (B, h, N, d_v)
-    den = k.shape[-2] + q @ (k.sum(dim=-2) + eps).unsqueeze(-1)  # (B, h, N, 1)
+    kv = batched_matmul(k.transpose(-2, -1), v)  # (B, h, d, d_v)
+    num = v.sum(dim=-2, keepdim=True) + batched_matmul(q, kv)  # (B, h, N, d_v)
+    den = k.shape[-2] + batched_matmul(q, (k.sum(dim=-2) + eps).unsqueeze(-1))  # (B, h, N, 1)
     return num / den
 
 
@@ -285,9 +299,9 @@ def elu_linear_attention(q, k, v, eps: float = 1e-6):
     """
     q = F.elu(q) + 1
     k = F.elu(k) + 1
-    kv = k.transpose(-2, -1) @ v  # (B, h, d, d_v)
-    den = q @ k.sum(dim=-2).unsqueeze(-1) + eps  # (B, h, N, 1)
-    return (q @ kv) / den  # (B, h, N, d_v)
+    kv = batched_matmul(k.transpose(-2, -1), v)  # (B, h, d, d_v)
+    den = batched_matmul(q, k.sum(dim=-2).unsqueeze(-1)) + eps  # (B, h, N, 1)
+    return batched_matmul(q, kv) / den  # (B, h, N, d_v)
 
 
 @float32_kernel
@@ -302,12 +316,12 @@ def focal_attention(q, k, v, mask=None, bias=None, scale: float | None = None):
     ``bias`` (float) and ``mask`` (bool) broadcast to (..., Q, M).
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    logits = (q * scale) @ k.transpose(-2, -1)  # (..., Q, M)
+    logits = batched_matmul(q * scale, k.transpose(-2, -1))  # (..., Q, M)
     if bias is not None:
         logits = logits + bias
     if mask is not None:
         logits = logits.masked_fill(~mask, float("-inf"))
-    return torch.softmax(logits, dim=-1) @ v  # (..., Q, d_v)
+    return batched_matmul(torch.softmax(logits, dim=-1), v)  # (..., Q, d_v)
 
 
 # --------------------------------------------------------------------------------------------

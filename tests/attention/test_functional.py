@@ -390,6 +390,32 @@ def test_offset_backward_launches_fewer_kernels_and_no_broadcast_add_over_the_ma
         "bmm.default", "add.Tensor", "_softmax_backward_data.default"], plain
 
 
+def test_batched_matmul_is_matmul_with_fewer_host_ops():
+    """The linear, focal kernels' products: equal to ``@`` for equal leading dims (4-D, 5-D, 3-D), broadcast ones and
+    matrices, gradients too; on equal leading dims of 4-D tensors fewer aten ops than ``matmul``'s, forward and
+    backward (host time, in a step its launches bound)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = torch.Generator().manual_seed(30)
+    for a_shape, b_shape in [((2, 3, 5, 4), (2, 3, 4, 6)), ((2, 3, 2, 5, 4), (2, 3, 2, 4, 6)), ((3, 5, 4), (3, 4, 6)),
+                             ((2, 3, 5, 4), (4, 6)), ((2, 1, 5, 4), (1, 3, 4, 6)), ((5, 4), (4, 6))]:
+        a, b = randn(gen, *a_shape).requires_grad_(), randn(gen, *b_shape).requires_grad_()
+        got, want = AF.batched_matmul(a, b), a @ b
+        assert got.shape == want.shape and torch.allclose(got, want, rtol=0, atol=1e-14)
+        grad = randn(gen, *want.shape)
+        for g, w in zip(torch.autograd.grad(got, (a, b), grad), torch.autograd.grad(want, (a, b), grad)):
+            assert torch.allclose(g, w, rtol=0, atol=1e-13)
+
+    a, b = randn(gen, 2, 3, 5, 4).requires_grad_(), randn(gen, 2, 3, 4, 6).requires_grad_()
+
+    def host_ops(fn) -> int:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn(a, b).sum().backward()
+        return sum(e.name.startswith("aten::") for e in prof.events())
+
+    assert host_ops(AF.batched_matmul) < host_ops(torch.matmul)
+
+
 def test_offset_dispatches_fewer_host_ops_than_the_plain_chain():
     """Every op the host dispatches, views and matmul's wrappers included (what torch.profiler lists as aten ops):
     on a GPU, PCT's batch-16 step is bound by its host. The written-out function multiplies its (B h) matrices with
