@@ -154,11 +154,11 @@ def plain_max(step: Callable[[], None]) -> Callable[[], None]:
     from tasks.nets import pct
 
     def plain():
-        pct.FUSED_NORM_ACT_MAX = False
+        fused, pct.FUSED_NORM_ACT_MAX = pct.FUSED_NORM_ACT_MAX, False
         try:
             step()
         finally:
-            pct.FUSED_NORM_ACT_MAX = True
+            pct.FUSED_NORM_ACT_MAX = fused
 
     return plain
 
