@@ -398,19 +398,6 @@ def _dilated_groups(heads: int, dilations) -> list[tuple[slice, int]]:
     return [(slice(g * per, (g + 1) * per), int(r)) for g, r in enumerate(rates)]
 
 
-@float32_kernel
-def dilated_point_attention(q, k, v, scale: float | None = None):
-    """Softmax attention of each token over its own gathered neighbours (dilated kNN on point sets).
-
-    q (B, heads, N, d); k (B, heads, N, K, d) and v (B, heads, N, K, d_v) are the
-    keys and values of each query's K neighbours. softmax(q.k * scale) over the
-    K neighbours, scale = d^-0.5 by default -> (B, heads, N, d_v).
-    """
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    logits = torch.einsum("bhnd,bhnkd->bhnk", q, k) * scale  # (B, heads, N, K)
-    return torch.einsum("bhnk,bhnkd->bhnd", logits.softmax(dim=-1), v)  # (B, heads, N, d_v)
-
-
 def _dilated_windows(h: int, w: int, kernel_size: int, dilation: int):
     """The k*k window offsets of a dilated window, as a list of (o, query slices, key slices), the centre first.
 
@@ -701,24 +688,25 @@ def _dilated_backward_flops(grad_shape, q_shape, k_shape, v_shape, attn_shape, h
 # --------------------------------------------------------------------------------------------
 
 INDEX_BACKEND = "auto"
-"""Which kernel the point-set paths of ``focal`` (:func:`attention.variants.focal.gathered_attention`) and
-``dilated`` (``DilatedAttention._mix_points``) run their attention over indexed keys with: "auto" the fused Triton
-kernels (:mod:`attention.index_attention_triton`, through :func:`index_attention`) on float32 CUDA tensors where
-Triton works, and the variants' own torch paths otherwise (CPU, float64: unchanged); "torch" always the torch
-paths; "triton" always the Triton kernels, on any device (CPU tensors under ``TRITON_INTERPRET=1``: the tests), and a
-kernel that fails then raises instead of handing over to torch."""
+"""Which kernel :func:`index_attention` (the point-set paths of ``focal`` and ``dilated``) runs: "auto" the fused
+Triton kernels (:mod:`attention.index_attention_triton`) on float32 CUDA tensors where Triton works, and its chunked
+torch kernel otherwise (CPU, float64); "torch" always the torch kernel; "triton" always the Triton kernels, on any
+device (CPU tensors under ``TRITON_INTERPRET=1``: the tests), and a kernel that fails then raises instead of handing
+over to torch."""
 # The Triton kernels' family (attention.triton_kernels: imported when wanted, off for the process once one failed:
 # the variants' torch paths then take every later call, the op's torch kernel finishes the failed one).
 INDEX_KERNELS = Kernels("attention.index_attention_triton", "index_attention", "the torch path")
 # Entries (rows x M x max(C, C_v)) of the keys gathered for one chunk of rows by the op's torch kernel
-# (:func:`_index_forward_torch`), which runs only where a Triton kernel failed or backend "torch" calls the op.
-INDEX_CHUNK_ELEMENTS = 1 << 24
+# (:func:`_index_forward_torch`: the CPU's and float64's path, and wherever a Triton kernel failed). On a CPU about
+# 2 MiB of float32, so that a chunk's keys, values and gradients stay in cache (focal's point path: chunks 2 and 4
+# times larger ran slower); elsewhere (CUDA) large enough that the chunks' kernel launches stay few.
+INDEX_CHUNK_ELEMENTS = {"cpu": 1 << 19}
+INDEX_CHUNK_ELEMENTS_ELSEWHERE = 1 << 24
 
 
 def index_backend(tensors, backend: str | None = None) -> str:
-    """"triton" or "torch": what ``backend`` (None: ``INDEX_BACKEND``) picks for these tensors; the variants call
-    :func:`index_attention` on "triton" and keep their torch paths on "torch". Half precision counts as float32:
-    ``float32_kernel`` upcasts it before the op."""
+    """"triton" or "torch": the kernel ``backend`` (None: ``INDEX_BACKEND``) picks for these tensors in
+    :func:`index_attention`. Half precision counts as float32: ``float32_kernel`` upcasts it before the op."""
     return INDEX_KERNELS.pick(INDEX_BACKEND if backend is None else backend, tensors, (torch.float32, *HALF))
 
 
@@ -740,8 +728,9 @@ def _index_forward(q, k, v, index, heads, scale, backend=None):
     return _index_forward_torch(q, k, v, index, heads, scale)
 
 
-def _index_chunks(rows: int, m: int, width: int):
-    step = max(1, INDEX_CHUNK_ELEMENTS // max(1, m * width))
+def _index_chunks(rows: int, m: int, width: int, device: torch.device):
+    budget = INDEX_CHUNK_ELEMENTS.get(device.type, INDEX_CHUNK_ELEMENTS_ELSEWHERE)
+    step = max(1, budget // max(1, m * width))
     return [slice(start, start + step) for start in range(0, rows, step)]
 
 
@@ -753,9 +742,29 @@ def _per_table(index, heads, d, d_v):
              slice(g * per, (g + 1) * per)) for g in range(index.shape[0])]
 
 
+def _per_head(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows t (r, C) as (r heads, 1, d): one single-row matrix per (row, head)."""
+    return t.reshape(t.shape[0] * heads, 1, -1)
+
+
+def _gathered(t: torch.Tensor, idx: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows of t (T, C) at idx (r, M), per head: (r heads, M, d), the matrices ``bmm`` takes."""
+    r, m = idx.shape
+    rows = t.index_select(0, idx.reshape(-1)).view(r, m, heads, -1)  # (r, M, heads, d)
+    return rows.transpose(1, 2).reshape(r * heads, m, -1)  # (r heads, M, d)
+
+
+def _scatter_add_(acc: torch.Tensor, idx: torch.Tensor, g: torch.Tensor, heads: int) -> None:
+    """acc (T, C) += g (r heads, M, d) at the rows idx (r, M): the transpose of :func:`_gathered`."""
+    r, m = idx.shape
+    acc.index_add_(0, idx.reshape(-1), g.view(r, heads, m, -1).transpose(1, 2).reshape(r * m, -1))  # (r M, C)
+
+
 def _index_forward_torch(q, k, v, index, heads, scale):
     """:func:`_index_forward` in torch ops, in chunks of rows whose keys are gathered, used and dropped; G tables
-    (G, R, M) as G calls on their heads' channels."""
+    (G, R, M) as G calls on their heads' channels. Per (row, head) the products are (1, d) x (d, M) matrices of
+    one ``bmm`` (einsum over (r, M, heads, d) took contractions that copied the gathered keys around them: 6x
+    slower at focal's M = 98 on the CPU)."""
     if index.dim() == 3:
         parts = [_index_forward_torch(q[:, c], k[:, c], v[:, cv], table, per, scale)
                  for table, per, c, cv, _ in _per_table(index, heads, q.shape[1] // heads, v.shape[1] // heads)]
@@ -763,14 +772,13 @@ def _index_forward_torch(q, k, v, index, heads, scale):
     rows, m = index.shape
     d, d_v = q.shape[1] // heads, v.shape[1] // heads
     out, lse = v.new_empty(rows, heads * d_v), q.new_empty(rows, heads)
-    for sl in _index_chunks(rows, m, max(d, d_v) * heads):
-        idx = index[sl].reshape(-1)  # (r M,)
-        r = idx.numel() // max(1, m)
-        kg, vg = k.index_select(0, idx).view(r, m, heads, d), v.index_select(0, idx).view(r, m, heads, d_v)
-        logits = torch.einsum("rhd,rmhd->rhm", q[sl].reshape(r, heads, d), kg) * scale  # (r, heads, M)
-        lse[sl] = torch.logsumexp(logits, dim=-1)
-        p = torch.exp(logits - lse[sl].unsqueeze(-1))  # (r, heads, M)
-        out[sl] = torch.einsum("rhm,rmhd->rhd", p, vg).reshape(r, -1)  # (r, C_v)
+    for sl in _index_chunks(rows, m, max(d, d_v) * heads, q.device):
+        idx = index[sl]  # (r, M)
+        r = idx.shape[0]
+        # q scaled first, then softmax: focal_attention's operations, so the same bits as its gathered form
+        logits = torch.bmm(_per_head(q[sl] * scale, heads), _gathered(k, idx, heads).transpose(1, 2))  # (r h, 1, M)
+        lse[sl] = torch.logsumexp(logits, dim=-1).view(r, heads)
+        out[sl] = torch.bmm(torch.softmax(logits, dim=-1), _gathered(v, idx, heads)).view(r, -1)  # (r, C_v)
     return out, lse
 
 
@@ -796,19 +804,33 @@ def _index_backward_torch(grad, q, k, v, index, out, lse, heads, scale):
         return tuple(torch.cat(grads, 1) for grads in zip(*parts))
     rows, m = index.shape
     d, d_v = q.shape[1] // heads, v.shape[1] // heads
-    dq, dk, dv = torch.empty_like(q, memory_format=torch.contiguous_format), k.new_zeros(k.shape), v.new_zeros(v.shape)
+    dq, dk, dv = q.new_empty(rows, heads * d), k.new_zeros(k.shape), v.new_zeros(v.shape)
     delta = (grad * out).view(rows, heads, d_v).sum(-1)  # (R, heads) D = dO . O
-    for sl in _index_chunks(rows, m, max(d, d_v) * heads):
-        idx = index[sl].reshape(-1)  # (r M,)
-        r = idx.numel() // max(1, m)
-        kg, vg = k.index_select(0, idx).view(r, m, heads, d), v.index_select(0, idx).view(r, m, heads, d_v)
-        qc, gc = q[sl].reshape(r, heads, d), grad[sl].reshape(r, heads, d_v)
-        p = torch.exp(torch.einsum("rhd,rmhd->rhm", qc, kg) * scale - lse[sl].unsqueeze(-1))  # (r, heads, M)
-        ds = p * (torch.einsum("rhd,rmhd->rhm", gc, vg) - delta[sl].unsqueeze(-1))  # (r, heads, M)
-        dq[sl] = torch.einsum("rhm,rmhd->rhd", ds, kg).reshape(r, -1) * scale
-        dk.index_add_(0, idx, torch.einsum("rhm,rhd->rmhd", ds, qc).reshape(r * m, -1) * scale)  # (r M, C)
-        dv.index_add_(0, idx, torch.einsum("rhm,rhd->rmhd", p, gc).reshape(r * m, -1))  # (r M, C_v)
+    for sl in _index_chunks(rows, m, max(d, d_v) * heads, q.device):
+        idx = index[sl]  # (r, M)
+        r = idx.shape[0]
+        kg, vg = _gathered(k, idx, heads), _gathered(v, idx, heads)  # (r h, M, d), (r h, M, d_v)
+        qc, gc = _per_head(q[sl] * scale, heads), _per_head(grad[sl], heads)  # (r h, 1, d), (r h, 1, d_v)
+        p = torch.bmm(qc, kg.transpose(1, 2)).sub_(lse[sl].reshape(-1, 1, 1)).exp_()  # (r h, 1, M)
+        ds = torch.bmm(gc, vg.transpose(1, 2)).sub_(delta[sl].reshape(-1, 1, 1)).mul_(p)  # p (dp - D)
+        dq[sl] = torch.bmm(ds, kg).view(r, -1).mul_(scale)  # (r, C)
+        _scatter_add_(dk, idx, torch.bmm(ds.transpose(1, 2), qc), heads)  # (r h, M, d) outer products (q scaled)
+        _scatter_add_(dv, idx, torch.bmm(p.transpose(1, 2), gc), heads)
     return dq, dk, dv
+
+
+def _index_plain(q, k, v, index, heads, scale):
+    """:func:`index_attention` by autograd's ops on the gathered (R, M, C) keys and values: what a gradient of its
+    gradients (``create_graph``) differentiates, recomputed from the inputs (:func:`_index_grad`); O(R M C)."""
+    if index.dim() == 3:
+        return torch.cat([_index_plain(q[:, c], k[:, c], v[:, cv], table, per, scale)
+                          for table, per, c, cv, _ in _per_table(index, heads, q.shape[1] // heads,
+                                                                 v.shape[1] // heads)], 1)
+    rows, m = index.shape
+    kg = k[index].view(rows, m, heads, -1)  # (R, M, heads, d)
+    vg = v[index].view(rows, m, heads, -1)  # (R, M, heads, d_v)
+    logits = torch.einsum("rhd,rmhd->rhm", q.reshape(rows, heads, -1), kg) * scale  # (R, heads, M)
+    return torch.einsum("rhm,rmhd->rhd", logits.softmax(-1), vg).reshape(rows, -1)  # (R, C_v)
 
 
 _LIB.define("index_attention(Tensor q, Tensor k, Tensor v, Tensor index, SymInt heads, float scale) "
@@ -844,19 +866,31 @@ def _index_grad(ctx, grad, grad_lse):
         return (None,) * 6
     q, k, v, index, out, lse = ctx.saved_tensors
     device = q.device.type  # a backward called under autocast stays in q's dtype; "meta" (FLOP counts) has none
-    # the kernel itself (as the eager forward), or the op where its gradient may be differentiated or a mode must
-    # see it (as in _dilated_grad)
-    direct = not torch.is_grad_enabled() and skips_dispatch(grad, q)
     with torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else contextlib.nullcontext():
+        if torch.is_grad_enabled():  # create_graph (a gradient penalty): the plain ops' graph, recomputed
+            return (*_index_plain_grads(grad.to(q.dtype), q, k, v, index, *ctx.args), None, None, None)
+        # the kernel itself (as the eager forward), or the op where a mode must see it (as in _dilated_grad)
+        direct = skips_dispatch(grad, q)
         with below_autograd() if direct else contextlib.nullcontext():
             dq, dk, dv = (_index_backward if direct else _index_backward_op)(grad.to(q.dtype), q, k, v, index, out,
                                                                             lse, *ctx.args)
     return dq, dk, dv, None, None, None
 
 
+def _index_plain_grads(grad, q, k, v, index, heads, scale):
+    """The gradients of :func:`_index_plain` w.r.t. q, k, v, with their own graph (second derivatives on every
+    device; the kernels' backward has none). Each tensor once: a tensor passed as two of q, k, v gets its whole
+    gradient at every repeat from autograd.grad, which autograd would then add up twice."""
+    first = [t.requires_grad and not any(t is u for u in (q, k, v)[:i]) for i, t in enumerate((q, k, v))]
+    with torch.enable_grad():
+        grads = iter(torch.autograd.grad(_index_plain(q, k, v, index, heads, scale),
+                                         [t for t, take in zip((q, k, v), first) if take], grad, create_graph=True))
+    return [next(grads) if take else None for take in first]
+
+
 def _index_double_grad(ctx, *grads):
-    raise RuntimeError("index_attention: a gradient of its gradients (double backward) is not implemented by the "
-                       "Triton kernels; on the CPU and in float64 the variants' torch paths provide it.")
+    raise RuntimeError("index_attention_backward: not differentiable; a gradient of index_attention's gradients "
+                       "(create_graph) differentiates the plain ops instead (_index_plain_grads).")
 
 
 torch.library.register_autograd("attention_suite::index_attention", _index_grad,
@@ -889,8 +923,9 @@ def index_attention(q, k, v, index, heads: int, scale: float | None = None):
     call: one launch forward and two backward for all). A ``torch.library`` op (a leaf under
     torch.compile, its FLOPs counted as the gathered form's): on the Triton path (:mod:`attention.index_attention_
     triton`: one launch forward, two backward, deterministic, nothing of size R M C held), where ``INDEX_BACKEND``
-    picks it, else in chunked torch ops. The variants call it on the Triton path only (:func:`index_backend`);
-    their own torch paths keep double backward, which this op refuses.
+    picks it, else in chunked torch ops (``INDEX_CHUNK_ELEMENTS``). ``focal`` and ``dilated`` on point sets call it on
+    every device. A gradient of its gradients (``create_graph``: a gradient penalty) differentiates the plain ops,
+    recomputed from the inputs (O(R M C) memory for that pass only).
     """
     if index.dim() not in (2, 3) or (index.dim() == 3 and heads % index.shape[0]):
         raise ValueError(f"index_attention: index must be (R, M), or (G, R, M) with G dividing heads = {heads}; got "

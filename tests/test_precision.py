@@ -107,10 +107,12 @@ def dilated_logit_overflow(gen):
     return AF.dilated_attention, (q, q.clone(), randn(gen, 1, 2, 20, 8), (4, 5), 3, 2), {}
 
 
-def dilated_point_logit_overflow(gen):
-    q = 200 * randn(gen, 1, 2, 6, 8)
-    k = torch.cat([q.unsqueeze(3), randn(gen, 1, 2, 6, 3, 8)], dim=3)  # (B, heads, N, K, d): the point itself first
-    return AF.dilated_point_attention, (q, k, randn(gen, 1, 2, 6, 4, 8)), {}
+def point_logit_overflow(gen):
+    """Attention over indexed keys (focal and dilated on point sets): q = k with entries of about 200, each point
+    its own first neighbour."""
+    q = 200 * randn(gen, 6, 16)  # 6 points, 2 heads of 8
+    index = torch.cat([torch.arange(6).view(6, 1), torch.randint(0, 6, (6, 3), generator=gen)], dim=1)  # (6, 4)
+    return AF.index_attention, (q, q.clone(), randn(gen, 6, 16), index, 2), {}
 
 
 def offset_unscaled_logits(gen):
@@ -127,7 +129,7 @@ HAZARDS = [
     (elu_sum_overflow, torch.float16),
     (focal_logit_overflow, torch.float16),
     (dilated_logit_overflow, torch.float16),
-    (dilated_point_logit_overflow, torch.float16),
+    (point_logit_overflow, torch.float16),
     (offset_unscaled_logits, torch.bfloat16),
 ]
 
@@ -137,9 +139,10 @@ def test_kernel_normalises_in_float32_under_autocast(case, dtype):
     """Half-precision inputs (exactly representable, as a projection under autocast gives them): the output has
     their dtype, is finite, matches the float64 result up to its own rounding, and so do the gradients."""
     kernel, args, kwargs = case(torch.Generator().manual_seed(0))
-    args = tuple(a.to(dtype).requires_grad_() if torch.is_tensor(a) else a for a in args)
+    floats = [torch.is_tensor(a) and a.is_floating_point() for a in args]  # an index stays as it is
+    args = tuple(a.to(dtype).requires_grad_() if f else a for a, f in zip(args, floats))
     kwargs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in kwargs.items()}
-    as64 = [a.detach().double().requires_grad_() if torch.is_tensor(a) else a for a in args]
+    as64 = [a.detach().double().requires_grad_() if f else a for a, f in zip(args, floats)]
     expected = kernel(*as64, **{k: v.double() if v.is_floating_point() else v for k, v in kwargs.items()})
     weight = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     (expected * weight).sum().backward()
@@ -150,10 +153,10 @@ def test_kernel_normalises_in_float32_under_autocast(case, dtype):
     assert torch.isfinite(out).all()
     assert rel_err(out, expected) < TOL[dtype]
     (out.double() * weight).sum().backward()
-    grads = torch.cat([a.grad.flatten() for a in args if torch.is_tensor(a)])
+    grads = torch.cat([a.grad.flatten() for a, f in zip(args, floats) if f])
     assert torch.isfinite(grads).all()
     # all gradients together: a saturated softmax gives q a gradient of 1e-300 in float64 and 0 in float16
-    assert rel_err(grads, torch.cat([a.grad.flatten() for a in as64 if torch.is_tensor(a)])) < TOL[dtype]
+    assert rel_err(grads, torch.cat([a.grad.flatten() for a, f in zip(as64, floats) if f])) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=dtype_id)

@@ -41,7 +41,7 @@ from .. import functional
 from ..base import Mixer, check_positive
 from ..errors import UserError
 from ..layout import Grid
-from ..pointops import gather, knn
+from ..pointops import knn
 from ..registry import register
 
 
@@ -95,47 +95,35 @@ class DilatedAttention(Mixer):
 
     def _mix_points(self, q, k, v, layout):
         """Each point against every r-th of its K*r nearest points, r its head group's rate: q, k, v (B, heads, N, d)
-        -> (B, heads, N, d).
+        -> (B, heads, N, d), by :func:`functional.index_attention` (fused Triton kernels on a GPU, chunks of
+        gathered rows in torch elsewhere), never holding the (B, heads, N, K, d) keys and values.
 
-        Where :func:`functional.index_backend` picks the Triton kernels (float32 or half CUDA tensors), the
-        queries, keys and values go to :func:`functional.index_attention` as (B N, heads * d) row views of the qkv
-        projection, with one table of neighbour rows per head group, all groups in one call; elsewhere (the CPU,
-        float64) the keys and values of each point's K neighbours are gathered (B, heads / groups, N, K, d) per
-        group as before.
+        The batch is flattened: q, k, v go in as (B N, heads d) row views of the qkv projection, sample b's points
+        rows b N + j, and group g's table holds every r_g-th of each point's nearest rows: one call for all the
+        groups where their tables are as long (G, B N, K), else (a set smaller than K r_max) a call per group on
+        its heads' channels. The K r_max nearest are searched once, and the tables made once, for all the layers
+        that share the layout (:meth:`attention.Points.memo`).
         """
-        kr = min(self.neighbours * max(self.dilations), len(layout))
-        # (B, N, K * r_max), nearest first: searched once for all the layers that share the layout and K r_max
-        nearest = layout.memo(("knn", kr), lambda: knn(layout.xyz, layout.xyz, kr))
-        if functional.index_backend((q, k, v)) == "triton":
-            return self._mix_points_indexed(q, k, v, nearest, layout)
-        # the head groups' (B, heads / groups, N, d) views. Split, not indexed: a split's backward is one
-        # concatenation, where each indexed slice wrote a zero-filled gradient of the whole tensor and the
-        # slices' gradients were then summed (12 fills and 9 sums of (B, heads, N, d) a step with 4 groups)
-        per_group = self.heads // len(self.dilations)
-        out = []
-        for qg, kg, vg, r in zip(*(t.split(per_group, dim=1) for t in (q, k, v)), self.dilations):
-            idx = nearest[:, :, :self.neighbours * r:r]  # (B, N, K): every r-th of the K*r nearest
-            kv = [rearrange(gather(rearrange(t, "b h n d -> b n (h d)"), idx),  # (B, N, K, h*d)
-                            "b n k (h d) -> b h n k d", d=t.shape[-1])  # (B, heads / groups, N, K, d)
-                  for t in (kg, vg)]
-            out.append(functional.dilated_point_attention(qg, *kv))  # (B, heads / groups, N, d)
-        return torch.cat(out, dim=1)
-
-    def _mix_points_indexed(self, q, k, v, nearest, layout):
-        """:meth:`_mix_points` by one :func:`functional.index_attention` call for every head group, never gathering
-        the (B, heads / groups, N, K, d) keys and values. The batch is flattened: sample b's points are rows
-        b N + j; group g's table holds every r_g-th of each point's nearest rows (kept on the layout too)."""
         b, heads, n, d = q.shape
+        kr = min(self.neighbours * max(self.dilations), len(layout))
+        nearest = layout.memo(("knn", kr), lambda: knn(layout.xyz, layout.xyz, kr))  # (B, N, K r_max), nearest first
 
         def tables():
             first = (torch.arange(b, device=nearest.device) * n).view(b, 1, 1)  # (B, 1, 1) first row of each sample
-            per_rate = torch.stack([nearest[:, :, :self.neighbours * r:r] for r in self.dilations])  # (G, B, N, K)
-            return (per_rate + first).view(len(self.dilations), b * n, -1)  # (G, B N, K) rows of the batch
+            per_rate = [(nearest[:, :, :self.neighbours * r:r] + first).view(b * n, -1)  # (B N, K_g) rows
+                        for r in self.dilations]
+            return torch.stack(per_rate) if len({t.shape[1] for t in per_rate}) == 1 else per_rate  # (G, B N, K)
 
-        idx = layout.memo(("dilated rows", nearest.shape[-1], self.neighbours, tuple(self.dilations)), tables)
+        idx = layout.memo(("dilated rows", kr, self.neighbours, tuple(self.dilations)), tables)
         # (B, heads, N, d) -> (B, N, heads, d) -> (B N, heads d): views of the qkv projection (rows 3C apart)
         rows = [t.transpose(1, 2).reshape(b * n, -1) for t in (q, k, v)]
-        out = functional.index_attention(*rows, idx, heads)  # (B N, heads d)
+        if isinstance(idx, torch.Tensor):
+            out = functional.index_attention(*rows, idx, heads)  # (B N, heads d)
+        else:
+            per = heads // len(self.dilations) * d  # a group's channels
+            out = torch.cat([functional.index_attention(*(t[:, g * per:(g + 1) * per] for t in rows), table,
+                                                        heads // len(self.dilations))
+                             for g, table in enumerate(idx)], dim=1)  # (B N, heads d)
         return out.view(b, n, heads, d).transpose(1, 2)  # (B, heads, N, d)
 
     def extra_repr(self) -> str:

@@ -74,8 +74,8 @@ On point sets (no official counterpart), in place of windows:
   tokens a grid window sees; where m <= t it attends to all m in sampling
   order, so every point of a small set (N <= t * s, e.g. 2401 points with the
   defaults) sees the same coarse tokens. Attention costs O(N (K + t)) time and
-  O(N C + N (K + t)) memory: :func:`gathered_attention` never holds the (N, K + t)
-  keys and values, only their indices (see there). The searches are those of
+  O(N C + N (K + t)) memory: :func:`attention.functional.index_attention` never holds
+  the (N, K + t) keys and values, only their indices (see there). The searches are those of
   :mod:`attention.pointops`: farthest point sampling, O(N^2 / s), and k-nearest
   searches, about O(N (K + t)) on evenly spread points.
 - no position bias (the tables above are grid offsets), so ``expand_size`` and
@@ -200,15 +200,8 @@ def grid_plan(h: int, w: int, ws: int, e: int, focal_level: int, focal_window: i
 
 
 # --------------------------------------------------------------------------------------------
-# Point sets: attention over keys named by index, without materialising them
+# Point sets: the points in a cache-friendly order
 # --------------------------------------------------------------------------------------------
-
-# Entries (rows x M x C) of the keys gathered for one chunk of query rows in gathered_attention. On a CPU about
-# 2 MiB of float32, so that a chunk's keys, values and gradients stay in cache (chunks 2 and 4 times larger ran
-# slower); elsewhere (CUDA) large enough that the chunks' kernel launches stay few.
-GATHER_CHUNK_ELEMENTS = {"cpu": 1 << 19}
-GATHER_CHUNK_ELEMENTS_ELSEWHERE = 1 << 24
-
 
 def morton_order(xyz: torch.Tensor) -> torch.Tensor:
     """(B, N) permutation of each sample's points along a Morton (Z-order) curve through their bounding box.
@@ -224,92 +217,6 @@ def morton_order(xyz: torch.Tensor) -> torch.Tensor:
     lo, hi = xyz.amin(dim=1, keepdim=True), xyz.amax(dim=1, keepdim=True)  # (B, 1, 3)
     scale = (1 << MORTON_BITS) / (hi - lo).clamp_min(torch.finfo(xyz.dtype).tiny)  # (B, 1, 3) cells per unit
     return morton_codes(xyz, lo, scale).argsort(dim=1, stable=True)
-
-
-def _chunks(index: torch.Tensor, channels: int):
-    """(rows, index[rows]) over slices of query rows whose gathered keys hold about GATHER_CHUNK_ELEMENTS."""
-    budget = GATHER_CHUNK_ELEMENTS.get(index.device.type, GATHER_CHUNK_ELEMENTS_ELSEWHERE)
-    step = max(1, budget // (index.shape[1] * channels))
-    for start in range(0, index.shape[0], step):
-        rows = slice(start, start + step)
-        yield rows, index[rows]
-
-
-def _per_head(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """Rows t (r, C) as (r*heads, 1, d), one single-row matrix per (row, head)."""
-    return t.reshape(t.shape[0] * heads, 1, -1)
-
-
-def _gathered(t: torch.Tensor, idx: torch.Tensor, heads: int) -> torch.Tensor:
-    """Rows of t (T, C) at idx (r, M), per head: (r*heads, M, d)."""
-    r, m = idx.shape
-    g = t.index_select(0, idx.reshape(-1)).view(r, m, heads, -1)  # (r, M, heads, d)
-    return g.transpose(1, 2).reshape(r * heads, m, -1)  # (r*heads, M, d)
-
-
-def _scatter_add_(acc: torch.Tensor, idx: torch.Tensor, g: torch.Tensor) -> None:
-    """acc (T, C) += g (r*heads, M, d) at the rows idx (r, M): the transpose of :func:`_gathered`."""
-    r, m = idx.shape
-    g = g.view(r, -1, m, g.shape[-1]).transpose(1, 2).reshape(r * m, -1)  # (r*M, C)
-    acc.index_add_(0, idx.reshape(-1), g)
-
-
-class _GatheredAttention(torch.autograd.Function):
-    """softmax(q k[index]^T) v[index] per head, q already scaled, in chunks of query rows.
-
-    Autograd through gathered keys keeps the (R, M, C) gathered keys and values of the whole set (and builds
-    their gradients, and copies of both, in the backward); here a chunk's keys and values are gathered, used
-    and dropped, and the backward gathers them again and recomputes the chunk's softmax from q, k, v and
-    index, which are kept anyway. The backward is made of differentiable ops, so second derivatives work.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, index, heads):
-        ctx.save_for_backward(q, k, v, index)
-        ctx.heads = heads
-        out = torch.empty_like(q)  # (R, C)
-        for rows, idx in _chunks(index, q.shape[-1]):
-            kg, vg = _gathered(k, idx, heads), _gathered(v, idx, heads)  # (r*heads, M, d)
-            p = torch.softmax(torch.bmm(_per_head(q[rows], heads), kg.transpose(1, 2)), dim=-1)  # (r*heads, 1, M)
-            out[rows] = torch.bmm(p, vg).view(len(idx), -1)  # (r, C)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, index = ctx.saved_tensors
-        heads = ctx.heads
-        dq, dk, dv = [], torch.zeros_like(k), torch.zeros_like(v)
-        for rows, idx in _chunks(index, q.shape[-1]):
-            kg, vg = _gathered(k, idx, heads), _gathered(v, idx, heads)  # (r*heads, M, d)
-            qc, gc = _per_head(q[rows], heads), _per_head(grad[rows], heads)  # (r*heads, 1, d)
-            p = torch.softmax(torch.bmm(qc, kg.transpose(1, 2)), dim=-1)  # (r*heads, 1, M)
-            dp = torch.bmm(gc, vg.transpose(1, 2))  # (r*heads, 1, M)
-            ds = p * (dp - (p * dp).sum(dim=-1, keepdim=True))  # through the softmax
-            dq.append(torch.bmm(ds, kg).view(len(idx), -1))  # (r, C)
-            _scatter_add_(dk, idx, torch.bmm(ds.transpose(1, 2), qc))  # (r*heads, M, d) outer products
-            _scatter_add_(dv, idx, torch.bmm(p.transpose(1, 2), gc))
-        return torch.cat(dq), dk, dv, None, None
-
-
-@functional.float32_kernel
-def gathered_attention(q, k, v, index, heads: int, scale: float | None = None):
-    """Softmax attention of each query over the keys its row of ``index`` names, one softmax per head.
-
-    q (R, C), k and v (T, C), index (R, M) of rows of k and v: out[i] = softmax_j(q_i . k_j * scale) v_j over
-    j = index[i, 0], ..., index[i, M-1], per head of d = C / heads channels (scale d^-0.5 by default), ->
-    (R, C). The function of gathering k[index] and v[index] and calling :func:`functional.focal_attention`
-    (same logits, same softmax, same key order), without holding the gathered (R, M, C) tensors: memory
-    O(R C + T C + R M) for the inputs and indices, and one chunk of keys at a time (``_GatheredAttention``).
-
-    On float32 (or half, upcast) CUDA tensors where Triton works (``functional.INDEX_BACKEND``, see
-    :func:`functional.index_backend`), :func:`functional.index_attention` does the same in fused Triton kernels
-    (one launch forward, two backward, deterministic; no double backward there). The CPU and float64 keep
-    ``_GatheredAttention``, bit for bit as before.
-    """
-    if functional.index_backend((q, k, v)) == "triton":
-        return functional.index_attention(q, k, v, index, heads, scale)  # (R, C)
-    scale = (q.shape[-1] // heads) ** -0.5 if scale is None else scale
-    return _GatheredAttention.apply(q * scale, k.contiguous(), v.contiguous(), index, heads)
 
 
 # --------------------------------------------------------------------------------------------
@@ -509,8 +416,8 @@ class FocalAttention(Mixer):
         """Each point against its fine neighbours, then each level's nearest pooled tokens, in one softmax.
 
         The keys are named by an index into one table of sources (the points, then each level's pooled
-        tokens) and :func:`gathered_attention` gathers them chunk by chunk, never the (B, N, K + t, 2C) keys
-        and values at once. Queries and point sources run in :func:`morton_order`, for the cache; the output
+        tokens) and :func:`functional.index_attention` attends over them (one Triton kernel on a GPU, chunk by
+        chunk in torch elsewhere), never holding the (B, N, K + t, 2C) keys and values at once. Queries and point sources run in :func:`morton_order`, for the cache; the output
         comes back in the points' order, and each point's keys keep their order (fine, then level by level).
         The plan (:meth:`point_plan`) is kept on the layout: the layers of a network that share it search the
         points once.
@@ -524,8 +431,8 @@ class FocalAttention(Mixer):
         q = gather(qkv[..., :c], order)  # (B, N, C) in order
         k = torch.cat([gather(qkv[..., c:2 * c], order)] + [p[..., :c] for p in pooled], dim=1)  # (B, S, C)
         v = torch.cat([gather(qkv[..., 2 * c:], order)] + [p[..., c:] for p in pooled], dim=1)
-        out = gathered_attention(q.reshape(b * n, c), k.reshape(b * s, c), v.reshape(b * s, c), index,
-                                 self.heads)  # (B*N, C) in order
+        out = functional.index_attention(q.reshape(b * n, c), k.reshape(b * s, c), v.reshape(b * s, c), index,
+                                         self.heads)  # (B*N, C) in order
         return self.proj(gather(out.view(b, n, c), rank))  # (B, N, C) in the points' order
 
     def extra_repr(self) -> str:

@@ -292,13 +292,16 @@ def test_kernel_bad_arguments():
 
 
 def test_point_kernel_matches_brute_force():
+    """The point path's kernel, index_attention over the batch's flattened rows (sample b's points at b N + j,
+    heads side by side in the channels), against a loop over each point's own neighbours."""
     gen = torch.Generator().manual_seed(17)
     B, H, N, K, d = 2, 3, 10, 4, 5
     q, k, v = (randn(gen, B, H, N, d) for _ in range(3))
     idx = torch.randint(0, N, (B, N, K), generator=gen)
-    kn = torch.stack([k[b][:, idx[b]] for b in range(B)])  # (B, H, N, K, d)
-    vn = torch.stack([v[b][:, idx[b]] for b in range(B)])
-    assert rel_err(AF.dilated_point_attention(q, kn, vn), ref_points(q, k, v, idx)) < 1e-12
+    rows = [t.transpose(1, 2).reshape(B * N, H * d) for t in (q, k, v)]  # (B N, H d)
+    table = (idx + N * torch.arange(B).view(B, 1, 1)).view(B * N, K)  # (B N, K) rows of the batch
+    out = AF.index_attention(*rows, table, H).view(B, N, H, d).transpose(1, 2)  # (B, H, N, d)
+    assert rel_err(out, ref_points(q, k, v, idx)) < 1e-12
 
 
 # --------------------------------------------------------------------------------------------

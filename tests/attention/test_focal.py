@@ -473,7 +473,7 @@ def test_points_permutation_equivariance():
 
 
 def concatenated_keys(mixer, x, xyz):
-    """The point-set path as it was before gathered_attention: every point's (M, 2C) keys and values gathered
+    """The point-set path as it was before attention over indexed keys: every point's (M, 2C) keys and values gathered
     and concatenated into one (B, N, M, 2C) tensor, then functional.focal_attention, autograd through it all."""
     b, n, c = x.shape
     fine, regions, seen = mixer.point_regions(xyz)
@@ -487,12 +487,12 @@ def concatenated_keys(mixer, x, xyz):
     return mixer.proj(out.transpose(1, 2).reshape(b, n, c))
 
 
-@pytest.mark.parametrize("rows", [1, 7, None])  # queries per chunk of gathered_attention; None: the default
+@pytest.mark.parametrize("rows", [1, 7, None])  # queries per chunk of index_attention's torch kernel; None: the default
 def test_points_match_the_concatenated_formulation_with_gradients(rows, monkeypatch):
     """Chunked attention over indexed keys, run in Morton order: the same outputs and gradients (x and every
     parameter) as the concatenated keys, in float64, whatever the chunks (7 divides neither 300 nor 600 rows)."""
     if rows is not None:
-        monkeypatch.setitem(focal_module.GATHER_CHUNK_ELEMENTS, "cpu", rows * (8 + 5 + 5) * DIM)  # M = 18 keys
+        monkeypatch.setitem(AF.INDEX_CHUNK_ELEMENTS, "cpu", rows * (8 + 5 + 5) * DIM)  # M = 18 keys
     # levels of 19 and 75 regions: each point sees its 5 nearest of both
     mixer = build(heads=2, window_size=4, expand_size=1, focal_level=3, neighbours=8, coarse_neighbours=5).double()
     gen = torch.Generator().manual_seed(3)
@@ -511,16 +511,16 @@ def test_points_match_the_concatenated_formulation_with_gradients(rows, monkeypa
         assert rel_err(got, expected) < 1e-12
 
 
-def test_gathered_attention_against_loops_and_its_gradients(monkeypatch):
+def test_index_attention_against_loops_and_its_gradients(monkeypatch):
     """out[i] = softmax_j(q_i . k_j * scale) v_j over the rows index[i] names, per head, repeated rows included;
     first and second derivatives by finite differences, in chunks of 2 rows."""
-    monkeypatch.setitem(focal_module.GATHER_CHUNK_ELEMENTS, "cpu", 2 * 5 * 6)
+    monkeypatch.setitem(AF.INDEX_CHUNK_ELEMENTS, "cpu", 2 * 5 * 6)
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(7, 6, generator=gen, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(4, 6, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
     index = torch.randint(0, 4, (7, 5), generator=gen)
     index[0] = torch.tensor([2, 2, 2, 0, 2])  # one key five times over and one once
-    out = focal_module.gathered_attention(q, k, v, index, 3, scale=0.7)
+    out = AF.index_attention(q, k, v, index, 3, scale=0.7)
     expected = torch.empty(7, 6, dtype=torch.float64)
     for i in range(7):
         for head in range(3):
@@ -528,8 +528,8 @@ def test_gathered_attention_against_loops_and_its_gradients(monkeypatch):
             logits = torch.stack([(q[i, sl] * k[j, sl]).sum() * 0.7 for j in index[i].tolist()])
             expected[i, sl] = sum(a * v[j, sl] for a, j in zip(torch.softmax(logits, 0), index[i].tolist()))
     assert rel_err(out, expected) < 1e-13
-    assert torch.autograd.gradcheck(lambda *t: focal_module.gathered_attention(*t, index, 3), (q, k, v))
-    assert torch.autograd.gradgradcheck(lambda *t: focal_module.gathered_attention(*t, index, 3), (q, k, v))
+    assert torch.autograd.gradcheck(lambda *t: AF.index_attention(*t, index, 3), (q, k, v))
+    assert torch.autograd.gradgradcheck(lambda *t: AF.index_attention(*t, index, 3), (q, k, v))
 
 
 def test_morton_order_is_a_permutation_that_keeps_neighbours_close():

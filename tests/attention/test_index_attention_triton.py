@@ -1,10 +1,10 @@
 """Attention over indexed keys in Triton (attention/index_attention_triton.py) against float64 brute force and the
-variants' torch paths.
+op's torch kernel.
 
 The kernels run on CPU tensors under Triton's interpreter, which ``TRITON_INTERPRET=1`` turns on when they are
 defined (at import), so in ONE subprocess for every case (the interpreter is slow: small cases): the forward's
 output and log-sum-exp and the backward's dq, dk, dv against an explicit gather + softmax in float64 (autograd) and
-against ``focal.gathered_attention``'s torch path in float32, to 1e-5 relative (float32 rounding is ~1e-7 here).
+against the op's torch kernel in float32, to 1e-5 relative (float32 rounding is ~1e-7 here).
 The same subprocess runs ``FocalAttention`` and ``DilatedAttention`` on point sets forward and backward with
 ``functional.INDEX_BACKEND = "triton"`` and ``"torch"``. Without a GPU, :func:`test_kernels_compile_for_sm90`
 compiles the kernels for an H100 as the wrappers launch them and reads the PTX and the registers; the tests marked
@@ -26,7 +26,6 @@ from torch.utils.flop_counter import FlopCounterMode
 import attention
 from attention import functional as AF
 from attention.layout import Points
-from attention.variants import focal as focal_module
 from triton_sm90 import compiled_rows
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -183,23 +182,14 @@ def test_kernels_equal_brute_force_and_the_torch_path(interpreted, name):
     c = CASES[name]
     got = interpreted["cases"][name]  # out, lse, dq, dk, dv
     want64 = reference(c["q"], c["k"], c["v"], c["index"], c["heads"], c["scale"], c["g"])
-    # focal's torch path (_GatheredAttention, values as wide as keys) in float32, through autograd; else the op's
-    want32 = [None] * 5
-    if c["v"].shape[1] == c["k"].shape[1] and c["index"].dim() == 2:
-        leaves = [c[t].detach().clone().requires_grad_() for t in "qkv"]
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(AF, "INDEX_BACKEND", "torch")
-            out32 = focal_module.gathered_attention(*leaves, c["index"], c["heads"], c["scale"])
-        want32 = [out32.detach(), None, *torch.autograd.grad(out32, leaves, c["g"])]
-    else:
-        out32, lse32 = AF._index_forward_torch(c["q"], c["k"], c["v"], c["index"], c["heads"], c["scale"])
-        want32 = [out32, lse32, *AF._index_backward_torch(c["g"], c["q"], c["k"], c["v"], c["index"], out32, lse32,
-                                                          c["heads"], c["scale"])]
+    # the op's torch kernel (the CPU's path) in float32
+    out32, lse32 = AF._index_forward_torch(c["q"], c["k"], c["v"], c["index"], c["heads"], c["scale"])
+    want32 = [out32, lse32, *AF._index_backward_torch(c["g"], c["q"], c["k"], c["v"], c["index"], out32, lse32,
+                                                      c["heads"], c["scale"])]
     for what, a, b64, b32 in zip(("out", "lse", "dq", "dk", "dv"), got, want64, want32):
         assert a.dtype == torch.float32 and a.shape == b64.shape and a.is_contiguous(), what
         assert rel_err(a, b64) < 1e-5, (what, rel_err(a, b64))
-        if b32 is not None:
-            assert rel_err(a, b32) < 1e-5, (what, rel_err(a, b32))
+        assert rel_err(a, b32) < 1e-5, (what, rel_err(a, b32))
     # keys no row names get exactly zero gradients
     unused = torch.ones(c["k"].shape[0], dtype=torch.bool)
     unused[c["index"].flatten()] = False
@@ -270,18 +260,18 @@ def test_tables_must_divide_the_heads():
         AF.index_attention(q, q, q, torch.zeros(3, dtype=torch.long), 4)
 
 
-def test_auto_keeps_the_torch_paths_on_the_cpu(monkeypatch):
+def test_auto_runs_the_torch_kernel_on_the_cpu(monkeypatch):
     def no_kernel(*args, **kwargs):
         raise AssertionError("backend 'auto' called the Triton kernels for CPU tensors")
 
     monkeypatch.setattr(AF.INDEX_KERNELS, "call", no_kernel)
-    monkeypatch.setattr(AF, "index_attention", no_kernel)
     monkeypatch.setattr(AF.INDEX_KERNELS, "usable", True)
     assert AF.INDEX_BACKEND == "auto"
     for name, (variant, opts, b, n) in MODULES.items():
         mixer = attention.build(variant, dim=DIM, **opts)
         x = torch.randn(b, n, DIM, requires_grad=True)
         mixer(x, Points(torch.rand(b, n, 3))).sum().backward()
+        assert x.grad is not None and torch.isfinite(x.grad).all()
     with pytest.raises(ValueError, match="backend='cuda'"):
         AF.index_backend((), "cuda")
 
@@ -298,15 +288,30 @@ def test_an_index_out_of_range_is_refused_before_the_kernel_reads_it(monkeypatch
             AF._index_forward(q, k, k, index, 2, 0.5, backend="triton")
 
 
-def test_op_refuses_double_backward_and_counts_flops():
+def test_op_differentiates_twice_and_counts_flops():
+    """A gradient penalty differentiates the op's gradients (create_graph): the plain ops, recomputed, give first
+    and second derivatives that match finite differences in float64, with G tables, and with one tensor passed as
+    both q and k the same gradient as without create_graph (not counted twice)."""
     c = CASES["3 heads, d=5 d_v=3, repeats, 3 keys never named"]
     q, k, v = (c[t].clone().requires_grad_() for t in "qkv")
     out, lse = AF._index_op(q, k, v, c["index"], c["heads"], c["scale"])  # the op's torch kernel on the CPU
     assert rel_err(lse, reference(q, k, v, c["index"], c["heads"], c["scale"], c["g"])[1]) < 1e-6
-    grads = torch.autograd.grad(out, (q, k, v), c["g"], create_graph=True)
-    with pytest.raises(RuntimeError, match="double backward"):
-        torch.autograd.grad(grads[0].sum(), q)
-    # FLOPs: the gathered form's (focal's torch path counts its bmm's), forward and backward
+    gen = torch.Generator().manual_seed(6)
+    index = torch.randint(0, 6, (2, 5, 4), generator=gen)  # G = 2 tables for 4 heads
+    q64 = torch.randn(5, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    qk, v64 = (torch.randn(6, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    for args in ((q64, qk, v64, index[0], 2), (q64, qk, v64, index, 4)):
+        assert torch.autograd.gradcheck(lambda *t: AF.index_attention(*t, *args[3:]), args[:3])
+        assert torch.autograd.gradgradcheck(lambda *t: AF.index_attention(*t, *args[3:]), args[:3])
+    # q and k one tensor (PCT's shared projection does this for offset attention): counted once, not twice
+    square = torch.randint(0, 6, (6, 4), generator=gen)
+    weight = torch.randn(6, 8, generator=gen, dtype=torch.float64)
+    plain = torch.autograd.grad((AF.index_attention(qk, qk, v64, square, 2) * weight).sum(), (qk, v64))
+    graph = torch.autograd.grad((AF.index_attention(qk, qk, v64, square, 2) * weight).sum(), (qk, v64),
+                                create_graph=True)
+    assert all(rel_err(a, b) < 1e-12 for a, b in zip(graph, plain)) and graph[0].requires_grad
+    assert torch.autograd.gradgradcheck(lambda t, u: AF.index_attention(t, t, u, square, 2), (qk, v64))
+    # FLOPs: the gathered form's (as its bmm's count them), forward and backward
     rows, m = c["index"].shape
     C, C_v = q.shape[1], v.shape[1]
     meta = [t.detach().to("meta").requires_grad_() for t in (q, k, v)]
@@ -326,25 +331,13 @@ def test_op_registration_passes_opcheck():
     assert set(result.values()) == {"SUCCESS"}, result
 
 
-@pytest.mark.parametrize("name", list(MODULES))
-def test_mixers_cost_the_same_flops_on_the_indexed_path(name, monkeypatch):
-    """A mixer on points counts the same forward FLOPs whether its attention is the torch path's matmuls or the
-    op (its formula), here the op's torch kernel standing in for the Triton one."""
-    variant, opts, b, n = MODULES[name]
-    mixer = attention.build(variant, dim=DIM, **opts)
-    before = mixer.cost(n, batch=b, layout="points")["flops"]
-    monkeypatch.setattr(AF, "index_backend", lambda tensors, backend=None: "triton")
-    monkeypatch.setattr(AF.INDEX_KERNELS, "call", lambda *args, fallback=True: None)  # the op's torch kernel runs
-    assert mixer.cost(n, batch=b, layout="points")["flops"] == before
-
-
 def test_kernel_failure_warns_once_and_the_torch_path_takes_over(monkeypatch):
     from attention import index_attention_triton as IT
 
     c = CASES["high in-degree, 2 heads d=4, int32 index"]
     args = (c["index"], c["heads"], c["scale"])
     q, k, v = (c[t].clone().requires_grad_() for t in "qkv")
-    want = torch.autograd.grad(focal_module.gathered_attention(q, k, v, *args), (q, k, v), c["g"])  # torch path
+    want = torch.autograd.grad(AF.index_attention(q, k, v, *args), (q, k, v), c["g"])  # torch path
 
     def broken(*args):
         raise RuntimeError("no driver")
@@ -356,12 +349,12 @@ def test_kernel_failure_warns_once_and_the_torch_path_takes_over(monkeypatch):
     monkeypatch.setattr(AF, "index_backend", lambda tensors, backend=None: backend if backend in ("torch", "triton")
                         else "triton" if AF.INDEX_KERNELS.usable else "torch")
     with pytest.warns(UserWarning, match="torch path takes over") as caught:
-        got = torch.autograd.grad(focal_module.gathered_attention(q, k, v, *args), (q, k, v), c["g"])
+        got = torch.autograd.grad(AF.index_attention(q, k, v, *args), (q, k, v), c["g"])
     assert len(caught) == 1 and AF.INDEX_KERNELS.usable is False
     assert all(rel_err(a, w) < 1e-6 for a, w in zip(got, want))  # the op's torch kernel finished that call
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # turned off: no second warning, and the variant's own torch path
-        again = torch.autograd.grad(focal_module.gathered_attention(q, k, v, *args), (q, k, v), c["g"])
+        warnings.simplefilter("error")  # turned off: no second warning, and the op's torch kernel
+        again = torch.autograd.grad(AF.index_attention(q, k, v, *args), (q, k, v), c["g"])
     assert all(torch.equal(a, w) for a, w in zip(again, want))
     # the backward alone failing (after a forward on Triton) hands over too
     monkeypatch.setattr(AF.INDEX_KERNELS, "usable", True)
@@ -374,7 +367,7 @@ def test_kernel_failure_warns_once_and_the_torch_path_takes_over(monkeypatch):
     monkeypatch.setattr(AF.INDEX_KERNELS, "usable", True)
     monkeypatch.setattr(AF, "INDEX_BACKEND", "triton")
     with pytest.raises(RuntimeError, match="no driver"):
-        focal_module.gathered_attention(q, k, v, *args)
+        AF.index_attention(q, k, v, *args)
     monkeypatch.setattr(AF, "INDEX_BACKEND", "auto")
 
     def out_of_memory(*args):
@@ -382,7 +375,7 @@ def test_kernel_failure_warns_once_and_the_torch_path_takes_over(monkeypatch):
 
     monkeypatch.setattr(IT, "forward", out_of_memory)
     with pytest.raises(torch.cuda.OutOfMemoryError):
-        focal_module.gathered_attention(q, k, v, *args)
+        AF.index_attention(q, k, v, *args)
     assert AF.INDEX_KERNELS.usable is True
 
 
@@ -506,8 +499,7 @@ def test_kernels_on_the_gpu_against_float64():
         args = (c["index"].cuda(), c["heads"], c["scale"])
         leaves = [c[t].cuda().requires_grad_() for t in "qkv"]
         assert AF.index_backend(leaves) == "triton"
-        attend = focal_module.gathered_attention if c["index"].dim() == 2 else AF.index_attention  # G tables
-        out = attend(*leaves, *args)
+        out = AF.index_attention(*leaves, *args)
         got = (out, *torch.autograd.grad(out, leaves, c["g"].cuda()))
         want = reference(c["q"], c["k"], c["v"], c["index"], c["heads"], c["scale"], c["g"])
         for a, w in zip(got, want[:1] + want[2:]):
