@@ -4,17 +4,18 @@ What it computes. Queries q (R, C), keys k (T, C) and values v (T, C_v), and an 
 and v: per head h of d = C / heads channels (d_v = C_v / heads of v),
 ``out[r, h] = sum_j softmax_j(q[r, h] . k[index[r, j], h] * scale) v[index[r, j], h]`` over the M slots of row r.
 A key named twice in a row takes part twice (its weight counted once per slot), exactly as gathering
-k[index] and v[index] and calling softmax attention does (``attention.variants.focal._GatheredAttention``, which has
-no masked slot or sentinel row either: every slot is a real key). Two variants on point sets are this operation:
+k[index] and v[index] and calling softmax attention does (the op's torch kernel,
+``attention.functional._index_forward_torch``, which has no masked slot or sentinel row either: every slot is a real
+key). Two variants on point sets are this operation:
 ``focal`` (index: each point's fine neighbours, then its nearest pooled tokens; R = N queries over T = N + pooled
 tokens) and ``dilated`` (each point's K dilated nearest neighbours, one table per head group at its rate; the batch
 flattened, the rows of sample b at b N + j). G tables (G, R, M) serve G equal groups of consecutive heads in one
 call, table g for group g: dilated's groups take one launch forward and two backward together, where a call per
 group paid each launch, and the inverse index's dozen small torch ops, once a group.
 
-Why. Their torch paths gather (rows, M, C) keys and values chunk by chunk (focal: ``index_select``, small ``bmm``,
-``index_add_`` backward) or whole (dilated: ``pointops.gather`` to (B, h, N, K, d), einsum, softmax, einsum): on an
-H100 at N = 65,536, C = 256, forward + backward took 1.26 s (dilated) and 1.95 s (focal), 2 % and 5 % of the
+Why. Their torch paths gathered (rows, M, C) keys and values chunk by chunk (focal: ``index_select``, small ``bmm``,
+``index_add_`` backward; the op's torch kernel now) or whole (dilated, then: ``pointops.gather`` to (B, h, N, K, d),
+einsum, softmax, einsum): on an H100 at N = 65,536, C = 256, forward + backward took 1.26 s (dilated) and 1.95 s (focal), 2 % and 5 % of the
 machine's memory bound (issue 28 §4). Here nothing of size R x M x C is ever written.
 
 Design. Programs are (block of rows, head), heads fastest, so the programs of one block of rows run together and
