@@ -34,7 +34,8 @@
 #  12: the cuda tests of what changed after part 11 (dilated attention's rate table and one launch for all head
 #     groups, on grids and on points (index attention with a table per group), eager calls without the op's
 #     dispatch, offset attention's written-out backward (now on bmm), PCT's kept inference folding and its layers on
-#     (rows, C) matrices, point layouts that keep their neighbour searches: the modelnet runs; about
+#     (rows, C) matrices, point layouts that keep their neighbour searches, focal and dilated on points through
+#     index_attention on every device (a second derivative recomputing the plain ops): the modelnet runs; about
 #     3 minutes; green closes issue 27), then where the fixed
 #     costs go (about 5 minutes): benchmarks.launch (a torch op, a bare Triton launch with 2 and 30
 #     arguments, each kernel wrapper at a tiny size), benchmarks.small_n with each eager step's host profile for
@@ -241,7 +242,7 @@ elif [ "$PART" = 12 ]; then
   build_pointnet2 6 &
   build=$!
   say "the cuda tests of the code changed after part 11 (8 workers): dilated's rate table and grouped index tables,
-the eager paths, offset's backward, PCT's kept folding"
+the eager paths, offset's backward, PCT's kept folding, the point variants' one index_attention path"
   timeout -s INT -k 10 "$(left 330 180)" python3 -m pytest -m cuda -n 8 -p no:cacheprovider -rA \
     tests/attention/test_dilated_triton.py tests/attention/test_index_attention_triton.py tests/gpu/test_cuda_tasks.py \
     -k "(dilated or focal or index or kernels_on_the_gpu or classification or modelnet or shapenet) and not compiled" \
