@@ -694,7 +694,7 @@ torch kernel otherwise (CPU, float64); "torch" always the torch kernel; "triton"
 device (CPU tensors under ``TRITON_INTERPRET=1``: the tests), and a kernel that fails then raises instead of handing
 over to torch."""
 # The Triton kernels' family (attention.triton_kernels: imported when wanted, off for the process once one failed:
-# the variants' torch paths then take every later call, the op's torch kernel finishes the failed one).
+# the op's torch kernel then finishes the failed call and takes every later one).
 INDEX_KERNELS = Kernels("attention.index_attention_triton", "index_attention", "the torch path")
 # Entries (rows x M x max(C, C_v)) of the keys gathered for one chunk of rows by the op's torch kernel
 # (:func:`_index_forward_torch`: the CPU's and float64's path, and wherever a Triton kernel failed). On a CPU about

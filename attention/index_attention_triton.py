@@ -13,10 +13,11 @@ flattened, the rows of sample b at b N + j). G tables (G, R, M) serve G equal gr
 call, table g for group g: dilated's groups take one launch forward and two backward together, where a call per
 group paid each launch, and the inverse index's dozen small torch ops, once a group.
 
-Why. Their torch paths gathered (rows, M, C) keys and values chunk by chunk (focal: ``index_select``, small ``bmm``,
-``index_add_`` backward; the op's torch kernel now) or whole (dilated, then: ``pointops.gather`` to (B, h, N, K, d),
-einsum, softmax, einsum): on an H100 at N = 65,536, C = 256, forward + backward took 1.26 s (dilated) and 1.95 s (focal), 2 % and 5 % of the
-machine's memory bound (issue 28 §4). Here nothing of size R x M x C is ever written.
+Why. Their torch paths gathered (rows, M, C) keys and values chunk by chunk (focal: ``index_select``, small
+``bmm``, ``index_add_`` backward; the op's torch kernel now) or whole (dilated, then: ``pointops.gather`` to
+(B, h, N, K, d), einsum, softmax, einsum): on an H100 at N = 65,536, C = 256, forward + backward took 1.26 s
+(dilated) and 1.95 s (focal), 2 % and 5 % of the machine's memory bound (issue 28 §4). Here nothing of size
+R x M x C is ever written.
 
 Design. Programs are (block of rows, head), heads fastest, so the programs of one block of rows run together and
 share the index and the keys' rows through L2.

@@ -417,8 +417,9 @@ class FocalAttention(Mixer):
 
         The keys are named by an index into one table of sources (the points, then each level's pooled
         tokens) and :func:`functional.index_attention` attends over them (one Triton kernel on a GPU, chunk by
-        chunk in torch elsewhere), never holding the (B, N, K + t, 2C) keys and values at once. Queries and point sources run in :func:`morton_order`, for the cache; the output
-        comes back in the points' order, and each point's keys keep their order (fine, then level by level).
+        chunk in torch elsewhere), never holding the (B, N, K + t, 2C) keys and values at once. Queries and point
+        sources run in :func:`morton_order`, for the cache; the output comes back in the points' order, and each
+        point's keys keep their order (fine, then level by level).
         The plan (:meth:`point_plan`) is kept on the layout: the layers of a network that share it search the
         points once.
         """
