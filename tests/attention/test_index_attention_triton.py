@@ -100,7 +100,12 @@ CASES = cases()
 # mixers on point sets: name -> (variant, options, B, N)
 MODULES = {"focal": ("focal", dict(heads=2, window_size=4, expand_size=1, focal_level=3, neighbours=8,
                                    coarse_neighbours=5), 2, 60),
-           "dilated": ("dilated", dict(heads=4, dilations=[1, 3], kernel_size=3), 2, 40)}
+           "dilated": ("dilated", dict(heads=4, dilations=[1, 3], kernel_size=3), 2, 40),
+           # 10 points, fewer than K r_max = 27: the groups see 9 and 4 neighbours, one call each
+           "dilated, small set": ("dilated", dict(heads=4, dilations=[1, 3], kernel_size=3), 2, 10)}
+# Triton calls a mixer makes forward (and as many backward): one for all its head groups, one a group where their
+# tables differ in length
+CALLS = {"focal": 1, "dilated": 1, "dilated, small set": 2}
 DIM = 24
 
 # Runs in the subprocess under the interpreter: every case through the kernels' wrappers, then each mixer with
@@ -200,10 +205,11 @@ def test_kernels_equal_brute_force_and_the_torch_path(interpreted, name):
 
 def test_mixers_with_the_triton_kernels_equal_their_torch_paths(interpreted):
     # the Triton runs called the kernels once forward and once backward (dilated: once for all its head groups, a
-    # table each), the torch runs never
+    # table each; on a set smaller than K r_max once a group), the torch runs never
     expected = []
     for name in MODULES:
-        expected += ["forward", "backward", f"{name} triton done", f"{name} torch done"]
+        expected += ["forward"] * CALLS[name] + ["backward"] * CALLS[name]
+        expected += [f"{name} triton done", f"{name} torch done"]
     assert interpreted["calls"] == expected
     for name in MODULES:
         triton_run, torch_run = interpreted["modules"][name]
