@@ -114,6 +114,19 @@ def offset_attention(q, k, v, eps: float = 1e-9):
     return OffsetFull.apply(q, k, v, eps)
 
 
+def recomputed_grads(plain, grad, inputs):
+    """The gradients of ``plain(*inputs)`` (differentiable ops) w.r.t. ``inputs``, with their own graph: what a
+    kernel's written-out backward returns under ``create_graph`` (a gradient penalty), so that its gradients can be
+    differentiated again. None for an input that does not require grad. Each tensor once: a tensor passed as two
+    of the inputs (PCT's one projection as q and k) gets its whole gradient at every repeat from autograd.grad,
+    which autograd would then add up twice."""
+    first = [t.requires_grad and not any(t is u for u in inputs[:i]) for i, t in enumerate(inputs)]
+    with torch.enable_grad():
+        grads = iter(torch.autograd.grad(plain(*inputs), [t for t, take in zip(inputs, first) if take], grad,
+                                         create_graph=True))
+    return [next(grads) if take else None for take in first]
+
+
 def _offset_full(q, k, v, eps):
     """:func:`offset_attention` with the whole (N, M) map, as plain differentiable ops."""
     attn = torch.softmax(q @ k.transpose(-2, -1), dim=-1)  # (B, h, N, M)
@@ -161,15 +174,7 @@ class OffsetFull(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, grad, q, k, v, attn, denom, out):
         if torch.is_grad_enabled():  # create_graph: the plain ops' graph, recomputed
-            # each input once: PCT passes one tensor as q and k, and autograd.grad gives a repeated input its whole
-            # gradient at every repeat (which autograd would then add up twice)
-            first = [need and not any(t is u for u in (q, k, v)[:i]) for i, (t, need) in
-                     enumerate(zip((q, k, v), ctx.needs_input_grad))]
-            with torch.enable_grad():
-                grads = iter(torch.autograd.grad(_offset_full(q, k, v, ctx.eps),
-                                                 [t for t, take in zip((q, k, v), first) if take], grad,
-                                                 create_graph=True))
-            return (*(next(grads) if take else None for take in first), None)
+            return (*recomputed_grads(lambda *t: _offset_full(*t, ctx.eps), grad, (q, k, v)), None)
         q3, k3, v3 = (t.flatten(0, 1) for t in (q, k, v))  # (B h, N | M, d)
         d_u = grad.flatten(0, 1) / denom.unsqueeze(-1)  # (B h, M, d_v)
         d_denom = (d_u * out).sum(-1)  # (B h, M): minus the gradient of D
@@ -635,9 +640,32 @@ def _(grad, q, k, v, attn, h, w, kernel_size, dilation, scale):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+def _dilated_plain(q, k, v, h, w, kernel_size, dilation, mask, scale):
+    """:func:`dilated_attention`'s output by autograd's ops on shifted views of the zero-padded keys and values, per
+    head group: what a gradient of its gradients (``create_graph``) differentiates, recomputed from the inputs
+    (:func:`_dilated_grad`). Holds k*k shifted products: for that pass only."""
+    B, H = q.shape[:2]
+    outs = []
+    for heads, r in _dilated_groups(H, dilation):
+        r = min(r, max(h, w))  # the same windows: every offset but the centre lies outside (as rate_table)
+        qg, kg, vg = (t[:, heads].reshape(B, -1, h, w, t.shape[-1]) for t in (q, k, v))  # (B, H', h, w, .)
+        pad = (kernel_size // 2) * r
+        kp, vp = (F.pad(t, (0, 0, pad, pad, pad, pad)) for t in (kg, vg))  # outside: zero keys and values
+        shifts = [(a * r, b * r) for a in range(kernel_size) for b in range(kernel_size)]  # offset o = a k + b
+        logits = torch.stack([(qg * kp[:, :, i:i + h, j:j + w]).sum(-1) for i, j in shifts], 2) * scale
+        if mask:  # (B, H', k*k, h, w): keys outside the grid leave the softmax
+            outside = _dilated_outside(_dilated_windows(h, w, kernel_size, r), kernel_size, h, w, q.device)
+            logits = logits.masked_fill(outside, float("-inf"))
+        weights = logits.softmax(2)
+        out = sum(weights[:, :, o, ..., None] * vp[:, :, i:i + h, j:j + w] for o, (i, j) in enumerate(shifts))
+        outs.append(out.flatten(2, 3))  # (B, H', N, d_v)
+    return torch.cat(outs, 1)  # (B, H, N, d_v)
+
+
 def _dilated_setup_context(ctx, inputs, output):
     q, k, v, h, w, kernel_size, dilation, mask, scale = inputs
     ctx.save_for_backward(q, k, v, output[1])  # the attention map, not the k*k shifted products
+    ctx.mask = mask  # for the plain form only (create_graph): the map holds the mask as zero weights
     ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)  # no zero-filled gradient for the attention map
     ctx.args = (h, w, kernel_size, dilation, scale)
@@ -647,10 +675,13 @@ def _dilated_grad(ctx, grad, grad_attn):
     if grad is None:
         return (None,) * 9
     q, k, v, attn = ctx.saved_tensors  # float32 or float64: dilated_attention upcasts half precision
-    # the kernel itself (as the eager forward), or the op where its gradient may be differentiated (create_graph:
-    # the op refuses) or a mode must see it
-    direct = not torch.is_grad_enabled() and skips_dispatch(grad, q)
     with torch.autocast(q.device.type, enabled=False):  # a backward called under autocast stays in q's dtype
+        if torch.is_grad_enabled():  # create_graph (a gradient penalty): the plain ops' graph, recomputed
+            h, w, kernel_size, dilation, scale = ctx.args
+            plain = lambda *t: _dilated_plain(*t, h, w, kernel_size, dilation, ctx.mask, scale)  # noqa: E731
+            return (*recomputed_grads(plain, grad.to(q.dtype), (q, k, v)), None, None, None, None, None, None)
+        # the kernel itself (as the eager forward), or the op where a mode must see it
+        direct = skips_dispatch(grad, q)
         with below_autograd() if direct else contextlib.nullcontext():
             dq, dk, dv = (_dilated_backward if direct else _dilated_backward_op)(grad.to(q.dtype), q, k, v, attn,
                                                                                 *ctx.args)
@@ -658,7 +689,8 @@ def _dilated_grad(ctx, grad, grad_attn):
 
 
 def _dilated_double_grad(ctx, *grads):
-    raise RuntimeError("dilated_attention: a gradient of its gradients (double backward) is not implemented.")
+    raise RuntimeError("dilated_attention_backward: not differentiable; a gradient of dilated_attention's gradients "
+                       "(create_graph) differentiates the plain ops instead (recomputed_grads).")
 
 
 torch.library.register_autograd("attention_suite::dilated_attention", _dilated_grad,
@@ -868,7 +900,8 @@ def _index_grad(ctx, grad, grad_lse):
     device = q.device.type  # a backward called under autocast stays in q's dtype; "meta" (FLOP counts) has none
     with torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else contextlib.nullcontext():
         if torch.is_grad_enabled():  # create_graph (a gradient penalty): the plain ops' graph, recomputed
-            return (*_index_plain_grads(grad.to(q.dtype), q, k, v, index, *ctx.args), None, None, None)
+            return (*recomputed_grads(lambda *t: _index_plain(*t, index, *ctx.args), grad.to(q.dtype), (q, k, v)),
+                    None, None, None)
         # the kernel itself (as the eager forward), or the op where a mode must see it (as in _dilated_grad)
         direct = skips_dispatch(grad, q)
         with below_autograd() if direct else contextlib.nullcontext():
@@ -877,20 +910,9 @@ def _index_grad(ctx, grad, grad_lse):
     return dq, dk, dv, None, None, None
 
 
-def _index_plain_grads(grad, q, k, v, index, heads, scale):
-    """The gradients of :func:`_index_plain` w.r.t. q, k, v, with their own graph (second derivatives on every
-    device; the kernels' backward has none). Each tensor once: a tensor passed as two of q, k, v gets its whole
-    gradient at every repeat from autograd.grad, which autograd would then add up twice."""
-    first = [t.requires_grad and not any(t is u for u in (q, k, v)[:i]) for i, t in enumerate((q, k, v))]
-    with torch.enable_grad():
-        grads = iter(torch.autograd.grad(_index_plain(q, k, v, index, heads, scale),
-                                         [t for t, take in zip((q, k, v), first) if take], grad, create_graph=True))
-    return [next(grads) if take else None for take in first]
-
-
 def _index_double_grad(ctx, *grads):
     raise RuntimeError("index_attention_backward: not differentiable; a gradient of index_attention's gradients "
-                       "(create_graph) differentiates the plain ops instead (_index_plain_grads).")
+                       "(create_graph) differentiates the plain ops instead (recomputed_grads).")
 
 
 torch.library.register_autograd("attention_suite::index_attention", _index_grad,
