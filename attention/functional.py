@@ -78,9 +78,24 @@ def _eager_function(name: str, kernel, setup_context, grad) -> type[torch.autogr
     return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(grad)})
 
 
-def softmax_attention(q, k, v, scale: float | None = None):
-    """softmax(q k^T * scale) v, scale = d^-0.5 by default, via the fused SDPA kernel."""
-    return F.scaled_dot_product_attention(q, k, v, scale=scale)  # (B, heads, N, d_v)
+def softmax_attention(q, k, v, scale: float | None = None, fused: bool = True):
+    """softmax(q k^T * scale) v, scale = d^-0.5 by default: q (..., N, d), k (..., M, d), v (..., M, d_v).
+
+    ``fused``: through SDPA's fused kernels (flash, memory-efficient: no N x M map held), whose backward has no
+    derivative of its own, so a gradient penalty (R1, WGAN-GP: ``create_graph``) fails in it. ``fused=False``: the
+    plain products and softmax, which autograd differentiates twice, at the cost of the (N, M) map in memory.
+    """
+    if fused:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)  # (..., N, d_v)
+    return _softmax_plain(q, k, v, scale)
+
+
+@float32_kernel
+def _softmax_plain(q, k, v, scale: float | None = None):
+    """:func:`softmax_attention` in plain ops, in float32 for half precision (as SDPA accumulates)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    logits = batched_matmul(q * scale, k.transpose(-2, -1))  # (..., N, M)
+    return batched_matmul(torch.softmax(logits, dim=-1), v)  # (..., N, d_v)
 
 
 # Above this many entries of the attention map (B h N M), offset_attention runs in query chunks (:class:`OffsetChunked`)

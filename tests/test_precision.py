@@ -115,6 +115,13 @@ def point_logit_overflow(gen):
     return AF.index_attention, (q, q.clone(), randn(gen, 6, 16), index, 2), {}
 
 
+def softmax_plain_logit_overflow(gen):
+    """softmax attention in plain ops (``fused=False``, for a gradient penalty): q = k with entries of about 200,
+    unscaled, gave logits over float16's range."""
+    q = 200 * randn(gen, 1, 2, 6, 8)
+    return AF.softmax_attention, (q, q.clone(), randn(gen, 1, 2, 6, 8), 1.0, False), {}
+
+
 def offset_unscaled_logits(gen):
     """PCT's logits are unscaled: similar tokens give logits of about 100 that differ by about 1, which bfloat16
     rounds to steps of 0.5 (a 15% error in the output when the logits' matmul ran in bfloat16)."""
@@ -130,6 +137,7 @@ HAZARDS = [
     (focal_logit_overflow, torch.float16),
     (dilated_logit_overflow, torch.float16),
     (point_logit_overflow, torch.float16),
+    (softmax_plain_logit_overflow, torch.float16),
     (offset_unscaled_logits, torch.bfloat16),
 ]
 

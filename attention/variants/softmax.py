@@ -16,6 +16,10 @@ normalises each of the three matrices, as StudioGAN does, not their stack.
 ``kv_pool=p`` pools keys and values by p x p max-pooling on a ``Grid`` (sides
 divisible by p); on ``Points`` it max-pools over the p*p nearest neighbours of
 N / p^2 farthest-point-sampled centres, the point-set analogue.
+
+``fused=false`` computes softmax(q k^T) v in plain ops instead of SDPA's fused
+kernels, whose backward cannot be differentiated again: a discriminator with a
+gradient penalty (R1, WGAN-GP) needs it (as timm's ``fused_attn=False``).
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ class SelfAttention(Mixer):
     complexity = "quadratic"  # the N x N map (SDPA may not hold it)
 
     def __init__(self, dim: int, heads: int = 4, qkv_bias: bool = True, qk_ratio: int = 1, v_ratio: int = 1,
-                 kv_pool: int = 1, scale: float | None = None, proj_bias: bool = True, separate_qkv: bool = False):
+                 kv_pool: int = 1, scale: float | None = None, proj_bias: bool = True, separate_qkv: bool = False,
+                 fused: bool = True):
         super().__init__(dim, heads)
         check_divides("qk_ratio", qk_ratio, dim, self.name)
         check_divides("v_ratio", v_ratio, dim, self.name)
@@ -48,7 +53,10 @@ class SelfAttention(Mixer):
         if scale is not None and not float(scale) > 0:
             raise UserError(f"attn.scale={scale!r} is invalid for attention variant 'self': expected a positive "
                             "number, or null for d^-0.5.")
-        self.kv_pool = kv_pool
+        if not isinstance(fused, bool):
+            raise UserError(f"attn.fused={fused!r} is invalid for attention variant 'self': expected true (SDPA's "
+                            "fused kernels) or false (plain ops, which a gradient penalty can differentiate twice).")
+        self.kv_pool, self.fused = kv_pool, fused
         self.scale = None if scale is None else float(scale)
         if separate_qkv:
             self.q, self.k = (nn.Linear(dim, self.qk_dim, bias=qkv_bias) for _ in range(2))
@@ -66,7 +74,7 @@ class SelfAttention(Mixer):
         if self.kv_pool > 1:
             k, v = self._pool(k, layout), self._pool(v, layout)  # (B, M, C'), M = N / kv_pool^2
         q, k, v = (rearrange(t, "b n (h d) -> b h n d", h=self.heads) for t in (q, k, v))
-        out = functional.softmax_attention(q, k, v, scale=self.scale)  # (B, h, N, d_v)
+        out = functional.softmax_attention(q, k, v, scale=self.scale, fused=self.fused)  # (B, h, N, d_v)
         return self.proj(rearrange(out, "b h n d -> b n (h d)"))
 
     def _pool(self, t, layout):
@@ -92,4 +100,6 @@ class SelfAttention(Mixer):
             extra += f", kv_pool={self.kv_pool}"
         if self.scale is not None:
             extra += f", scale={self.scale}"
+        if not self.fused:
+            extra += ", fused=False"
         return super().extra_repr() + extra

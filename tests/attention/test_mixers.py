@@ -74,6 +74,31 @@ def test_gradients_reach_every_parameter(name):
         assert torch.isfinite(p.grad).all(), pname
 
 
+# The options each variant needs to be differentiated twice: SDPA's fused kernels have no double backward
+TWICE = {"self": {"fused": False}}
+# heads at dim 8: dilated splits its heads into one group per rate (four by default)
+HEADS = {"dilated": 4}
+
+
+@pytest.mark.parametrize("kind", ["grid", "points"])
+@pytest.mark.parametrize("name", attention.names())
+def test_every_variant_takes_a_gradient_penalty(name, kind):
+    """A discriminator's gradient penalty (R1, WGAN-GP) differentiates the gradient w.r.t. the input again
+    (create_graph): second derivatives match finite differences in float64 (the kernels with a written-out backward
+    recompute their plain ops there), and the penalty reaches the parameters."""
+    mixer = build(name, dim=8, heads=HEADS.get(name, 2), **TWICE.get(name, {})).double().train()
+    if kind not in mixer.layouts:
+        pytest.skip(f"{name} does not serve {kind}")
+    gen = torch.Generator().manual_seed(3)
+    layout = Grid(3, 4) if kind == "grid" else Points(torch.rand(2, 12, 3, generator=gen, dtype=torch.float64))
+    x = torch.randn(2, 12, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradgradcheck(lambda t: mixer(t, layout), (x,))
+    grad, = torch.autograd.grad(mixer(x, layout).square().sum(), x, create_graph=True)
+    grad.square().sum().backward()
+    grads = [p.grad for p in mixer.parameters() if p.grad is not None]  # focal's grid tables get none on points
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+
+
 @pytest.mark.parametrize("name", point_variants())
 def test_permutation_equivariance_on_points(name):
     mixer = build(name)
@@ -365,6 +390,26 @@ def test_self_matches_plain_multihead_attention(heads):
         expected = torch.cat(heads_out, dim=-1) @ mixer.proj.weight.double().T + mixer.proj.bias.double()
         y = mixer(x)
     assert rel_err(y, expected) < 1e-5
+
+
+def test_self_unfused_is_the_same_function():
+    """fused=False (plain ops: a gradient penalty can differentiate them twice) computes what SDPA computes, with
+    SAGAN's options too (unscaled logits, pooled keys), outputs and gradients; a fused that is not a bool is
+    refused."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(2, N, DIM, generator=gen, dtype=torch.float64)
+    for opts in ({}, dict(heads=1, qk_ratio=8, v_ratio=2, kv_pool=2, scale=1.0, separate_qkv=True)):
+        results = []
+        for fused in (True, False):
+            mixer = build("self", **opts, fused=fused).double()
+            xg = x.clone().requires_grad_()
+            y = mixer(xg, GRID)
+            y.square().sum().backward()
+            results.append([y, xg.grad, *(p.grad for p in mixer.parameters())])
+        assert all(rel_err(a, b) < 1e-12 for a, b in zip(*results)), opts
+    assert "fused=False" in repr(build("self", fused=False))
+    with pytest.raises(UserError, match="attn.fused"):
+        build("self", fused="no")
 
 
 # --------------------------------------------------------------------------------------------
