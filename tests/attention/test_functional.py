@@ -390,6 +390,93 @@ def test_offset_backward_launches_fewer_kernels_and_no_broadcast_add_over_the_ma
         "bmm.default", "add.Tensor", "_softmax_backward_data.default"], plain
 
 
+LINEAR = {"taylor": True, "elu": False}
+
+
+def linear_plain(taylor):
+    return lambda q, k, v: AF._linear_plain(q, k, v, 1e-6, taylor)
+
+
+def linear_written(taylor):
+    return lambda q, k, v: AF.LinearAttention.apply(q, k, v, 1e-6, taylor)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("kernel", sorted(LINEAR))
+def test_linear_written_out_backward_equals_autograds_of_the_plain_ops(kernel, shape):
+    """LinearAttention (both linear kernels, one (d, d_v + 1) product for numerator and denominator, a backward
+    written out) gives the plain ops' values and gradients in float64: separate q and k, one tensor as both, v
+    alone; and a query of zeros for Taylor, whose norm F.normalize clamps (its gradient is then dy / 1e-12)."""
+    taylor = LINEAR[kernel]
+    q, k, v = (t.requires_grad_() for t in qkv_inputs(kernel, shape, seed=31))
+    if taylor:
+        q.data[..., 0, :] = 0
+    grad = randn(torch.Generator().manual_seed(32), *q.shape[:-1], v.shape[-1])
+    written, plain = linear_written(taylor), linear_plain(taylor)
+    out = written(q, k, v)
+    assert rel_err(out.detach(), plain(q, k, v).detach()) < 1e-13
+    assert rel_err(out.detach(), KERNELS[kernel][1](q.detach(), k.detach(), v.detach())) < 1e-12 or taylor
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(plain(q, k, v), (q, k, v), grad)):
+        assert rel_err(got, want) < 1e-12
+    if shape[2] == shape[3]:
+        qk = k.detach().clone().requires_grad_()
+        got = torch.autograd.grad(written(qk, qk, v.detach()), qk, grad)[0]
+        assert rel_err(got, torch.autograd.grad(plain(qk, qk, v.detach()), qk, grad)[0]) < 1e-12
+    v_only = v.detach().clone().requires_grad_()
+    got = torch.autograd.grad(written(q.detach(), k.detach(), v_only), v_only, grad)[0]
+    assert rel_err(got, torch.autograd.grad(plain(q.detach(), k.detach(), v_only), v_only, grad)[0]) < 1e-12
+
+
+@pytest.mark.parametrize("kernel", sorted(LINEAR))
+def test_linear_gradients_reach_a_projection_without_copies(kernel):
+    """The mixers hand over q, k and v as head views of one projection (B, N, 3C): the written-out backward writes
+    dq and dk in that layout, so that the views' backward takes them back without a copy (one ``clone``, for dv,
+    where the plain chain and a contiguous dq, dk took more), and every op of the plain chain's backward counted,
+    it runs fewer; the projection's gradient is the plain chain's."""
+    from einops import rearrange
+    from op_log import OpLog
+
+    taylor = LINEAR[kernel]
+    x = randn(torch.Generator().manual_seed(33), 2, 16, 3 * 8).requires_grad_()
+    grads, ops = {}, {}
+    for name, fn in (("written", linear_written(taylor)), ("plain", linear_plain(taylor))):
+        q, k, v = (rearrange(t, "b n (h d) -> b h n d", h=2) for t in x.split(8, dim=-1))
+        out = fn(q, k, v)
+        with OpLog() as log:
+            grads[name], = torch.autograd.grad(out, x, torch.ones_like(out))
+        ops[name] = [op for op, view, _ in log.ops if not view and op not in ("empty.memory_format", "ones_like.default")]
+    assert rel_err(grads["written"], grads["plain"]) < 1e-12
+    assert sum(op.startswith("clone") for op in ops["written"]) == 1, ops["written"]
+    assert len(ops["written"]) < len(ops["plain"]), (ops["written"], ops["plain"])
+
+
+@pytest.mark.parametrize("kernel", sorted(LINEAR))
+def test_linear_backward_called_under_autocast_computes_in_float32(kernel):
+    """A backward run inside the caller's autocast block gives the gradients of one outside it, bit for bit."""
+    gen = torch.Generator().manual_seed(34)
+    q, k, v = randn(gen, 1, 2, 8, 4).float(), randn(gen, 1, 2, 8, 4).float(), randn(gen, 1, 2, 8, 6).float()
+    fn = KERNELS[kernel][0]
+    grads = []
+    for inside in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fn(*(t.bfloat16() for t in leaves))
+            if inside:
+                out.float().square().sum().backward()
+        if not inside:
+            out.float().square().sum().backward()
+        grads.append([t.grad for t in leaves])
+    for outside, inside in zip(*grads):
+        assert inside.dtype == torch.float32 and torch.equal(inside, outside)
+
+
+@pytest.mark.parametrize("kernel", sorted(LINEAR))
+def test_linear_double_backward(kernel):
+    """A gradient penalty differentiates the linear kernels twice (the plain ops recomputed under create_graph)."""
+    inputs = tuple(t.requires_grad_() for t in qkv_inputs(kernel, (1, 2, 4, 3, 3, 2), seed=35))
+    assert torch.autograd.gradgradcheck(KERNELS[kernel][0], inputs, eps=1e-6, atol=1e-6, rtol=1e-5)
+
+
 def test_batched_matmul_is_matmul_with_fewer_host_ops():
     """The linear, focal kernels' products: equal to ``@`` for equal leading dims (4-D, 5-D, 3-D), broadcast ones and
     matrices, gradients too; on equal leading dims of 4-D tensors fewer aten ops than ``matmul``'s, forward and
