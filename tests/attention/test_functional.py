@@ -477,6 +477,50 @@ def test_linear_double_backward(kernel):
     assert torch.autograd.gradgradcheck(KERNELS[kernel][0], inputs, eps=1e-6, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_external_written_out_backward_equals_autograds_of_the_plain_ops(shape):
+    """ExternalFull (the slot normalisation after the product, a backward written out) gives the plain ops' values
+    and gradients in float64, the memories' gradients summed over every (sample, head); and it serves
+    ``external_attention`` where it is the cheaper form: no dropout in training and d_v <= S (it divides the
+    (N, d_v) output where the plain ops divide the (S, N) map), otherwise the plain ops do."""
+    b, h, n, s, d, _ = shape
+    gen = torch.Generator().manual_seed(36)
+    q, mk, mv = randn(gen, b, h, n, d).requires_grad_(), randn(gen, s, d).requires_grad_(), randn(gen, s, d)
+    mv = mv[:, :min(d, s)].clone().requires_grad_()  # d_v <= S
+    grad = randn(gen, b, h, n, mv.shape[-1])
+    out = AF.external_attention(q, mk, mv)
+    assert type(out.grad_fn).__name__ == "ExternalFullBackward"
+    plain = AF._external_plain(q, mk, mv, 1e-9)
+    assert rel_err(out.detach(), plain.detach()) < 1e-13
+    assert rel_err(out.detach(), ref_external(q.detach(), mk.detach(), mv.detach())) < 1e-12
+    for got, want in zip(torch.autograd.grad(out, (q, mk, mv), grad), torch.autograd.grad(plain, (q, mk, mv), grad)):
+        assert rel_err(got, want) < 1e-12
+    assert torch.autograd.gradgradcheck(lambda *t: AF.ExternalFull.apply(*t, 1e-9),
+                                        (q[:1, :1, :3].detach().requires_grad_(), mk, mv), eps=1e-6, atol=1e-6)
+    wide = randn(gen, s, s + 1).requires_grad_()  # d_v > S, and dropout in training: the plain ops
+    assert type(AF.external_attention(q, mk, wide).grad_fn).__name__ != "ExternalFullBackward"
+    dropped = AF.external_attention(q, mk, mv, dropout=0.5, training=True)
+    assert type(dropped.grad_fn).__name__ != "ExternalFullBackward"
+
+
+def test_external_backward_called_under_autocast_computes_in_float32():
+    """A backward run inside the caller's autocast block gives the gradients of one outside it, bit for bit."""
+    gen = torch.Generator().manual_seed(37)
+    q, mk, mv = randn(gen, 2, 1, 8, 4).float(), randn(gen, 6, 4).float(), randn(gen, 6, 4).float()
+    grads = []
+    for inside in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (q, mk, mv)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = AF.external_attention(*(t.bfloat16() for t in leaves))
+            if inside:
+                out.float().square().sum().backward()
+        if not inside:
+            out.float().square().sum().backward()
+        grads.append([t.grad for t in leaves])
+    for outside, inside in zip(*grads):
+        assert inside.dtype == torch.float32 and torch.equal(inside, outside)
+
+
 def test_batched_matmul_is_matmul_with_fewer_host_ops():
     """The linear, focal kernels' products: equal to ``@`` for equal leading dims (4-D, 5-D, 3-D), broadcast ones and
     matrices, gradients too; on equal leading dims of 4-D tensors fewer aten ops than ``matmul``'s, forward and
