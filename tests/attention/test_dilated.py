@@ -90,10 +90,18 @@ def ref_points(q, k, v, idx):
 GRIDS = [(5, 9), (2, 3), (4, 4), (1, 7), (6, 1)]
 
 
+@pytest.fixture(params=["gathered", "offsets"])
+def torch_path(request, monkeypatch):
+    """Both forms of the torch kernel: every query's k*k keys gathered at once (small inputs), and the loops over
+    the window offsets in cache-sized chunks (``AF.DILATED_GATHER_ELEMENTS`` picks by size)."""
+    monkeypatch.setattr(AF, "DILATED_GATHER_ELEMENTS", 1 << 62 if request.param == "gathered" else 0)
+    return request.param
+
+
 @pytest.mark.parametrize("border", ["zeros", "mask"])
 @pytest.mark.parametrize("dilation", [1, 2, 3])
 @pytest.mark.parametrize("grid", GRIDS, ids=[f"{h}x{w}" for h, w in GRIDS])
-def test_kernel_matches_brute_force(grid, dilation, border):
+def test_kernel_matches_brute_force(grid, dilation, border, torch_path):
     h, w = grid
     gen = torch.Generator().manual_seed(100 * h + 10 * w + dilation + 1000 * (border == "mask"))
     q, k, v = (randn(gen, 2, 3, h * w, 5) for _ in range(3))
@@ -106,7 +114,7 @@ def test_kernel_matches_brute_force(grid, dilation, border):
 
 @pytest.mark.parametrize("border", ["zeros", "mask"])
 @pytest.mark.parametrize("kernel_size,dilation", [(1, 1), (5, 1), (5, 2), (7, 1)])
-def test_kernel_sizes_and_value_width(kernel_size, dilation, border):
+def test_kernel_sizes_and_value_width(kernel_size, dilation, border, torch_path):
     gen = torch.Generator().manual_seed(kernel_size * 10 + dilation)
     h, w = 4, 7
     q, k = randn(gen, 1, 2, h * w, 4), randn(gen, 1, 2, h * w, 4)
@@ -116,7 +124,7 @@ def test_kernel_sizes_and_value_width(kernel_size, dilation, border):
     assert rel_err(out, ref_grid(q, k, v, h, w, kernel_size, dilation, border, scale=0.7)) < 1e-12
 
 
-def test_kernel_window_larger_than_grid():
+def test_kernel_window_larger_than_grid(torch_path):
     """2x3 grid, dilation 3: every key but the centre lies outside."""
     gen = torch.Generator().manual_seed(11)
     q, k, v = (randn(gen, 2, 2, 6, 4) for _ in range(3))
@@ -127,7 +135,7 @@ def test_kernel_window_larger_than_grid():
     assert torch.allclose(AF.dilated_attention(q, k, v, (2, 3), 3, 3, "zeros"), weight * v, atol=1e-14)
 
 
-def test_kernel_non_contiguous_inputs():
+def test_kernel_non_contiguous_inputs(torch_path):
     """q, k, v as the module hands them over: strided views of one qkv tensor."""
     gen = torch.Generator().manual_seed(12)
     h, w, H, d = 3, 5, 2, 4
@@ -140,7 +148,7 @@ def test_kernel_non_contiguous_inputs():
 
 @pytest.mark.parametrize("border", ["zeros", "mask"])
 @pytest.mark.parametrize("dilation", [1, 2])
-def test_kernel_gradcheck(dilation, border):
+def test_kernel_gradcheck(dilation, border, torch_path):
     gen = torch.Generator().manual_seed(13)
     q, k = (randn(gen, 1, 2, 12, 3).requires_grad_() for _ in range(2))
     v = randn(gen, 1, 2, 12, 2).requires_grad_()  # d_v != d
@@ -148,7 +156,7 @@ def test_kernel_gradcheck(dilation, border):
                                     (q, k, v))
 
 
-def test_kernel_gradients_match_autograd_of_brute_force():
+def test_kernel_gradients_match_autograd_of_brute_force(torch_path):
     """The custom backward against autograd through the independent loop reference, mask border."""
     gen = torch.Generator().manual_seed(14)
     q, k, v = (randn(gen, 2, 2, 15, 4).requires_grad_() for _ in range(3))
@@ -237,6 +245,7 @@ def test_kernel_allocates_its_outputs_and_one_chunk(border, monkeypatch):
     from benchmarks.measure import profiler_peak_bytes
 
     monkeypatch.setattr(AF, "DILATED_CHUNK_BYTES", 1)  # one (sample, head) pair per chunk
+    monkeypatch.setattr(AF, "DILATED_GATHER_ELEMENTS", 0)  # the loops over the offsets (small inputs gather)
     gen = torch.Generator().manual_seed(24)
     B, H, h, w, d, d_v, ks = 2, 3, 12, 10, 8, 6, 3
     n = h * w
@@ -278,7 +287,7 @@ def test_kernel_first_call_imports_nothing():
 
 
 @pytest.mark.parametrize("grid,dilation", [((6, 6), 1), ((5, 8), 2), ((7, 4), 3), ((2, 3), 3)])
-def test_kernel_matches_dilateformer_unfold(grid, dilation):
+def test_kernel_matches_dilateformer_unfold(grid, dilation, torch_path):
     """DilateFormer's nn.Unfold implementation IS the zero-padding semantics: outputs and gradients agree."""
     gen = torch.Generator().manual_seed(16)
     h, w = grid
@@ -332,7 +341,7 @@ def split_qkv(mixer, x):
 
 
 @pytest.mark.parametrize("border", ["zeros", "mask"])
-def test_module_groups_heads_by_rate_on_grids(border):
+def test_module_groups_heads_by_rate_on_grids(border, torch_path):
     dil = (1, 3, 2)
     mixer = build(dim=24, heads=6, dilations=list(dil), border=border)
     gen = torch.Generator().manual_seed(18)
