@@ -35,8 +35,9 @@
 #     groups, on grids and on points (index attention with a table per group), eager calls without the op's
 #     dispatch, offset attention's written-out backward (now on bmm), PCT's kept inference folding and its layers on
 #     (rows, C) matrices, point layouts that keep their neighbour searches, focal and dilated on points through
-#     index_attention on every device (a second derivative recomputing the plain ops): the modelnet runs; about
-#     3 minutes; green closes issue 27), then where the fixed
+#     index_attention on every device (a second derivative recomputing the plain ops), the written-out autograd
+#     functions of the linear and external kernels (test_functional's kernels on CUDA against float64): the modelnet
+#     runs; about 3 minutes; green closes issue 27), then where the fixed
 #     costs go (about 5 minutes): benchmarks.launch (a torch op, a bare Triton launch with 2 and 30
 #     arguments, each kernel wrapper at a tiny size), benchmarks.small_n with each eager step's host profile for
 #     dilated, focal and external at N = 256 (dilated and focal took 4 and 7 ms at N = 4,096 on a grid in part 10),
@@ -242,17 +243,19 @@ elif [ "$PART" = 12 ]; then
   build_pointnet2 6 &
   build=$!
   say "the cuda tests of the code changed after part 11 (8 workers): dilated's rate table and grouped index tables,
-the eager paths, offset's backward, PCT's kept folding, the point variants' one index_attention path"
+the eager paths, offset's backward, PCT's kept folding, the point variants' one index_attention path, the linear and
+external kernels' written-out backwards"
   timeout -s INT -k 10 "$(left 330 180)" python3 -m pytest -m cuda -n 8 -p no:cacheprovider -rA \
     tests/attention/test_dilated_triton.py tests/attention/test_index_attention_triton.py tests/gpu/test_cuda_tasks.py \
-    -k "(dilated or focal or index or kernels_on_the_gpu or classification or modelnet or shapenet) and not compiled" \
+    tests/attention/test_functional.py \
+    -k "(dilated or focal or index or kernels_on_the_gpu or kernels_on_cuda or classification or modelnet or shapenet) and not compiled" \
     > "$OUT/tests-cuda.txt" 2>&1
   say "cuda tests exit $?"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/tests-cuda.txt" | tail -n 30 >> "$LOG"
   say "what one call costs the host (benchmarks.launch)"
   timeout -s INT "$(left 250 40)" python3 -m benchmarks.launch --out "$TABLES/launch-cuda.md" >> "$LOG" 2>&1
   say "launch exit $?"; pack
-  say "small N with host profiles: dilated, focal, external"
-  timeout -s INT "$(left 200 150)" python3 -m benchmarks.small_n --variants dilated focal external --sizes 256 \
+  say "small N with host profiles: dilated, focal, external, linear_elu"
+  timeout -s INT "$(left 200 150)" python3 -m benchmarks.small_n --variants dilated focal external linear_elu --sizes 256 \
     --rounds 10 --profile --out "$TABLES/small-n-cuda.md" >> "$LOG" 2>&1
   say "small_n exit $?"; pack
   say "cost bench: dilated at 4,096 and its target against nn.Unfold"

@@ -631,3 +631,30 @@ def test_offset_goes_chunked_above_its_budget_and_never_holds_the_map(monkeypatc
     with Largest() as seen:
         AF.offset_attention(qk.detach(), qk.detach(), v.detach())
     assert seen.numel == b * h * n * n
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_kernels_on_cuda_against_float64(kernel):
+    """Each kernel on a CUDA GPU (the written-out autograd functions of offset, external and both linear kernels
+    included), in float32 and under bf16 autocast (computed in float32 inside, float32_kernel; not SDPA, which
+    autocast runs in bf16): its values and gradients against the CPU's float64, q a strided view of a
+    projection, as the mixers hand it over."""
+    fn, _ = KERNELS[kernel]
+    shape = (2, 3, 64, 64, 16, 16)
+    inputs = qkv_inputs(kernel, shape, seed=38)
+    grad = randn(torch.Generator().manual_seed(39), *expected_shape(kernel, shape))
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    want = (out, *torch.autograd.grad(out, leaves, grad))
+    for autocast in (False,) if kernel == "softmax" else (False, True):
+        cuda = [t.detach().float().cuda().requires_grad_() for t in inputs]
+        q = cuda[0]
+        if kernel != "external":  # q a strided view (B, h, N, d) of a (B, N, h d) projection
+            q = cuda[0].detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            out = fn(q, *cuda[1:])
+        assert out.dtype == torch.float32
+        got = (out, *torch.autograd.grad(out, [q, *cuda[1:]], grad.float().cuda()))
+        for a, w in zip(got, want):
+            assert rel_err(a.cpu(), w) < 1e-5, (kernel, autocast, rel_err(a.cpu(), w))
