@@ -157,6 +157,13 @@ def _offset_full(q, k, v, eps):
     return out.transpose(-2, -1)  # (B, h, M, d_v)
 
 
+def _float32_backward(backward, ctx, grad):
+    """A written-out autograd function's ``backward(ctx, grad, *saved tensors)`` with autocast off: in float32 as
+    its forward (:func:`float32_kernel`), also when the caller runs backward() inside its autocast block."""
+    with torch.autocast(grad.device.type, enabled=False):
+        return backward(ctx, grad, *ctx.saved_tensors)
+
+
 class OffsetFull(torch.autograd.Function):
     """:func:`offset_attention` with the whole (N, M) map A held, and a backward written out: with D = eps + c
     (c the column sums) and G the output's gradient, dU = G / D, dA = v dU^T - rowvec((dU . out)) (one ``baddbmm``:
@@ -184,8 +191,7 @@ class OffsetFull(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        with torch.autocast(grad.device.type, enabled=False):  # in float32 as the forward (float32_kernel), also
-            return OffsetFull._backward(ctx, grad, *ctx.saved_tensors)  # when the caller's backward is under autocast
+        return _float32_backward(OffsetFull._backward, ctx, grad)
 
     @staticmethod
     def _backward(ctx, grad, q, k, v, attn, denom, out):
@@ -277,12 +283,16 @@ def external_attention(q, mem_k, mem_v, eps: float = 1e-9, dropout: float = 0.0,
     forward + backward). Along the last dim one block reduces each of the B h S rows. The matrix products take the
     transposes as they are (no copy). Not timed on a GPU in this form yet.
     """
-    # the written-out form divides the (N, d_v) output where the plain ops divide the (S, N) map: the smaller wins
-    # (on the CPU at N = 65,536, S = 64: 1.4x forward + backward at d_v = 64, 0.97x at d_v = 256); under
-    # torch.compile inductor fuses the plain ops itself
+    # External attention is offset attention with the memory's slots as the queries and the tokens as the keys:
+    # softmax over the tokens, then each token's column divided by its sum over the slots, out_n = sum_s A_sn M_v[s]
+    # / D_n. So it takes OffsetFull's written-out backward (the memories expanded over (B, h): their gradients
+    # summed by the expansion's backward), which divides the (N, d_v) output where the plain ops divide the (S, N)
+    # map: the smaller wins (on the CPU at N = 65,536, S = 64: 1.4x forward + backward at d_v = 64, 0.97x at
+    # d_v = 256). Under torch.compile inductor fuses the plain ops itself.
     if (dropout and training) or mem_v.shape[-1] > mem_k.shape[0] or torch.compiler.is_compiling():
         return _external_plain(q, mem_k, mem_v, eps, dropout, training)
-    return ExternalFull.apply(q, mem_k, mem_v, eps)
+    lead = q.shape[:-2]
+    return OffsetFull.apply(mem_k.expand(*lead, *mem_k.shape), q, mem_v.expand(*lead, *mem_v.shape), eps)
 
 
 def _external_plain(q, mem_k, mem_v, eps, dropout=0.0, training=False):
@@ -291,54 +301,6 @@ def _external_plain(q, mem_k, mem_v, eps, dropout=0.0, training=False):
     attn = attn / (eps + attn.sum(dim=-2, keepdim=True))  # then over slots
     attn = F.dropout(attn, dropout, training) if dropout else attn
     return attn.transpose(-1, -2) @ mem_v  # (B, h, N, d)
-
-
-class ExternalFull(torch.autograd.Function):
-    """:func:`external_attention` without dropout, with its backward written out, as :class:`OffsetFull` (the same
-    normalisation with the roles of the two axes swapped): the division by the slot sums D = eps + sum_s A comes
-    after the product, on the (N, d_v) output instead of the (S, N) map, and with G the output's gradient,
-    dU = G / D, dA = M_v dU^T - rowvec(dU . out) (one ``baddbmm``), dL = softmax's backward of dA, dq = dL^T M_k,
-    dM_k = sum over (B h) of dL q, dM_v = sum of A dU. Autograd's chain of the plain ops divides the map, saves it
-    twice, and takes five ops for the division's backward on it. apply(q, mem_k, mem_v, eps).
-
-    ``create_graph`` (a gradient penalty) differentiates the plain ops again, recomputed from the inputs.
-    """
-
-    @staticmethod
-    def forward(ctx, q, mem_k, mem_v, eps):
-        q3 = q.reshape(-1, *q.shape[-2:])  # (R, N, d): R = B h
-        r = q3.shape[0]
-        mk, mv = mem_k.expand(r, *mem_k.shape), mem_v.expand(r, *mem_v.shape)  # (R, S, d), (R, S, d_v): no copy
-        attn = torch.softmax(torch.bmm(mk, q3.transpose(1, 2)), dim=-1)  # (R, S, N), normalised over tokens
-        denom = attn.sum(dim=1).add_(eps)  # (R, N): eps + each token's sum over the slots
-        out = torch.bmm(attn.transpose(1, 2), mv).div_(denom.unsqueeze(-1))  # (R, N, d_v): A^T M_v / D
-        ctx.save_for_backward(q, mem_k, mem_v, q3, attn, denom, out)
-        ctx.eps = eps
-        return out.view(*q.shape[:-1], mem_v.shape[-1])  # (B, h, N, d_v)
-
-    @staticmethod
-    def backward(ctx, grad):
-        with torch.autocast(grad.device.type, enabled=False):  # in float32 as the forward (float32_kernel), also
-            return ExternalFull._backward(ctx, grad, *ctx.saved_tensors)  # when the caller's backward is under autocast
-
-    @staticmethod
-    def _backward(ctx, grad, q, mem_k, mem_v, q3, attn, denom, out):
-        if torch.is_grad_enabled():  # create_graph: the plain ops' graph, recomputed
-            return (*recomputed_grads(lambda *t: _external_plain(*t, ctx.eps), grad, (q, mem_k, mem_v)), None)
-        r = q3.shape[0]
-        d_u = grad.reshape(out.shape) / denom.unsqueeze(-1)  # (R, N, d_v)
-        d_denom = (d_u * out).sum(-1)  # (R, N): minus the gradient of D
-        # dA = M_v dU^T - dD (R, S, N) as one baddbmm, the (N,) row broadcast over the slots
-        d_attn = torch.baddbmm(d_denom.unsqueeze(1), mem_v.expand(r, *mem_v.shape), d_u.transpose(1, 2), beta=-1)
-        d_logits = torch._softmax_backward_data(d_attn, attn, -1, attn.dtype)  # (R, S, N)
-        dq = dk = dv = None
-        if ctx.needs_input_grad[0]:
-            dq = torch.bmm(d_logits.transpose(1, 2), mem_k.expand(r, *mem_k.shape)).view(q.shape)
-        if ctx.needs_input_grad[1]:  # (S, d): summed over the (B h) matrices, where there are several
-            dk = torch.mm(d_logits[0], q3[0]) if r == 1 else torch.bmm(d_logits, q3).sum(0)
-        if ctx.needs_input_grad[2]:  # (S, d_v)
-            dv = torch.mm(attn[0], d_u[0]) if r == 1 else torch.bmm(attn, d_u).sum(0)
-        return dq, dk, dv, None
 
 
 def batched_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -457,8 +419,7 @@ class LinearAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        with torch.autocast(grad.device.type, enabled=False):  # in float32 as the forward (float32_kernel), also
-            return LinearAttention._backward(ctx, grad, *ctx.saved_tensors)  # when the caller's backward is under autocast
+        return _float32_backward(LinearAttention._backward, ctx, grad)
 
     @staticmethod
     def _backward(ctx, grad, q, k, v, v3, pq, pk, rq, rk, uq, uk, kvs, res):

@@ -321,26 +321,31 @@ def test_offset_written_out_backward_equals_autograds_of_the_plain_ops(shape):
     assert rel_err(got, torch.autograd.grad(offset_full(q.detach(), k.detach(), v_only), v_only, grad)[0]) < 1e-12
 
 
-@pytest.mark.parametrize("chunked", [False, True])
-def test_offset_backward_called_under_autocast_computes_in_float32(chunked, monkeypatch):
+@pytest.mark.parametrize("kernel", ["offset", "offset chunked", "taylor", "elu", "external"])
+def test_written_out_backward_called_under_autocast_computes_in_float32(kernel, monkeypatch):
     """A caller that runs backward() inside its autocast block (torch allows it) gets the gradients of a backward
     outside it, bit for bit: the written-out backwards switch autocast off, as float32_kernel does for the forward
-    (under autocast their products ran in bfloat16, and the full form's softmax backward failed on mixed dtypes)."""
-    if chunked:
+    (under autocast their products ran in bfloat16, and the full offset form's softmax backward failed on mixed
+    dtypes). Offset with one tensor as q and k, as PCT."""
+    if kernel == "offset chunked":
         monkeypatch.setattr(AF, "OFFSET_FULL_MAX_ELEMENTS", 1)
         monkeypatch.setattr(AF, "OFFSET_CHUNK_ELEMENTS", 2 * 8)  # chunks of 2 queries
     gen = torch.Generator().manual_seed(29)
-    qk, v = randn(gen, 1, 2, 8, 4).float(), randn(gen, 1, 2, 8, 6).float()
+    if kernel.startswith("offset"):
+        tensors, call = (randn(gen, 1, 2, 8, 4), randn(gen, 1, 2, 8, 6)), lambda a, b: AF.offset_attention(a, a, b)
+    else:
+        k_shape = (6, 4) if kernel == "external" else (1, 2, 8, 4)
+        tensors, call = (randn(gen, 1, 2, 8, 4), randn(gen, *k_shape), randn(gen, *k_shape)), KERNELS[kernel][0]
     grads = []
     for inside in (False, True):
-        a, b = qk.clone().requires_grad_(), v.clone().requires_grad_()
+        leaves = [t.float().requires_grad_() for t in tensors]
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = AF.offset_attention(a.bfloat16(), a.bfloat16(), b.bfloat16())
+            out = call(*(t.bfloat16() for t in leaves))
             if inside:
                 out.float().square().sum().backward()
         if not inside:
             out.float().square().sum().backward()
-        grads.append((a.grad, b.grad))
+        grads.append([t.grad for t in leaves])
     for outside, inside in zip(*grads):
         assert inside.dtype == torch.float32 and torch.equal(inside, outside)
 
@@ -451,26 +456,6 @@ def test_linear_gradients_reach_a_projection_without_copies(kernel):
 
 
 @pytest.mark.parametrize("kernel", sorted(LINEAR))
-def test_linear_backward_called_under_autocast_computes_in_float32(kernel):
-    """A backward run inside the caller's autocast block gives the gradients of one outside it, bit for bit."""
-    gen = torch.Generator().manual_seed(34)
-    q, k, v = randn(gen, 1, 2, 8, 4).float(), randn(gen, 1, 2, 8, 4).float(), randn(gen, 1, 2, 8, 6).float()
-    fn = KERNELS[kernel][0]
-    grads = []
-    for inside in (False, True):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = fn(*(t.bfloat16() for t in leaves))
-            if inside:
-                out.float().square().sum().backward()
-        if not inside:
-            out.float().square().sum().backward()
-        grads.append([t.grad for t in leaves])
-    for outside, inside in zip(*grads):
-        assert inside.dtype == torch.float32 and torch.equal(inside, outside)
-
-
-@pytest.mark.parametrize("kernel", sorted(LINEAR))
 def test_linear_double_backward(kernel):
     """A gradient penalty differentiates the linear kernels twice (the plain ops recomputed under create_graph)."""
     inputs = tuple(t.requires_grad_() for t in qkv_inputs(kernel, (1, 2, 4, 3, 3, 2), seed=35))
@@ -479,46 +464,29 @@ def test_linear_double_backward(kernel):
 
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 def test_external_written_out_backward_equals_autograds_of_the_plain_ops(shape):
-    """ExternalFull (the slot normalisation after the product, a backward written out) gives the plain ops' values
-    and gradients in float64, the memories' gradients summed over every (sample, head); and it serves
-    ``external_attention`` where it is the cheaper form: no dropout in training and d_v <= S (it divides the
-    (N, d_v) output where the plain ops divide the (S, N) map), otherwise the plain ops do."""
+    """External attention is offset attention with the memory's slots as queries: through OffsetFull (the slot
+    normalisation after the product, a backward written out) it gives the plain ops' values and gradients in
+    float64, the memories' gradients summed over every (sample, head), where that is the cheaper form: no dropout
+    in training and d_v <= S (it divides the (N, d_v) output where the plain ops divide the (S, N) map), otherwise
+    the plain ops run."""
     b, h, n, s, d, _ = shape
     gen = torch.Generator().manual_seed(36)
     q, mk, mv = randn(gen, b, h, n, d).requires_grad_(), randn(gen, s, d).requires_grad_(), randn(gen, s, d)
     mv = mv[:, :min(d, s)].clone().requires_grad_()  # d_v <= S
     grad = randn(gen, b, h, n, mv.shape[-1])
     out = AF.external_attention(q, mk, mv)
-    assert type(out.grad_fn).__name__ == "ExternalFullBackward"
+    assert type(out.grad_fn).__name__ == "OffsetFullBackward"
     plain = AF._external_plain(q, mk, mv, 1e-9)
     assert rel_err(out.detach(), plain.detach()) < 1e-13
     assert rel_err(out.detach(), ref_external(q.detach(), mk.detach(), mv.detach())) < 1e-12
     for got, want in zip(torch.autograd.grad(out, (q, mk, mv), grad), torch.autograd.grad(plain, (q, mk, mv), grad)):
         assert rel_err(got, want) < 1e-12
-    assert torch.autograd.gradgradcheck(lambda *t: AF.ExternalFull.apply(*t, 1e-9),
-                                        (q[:1, :1, :3].detach().requires_grad_(), mk, mv), eps=1e-6, atol=1e-6)
+    assert torch.autograd.gradgradcheck(AF.external_attention, (q[:1, :1, :3].detach().requires_grad_(), mk, mv),
+                                        eps=1e-6, atol=1e-6)
     wide = randn(gen, s, s + 1).requires_grad_()  # d_v > S, and dropout in training: the plain ops
-    assert type(AF.external_attention(q, mk, wide).grad_fn).__name__ != "ExternalFullBackward"
+    assert type(AF.external_attention(q, mk, wide).grad_fn).__name__ != "OffsetFullBackward"
     dropped = AF.external_attention(q, mk, mv, dropout=0.5, training=True)
-    assert type(dropped.grad_fn).__name__ != "ExternalFullBackward"
-
-
-def test_external_backward_called_under_autocast_computes_in_float32():
-    """A backward run inside the caller's autocast block gives the gradients of one outside it, bit for bit."""
-    gen = torch.Generator().manual_seed(37)
-    q, mk, mv = randn(gen, 2, 1, 8, 4).float(), randn(gen, 6, 4).float(), randn(gen, 6, 4).float()
-    grads = []
-    for inside in (False, True):
-        leaves = [t.clone().requires_grad_() for t in (q, mk, mv)]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = AF.external_attention(*(t.bfloat16() for t in leaves))
-            if inside:
-                out.float().square().sum().backward()
-        if not inside:
-            out.float().square().sum().backward()
-        grads.append([t.grad for t in leaves])
-    for outside, inside in zip(*grads):
-        assert inside.dtype == torch.float32 and torch.equal(inside, outside)
+    assert type(dropped.grad_fn).__name__ != "OffsetFullBackward"
 
 
 def test_batched_matmul_is_matmul_with_fewer_host_ops():
