@@ -287,7 +287,7 @@ def external_attention(q, mem_k, mem_v, eps: float = 1e-9, dropout: float = 0.0,
     # softmax over the tokens, then each token's column divided by its sum over the slots, out_n = sum_s A_sn M_v[s]
     # / D_n. So it takes OffsetFull's written-out backward (the memories expanded over (B, h): their gradients
     # summed by the expansion's backward), which divides the (N, d_v) output where the plain ops divide the (S, N)
-    # map: the smaller wins (on the CPU at N = 65,536, S = 64: 1.4x forward + backward at d_v = 64, 0.97x at
+    # map: the smaller wins (on the CPU at N = 65,536, S = 64: 1.3x forward + backward at d_v = 64, 0.97x at
     # d_v = 256). Under torch.compile inductor fuses the plain ops itself.
     if (dropout and training) or mem_v.shape[-1] > mem_k.shape[0] or torch.compiler.is_compiling():
         return _external_plain(q, mem_k, mem_v, eps, dropout, training)
