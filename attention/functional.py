@@ -856,7 +856,7 @@ def _dilated_backward_gathered(grad, q, k, v, attn, h, w, kernel_size, dilation,
     values, dk and dv from each token's queries through the mirrored window (gathers only, no scattered sums)."""
     B, H, n, _ = q.shape
     keys, queries, slots, _ = _dilated_tables(B, H, h, w, kernel_size, _rate_tuple(dilation), q.device)
-    a = attn.view(B, H, kernel_size ** 2, n).transpose(2, 3).contiguous()  # (B, H, N, k*k)
+    a = attn.reshape(B, H, kernel_size ** 2, n).transpose(2, 3).contiguous()  # (B, H, N, k*k), whatever its strides
     d_attn = (_dilated_rows(v, keys) @ grad.unsqueeze(-1)).squeeze(-1)  # (B, H, N, k*k)
     d_logits = torch._softmax_backward_data(d_attn, a, -1, a.dtype).mul_(scale)  # (B, H, N, k*k)
     dq = (d_logits.unsqueeze(-2) @ _dilated_rows(k, keys)).squeeze(-2)  # (B, H, N, d)
