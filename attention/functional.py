@@ -88,15 +88,9 @@ def softmax_attention(q, k, v, scale: float | None = None, fused: bool = True):
     """
     if fused:
         return F.scaled_dot_product_attention(q, k, v, scale=scale)  # (..., N, d_v)
-    return _softmax_plain(q, k, v, scale)
-
-
-@float32_kernel
-def _softmax_plain(q, k, v, scale: float | None = None):
-    """:func:`softmax_attention` in plain ops, in float32 for half precision (as SDPA accumulates)."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    logits = batched_matmul(q * scale, k.transpose(-2, -1))  # (..., N, M)
-    return batched_matmul(torch.softmax(logits, dim=-1), v)  # (..., N, d_v)
+    # focal's kernel without bias or mask is exactly this, in plain ops, in float32 for half precision (as SDPA
+    # accumulates)
+    return focal_attention(q, k, v, scale=scale)  # (..., N, d_v)
 
 
 # Above this many entries of the attention map (B h N M), offset_attention runs in query chunks (:class:`OffsetChunked`)
