@@ -44,6 +44,10 @@
 #     dilated against nn.Unfold and at 4,096 after the eager calls skip the op's dispatch, then PCT at batch 16
 #     uncompiled with the layer-by-layer folding beside the kept one (part 11's eval ratios fell) and the plain
 #     batch norm + max beside NormActMax in training (fewer launches against fewer bytes).
+#  13: after the fourth lease (parts 12 and the rest of tests/gpu passed on 2cca509): the six `cuda` tests it did not
+#     rerun (FPS against the torch path and the built pointnet2_ops, the Triton kNN), then the PCT tasks' `cuda`
+#     tests with the plain batch norm + max as the GPU's training default, then PCT at batches 16 and 32 (NormActMax
+#     timed as the other form); about 5 minutes.
 # Writes OUTDIR/log.txt (each step's summary), OUTDIR/tests-cuda.txt, OUTDIR/tests-rest.txt and OUTDIR/tables.tar
 # (the benchmark tables).
 set -u
@@ -268,6 +272,16 @@ external kernels' written-out backwards"
   timeout -s INT "$(left 10)" python3 -m benchmarks.pct_cuda --reference "$REF" --no-compile --batch 16 --rounds 10 \
     --out "$TABLES/pct-cuda-b16.md" >> "$LOG" 2>&1
   say "pct_cuda exit $?"
+elif [ "$PART" = 13 ]; then
+  build_pointnet2 8
+  say "pointnet2_ops build exit $?"
+  say "FPS and kNN cuda tests, then the PCT tasks with the GPU's training default (8 workers)"
+  timeout -s INT -k 10 "$(left 220 150)" python3 -m pytest -m cuda -n 8 -p no:cacheprovider -rA \
+    tests/attention/test_fps_triton.py tests/attention/test_pointops.py tests/gpu/test_cuda_tasks.py \
+    -k "fps or knn or modelnet or shapenet" > "$OUT/tests-cuda.txt" 2>&1
+  say "cuda tests exit $?"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/tests-cuda.txt" | tail -n 30 >> "$LOG"
+  say "benchmarks.pct_cuda at batches 16 and 32, uncompiled"
+  pct_cuda 10 10 9999
 else
   build_pointnet2 8
   say "pointnet2_ops build exit $?"

@@ -148,19 +148,23 @@ def train_step(net, loss, inputs, target, autocast: bool, tf32: bool | None = No
     return step
 
 
-def plain_max(step: Callable[[], None]) -> Callable[[], None]:
-    """``step`` with PCT's grouping and fuse layers in the plain batch norm, activation and max instead of
-    NormActMax (``tasks.nets.pct.FUSED_NORM_ACT_MAX``), to time that form beside the default one."""
+def other_max(step: Callable[[], None], device: torch.device) -> tuple[str, Callable[[], None]]:
+    """(label, ``step``) with PCT's grouping and fuse layers in the form that ``device`` does not take by default
+    (``tasks.nets.pct.FUSED_NORM_ACT_MAX``: NormActMax on the CPU, the plain batch norm, activation and max
+    elsewhere), to time that form beside the default one."""
     from tasks.nets import pct
 
-    def plain():
-        fused, pct.FUSED_NORM_ACT_MAX = pct.FUSED_NORM_ACT_MAX, False
+    fused = not pct.takes_norm_act_max(torch.device(device))  # the other form
+    label = "float32, NormActMax" if fused else "float32, plain batch norm + max"
+
+    def other():
+        default, pct.FUSED_NORM_ACT_MAX = pct.FUSED_NORM_ACT_MAX, fused
         try:
             step()
         finally:
-            pct.FUSED_NORM_ACT_MAX = fused
+            pct.FUSED_NORM_ACT_MAX = default
 
-    return plain
+    return label, other
 
 
 def eval_step(net, inputs, autocast: bool, tf32: bool | None = None, at_once: bool = True) -> Callable[[], None]:
@@ -224,8 +228,8 @@ def pct_rows(model_module, batch: int, points: int, rounds: int, device, samples
         if mode == "eval":  # the batch norms folded layer by layer, beside fold_all's form (the default)
             steps["suite_layerwise"] = eval_step(suite, (xyz,), False, at_once=False)
             steps["suite_bf16_layerwise"] = eval_step(suite, (xyz,), True, at_once=False)
-        else:  # the plain batch norm + max, beside NormActMax (the default)
-            steps["suite_plain_max"] = plain_max(make(suite))
+        else:  # NormActMax beside the plain batch norm + max, whichever is not the device's default
+            other_label, steps["suite_other_max"] = other_max(make(suite), device)
         first = {}
         if compile_too:
             compiled = {"reference_compiled": make(torch.compile(reference)),
@@ -245,7 +249,7 @@ def pct_rows(model_module, batch: int, points: int, rounds: int, device, samples
             forms += [("float32, folded layer by layer", "suite_layerwise", base, "reference fp32"),
                       ("bfloat16, folded layer by layer", "suite_bf16_layerwise", base, "reference fp32")]
         else:
-            forms.append(("float32, plain batch norm + max", "suite_plain_max", base, "reference fp32"))
+            forms.append((other_label, "suite_other_max", base, "reference fp32"))
         if compile_too:
             forms += [("compiled", "suite_compiled", base, "reference fp32"),
                       ("compiled, CUDA graphs", "suite_graphs", base, "reference fp32")]

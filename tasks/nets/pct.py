@@ -91,14 +91,23 @@ def fold(conv: nn.Module, bn: nn.Module, cast: bool = True) -> tuple[torch.Tenso
     return (*(made.cast(conv) if cast else folded), True)
 
 
-# False: the inference forward folds layer by layer at every call, as before fold_all and Folded (benchmarks.pct_cuda
-# times both forms side by side: their gain is counted in the CPU's ops, not yet timed on a GPU)
+# False: the inference forward folds layer by layer at every call, as before fold_all and Folded. Timed side by side
+# on an H200 (benchmarks/pct-cuda-b16.md, batch 16): the kept folding's eval forward 4.04 ms, layer by layer 5.94 ms
 FOLD_AT_ONCE = True
-# False: training takes the plain batch norm, activation and max after PCT's grouping and fuse layers, not NormActMax
-# (benchmarks.pct_cuda times both side by side: NormActMax moves a third of the plain form's bytes over the
-# (B, S, K, C) groups but dispatches about 24 ops a layer where the plain form takes 10: PCT's CPU-counted training
-# step has 389 kernel-level ops with it, 347 without, and at batch 16 a GPU step is bound by its launches)
-FUSED_NORM_ACT_MAX = True
+# Which form PCT's grouping and fuse layers take in training: True NormActMax, False the plain batch norm, activation
+# and max, None (the default) NormActMax on the CPU and the plain form on other devices. NormActMax moves a third of
+# the plain form's bytes over the (B, S, K, C) groups but dispatches about 24 ops a layer where the plain form takes
+# 10. Measured side by side in one process: on the 2-core CPU (bytes-bound) a training step at batch 8 took 825 ms
+# with it and 1,095 ms without; on an H200 (torch 2.11, batch 16, bound by its launches: 7.8 ms of GPU time in a
+# 19.8 ms step) 19.8 ms with it and 17.4 ms without (benchmarks/pct-cuda-b16.md, which times the other form too).
+FUSED_NORM_ACT_MAX: bool | None = None
+
+
+def takes_norm_act_max(device: torch.device) -> bool:
+    """Whether training on ``device`` takes NormActMax where it can (:data:`FUSED_NORM_ACT_MAX`)."""
+    return device.type == "cpu" if FUSED_NORM_ACT_MAX is None else FUSED_NORM_ACT_MAX
+
+
 # conv -> (weight, shift) of every layer folded at once, while a network's inference forward runs
 _FOLDED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("pct_folded", default=None)
 
@@ -281,7 +290,7 @@ def conv_bn_act_max(x: torch.Tensor, layer: nn.Sequential) -> torch.Tensor:
         return act_(h.view(-1, k, c).max(dim=1).values, act).view(*lead, c)
     # Under torch.compile the plain form: the compiler fuses it itself, and batch_norm_update_stats (below) has no
     # fake-tensor kernel, so the fused form would break the graph there.
-    fused = (FUSED_NORM_ACT_MAX and monotone and type(bn) is nn.BatchNorm1d and bn.affine
+    fused = (takes_norm_act_max(h.device) and monotone and type(bn) is nn.BatchNorm1d and bn.affine
              and h.dtype in (torch.float32, torch.float64)
              and not torch.is_autocast_enabled(h.device.type) and not torch.compiler.is_compiling())
     if not fused:

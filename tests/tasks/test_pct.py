@@ -268,13 +268,14 @@ def test_training_with_or_without_norm_act_max_is_the_same_function(monkeypatch)
     """PCT's grouping and fuse layers in training: NormActMax (batch norm, activation and max without the normalised
     (B, S, K, C) tensor) and the plain batch norm + activation + max (tasks.nets.pct.FUSED_NORM_ACT_MAX = False,
     which benchmarks.pct_cuda times beside it) give the same logits, gradients and running statistics in float64;
-    the plain form dispatches fewer ops (10 a layer against about 24), NormActMax moves fewer bytes."""
+    the plain form dispatches fewer ops (10 a layer against about 24), NormActMax moves fewer bytes. By default
+    (None) the CPU takes NormActMax: the same ops as True."""
     import tasks.nets.pct as pct
 
     from benchmarks.measure import OpCounter
 
     runs = {}
-    for fused in (True, False):
+    for fused in (True, False, None):
         monkeypatch.setattr(pct, "FUSED_NORM_ACT_MAX", fused)
         net, (xyz,) = _small("PCT")
         net = net.double()
@@ -284,6 +285,9 @@ def test_training_with_or_without_norm_act_max_is_the_same_function(monkeypatch)
         bn = net.groups[0].mlp[1][1]
         runs[fused] = (logits.detach(), [p.grad for p in net.parameters()], bn.running_mean, bn.running_var, ops)
     (a, grads_a, mean_a, var_a, ops_a), (b, grads_b, mean_b, var_b, ops_b) = runs[True], runs[False]
+    assert runs[None][4].kernels == ops_a.kernels and torch.equal(runs[None][0], a)  # the CPU's default: NormActMax
+    monkeypatch.setattr(pct, "FUSED_NORM_ACT_MAX", None)  # a GPU's default: the plain form (launch-bound steps)
+    assert [pct.takes_norm_act_max(torch.device(d)) for d in ("cpu", "cuda", "mps")] == [True, False, False]
     torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     # against the whole gradient's norm: single entries near 0 cancel differently (1e-12 apart at 1e-3), and a bias
     # before a batch norm has a gradient of 0 in exact arithmetic, rounding noise in both forms
