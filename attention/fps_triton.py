@@ -175,7 +175,7 @@ def farthest_point_sample(xyz: torch.Tensor, m: int, start: torch.Tensor, dist: 
         raise ValueError("fps_triton: min_mag (the kernel's own initial distances) needs fused float32 distances.")
     if skip == (dist is not None):
         raise ValueError("fps_triton: give either the initial distances (dist) or min_mag, not both or neither.")
-    planes = xyz.transpose(1, 2).contiguous()  # (B, 3, N)
+    planes = xyz.transpose(1, 2).contiguous()  # (B, 3, N); no copy where xyz is a view of planes (like_kernel)
     one_block = n <= MAX_ONE_BLOCK * 4 // xyz.element_size()
     if skip:  # made by the kernel: no row to read with one block, a scratch row with chunks
         dist = planes if one_block else torch.empty(b, n, dtype=xyz.dtype, device=xyz.device)  # (B, N)

@@ -99,7 +99,9 @@ def _farthest_point_sample(xyz: torch.Tensor, m: int, start: torch.Tensor | None
         # The kernel's tie order becomes "first maximum" (argmax's rule) on points permuted by kernel_order;
         # its skipped points start at distance -1 (initial_distances).
         order = kernel_order(n, xyz.device)  # (N,), order[0] == 0
-        xyz = xyz[:, order]  # (B, N, 3)
+        # (B, N, 3) permuted, a view of (B, 3, N) coordinate planes: one gather, and the Triton kernel reads the
+        # planes without copying them again (xyz[:, order] and the planes' copy were two kernels)
+        xyz = xyz.transpose(1, 2).index_select(2, order).transpose(1, 2)
         fused = xyz.dtype != torch.float64
         if fused:
             xyz = xyz.float()
@@ -116,7 +118,8 @@ def _farthest_point_sample(xyz: torch.Tensor, m: int, start: torch.Tensor | None
                                    fused=False, fallback=backend == "auto")
     if idx is None:
         idx = fps_loop(xyz, m, farthest, initial_distances(xyz, like_kernel), fused=fused)  # (B, m)
-    return (order[idx] if like_kernel else idx).contiguous()  # as the fake kernel says (the loop builds it (m, B))
+    # contiguous, as the fake kernel says (the loop builds it (m, B)); take: one gather of the 1-D order
+    return order.take(idx) if like_kernel else idx.contiguous()
 
 
 def initial_distances(xyz: torch.Tensor, like_kernel: bool) -> torch.Tensor:
