@@ -47,7 +47,7 @@
 #  13: after the fourth lease (parts 12 and the rest of tests/gpu passed on 2cca509): the six `cuda` tests it did not
 #     rerun (FPS against the torch path and the built pointnet2_ops, the Triton kNN), then the PCT tasks' `cuda`
 #     tests with the plain batch norm + max as the GPU's training default, then PCT at batches 16 and 32 (NormActMax
-#     timed as the other form); about 5 minutes.
+#     timed as the other form), with benchmarks.launch's new rows between; about 5 minutes.
 # Writes OUTDIR/log.txt (each step's summary), OUTDIR/tests-cuda.txt, OUTDIR/tests-rest.txt and OUTDIR/tables.tar
 # (the benchmark tables).
 set -u
@@ -280,6 +280,9 @@ elif [ "$PART" = 13 ]; then
     tests/attention/test_fps_triton.py tests/attention/test_pointops.py tests/gpu/test_cuda_tasks.py \
     -k "fps or knn or modelnet or shapenet" > "$OUT/tests-cuda.txt" 2>&1
   say "cuda tests exit $?"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/tests-cuda.txt" | tail -n 30 >> "$LOG"
+  say "what one call costs the host (benchmarks.launch: dilated's backward alone, the autograd floor)"
+  timeout -s INT "$(left 200 40)" python3 -m benchmarks.launch --out "$TABLES/launch-cuda.md" >> "$LOG" 2>&1
+  say "launch exit $?"; pack
   say "benchmarks.pct_cuda at batches 16 and 32, uncompiled"
   pct_cuda 10 10 9999
 else

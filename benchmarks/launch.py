@@ -11,14 +11,17 @@ call), the ``torch.library`` dispatch around it, or the torch ops beside it deci
 times ``calls`` back-to-back calls with the wall clock and one synchronisation after them: the device's work is
 tiny, so it keeps up and the time is the host's. The rows:
 
-- ``torch add``: one aten op on a 16-element tensor, the floor of any launch through torch;
+- ``torch add``: one aten op on a 16-element tensor, the floor of any launch through torch; ``torch mul + sum +
+  backward``: the floor of a forward and backward through autograd's engine (on CUDA its device thread);
 - ``triton, 2 arguments`` / ``triton, 30 arguments``: a kernel that stores one value, launched with a pointer and
   1 or 29 integer arguments (strides, sizes: what the suite's kernels take), so that the difference is the
   launcher's cost per argument (CUDA only);
 - ``knn``, ``fps``, ``dilated forward``, ``dilated forward + backward``, ``index attention forward``: the suite's
   public functions at tiny sizes, what a model calls (on CUDA their Triton kernels, on the CPU the torch paths);
-  dilated's forward + backward once more through its ``torch.library`` op, as compiled code and dispatch modes call
-  it (:func:`through_op`), for what the eager path saves.
+  dilated's backward alone (``torch.autograd.grad`` on a kept graph: an H200 took 165 us for its forward and
+  1,007 us for forward + backward, 2026-11-27, with 3 launches in all), and its forward + backward once more
+  through its ``torch.library`` op, as compiled code and dispatch modes call it (:func:`through_op`), for what the
+  eager path saves.
 """
 
 from __future__ import annotations
@@ -92,7 +95,10 @@ def cases(device) -> dict:
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     rows, keys = torch.randn(64, 32, generator=g).to(device), torch.randn(64, 32, generator=g).to(device)
     index = torch.randint(0, 64, (64, 8), generator=g).to(device)
-    out = {"torch add": lambda: small.add_(1)}
+    kept = AF.dilated_attention(*leaves, (8, 8), 3, [1, 2, 3, 4])  # a graph that the backward row runs again
+    seed = torch.ones_like(kept)
+    out = {"torch add": lambda: small.add_(1),
+           "torch mul + sum + backward (one leaf)": lambda: (leaves[0] * 2).sum().backward()}
     if device.type == "cuda":
         few, many = triton_kernels()
         out["triton, 2 arguments"] = lambda: few[(1,)](small, 3)
@@ -102,6 +108,7 @@ def cases(device) -> dict:
         "fps (16 of 64 points)": lambda: farthest_point_sample(xyz, 16),
         "dilated forward (4 heads at rates 1-4, 8 x 8)": lambda: AF.dilated_attention(q, k, v, (8, 8), 3, [1, 2, 3, 4]),
         "dilated forward + backward": lambda: AF.dilated_attention(*leaves, (8, 8), 3, [1, 2, 3, 4]).sum().backward(),
+        "dilated backward alone (its graph kept)": lambda: torch.autograd.grad(kept, leaves, seed, retain_graph=True),
         "dilated forward + backward, through the op's dispatch": lambda: through_op(
             lambda: AF.dilated_attention(*leaves, (8, 8), 3, [1, 2, 3, 4]).sum().backward()),
         "index attention forward (64 rows, 8 keys)": lambda: AF.index_attention(rows, keys, keys, index, 4),
