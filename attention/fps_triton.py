@@ -12,8 +12,9 @@ The arithmetic is the torch loop's, operation for operation, so that the indices
 rounds twice), ``dist = min(dist, d)``. For ``like_kernel`` (``FUSED``, float32) it is pointnet2_ops' as nvcc
 builds it: ``d = fma(dz, dz, fma(dx, dx, dy*dy))``, written with ``tl.fma`` (``fma.rn.f32`` in the PTX, whatever
 the compiler would contract), which the torch loop computes exactly with :func:`attention.pointops.fma32`.
-pointnet2_ops' tie order needs nothing else here: :func:`attention.pointops.farthest_point_sample` permutes the
-points by ``kernel_order`` before it calls this, and maps positions back. Its skipped points (``SKIP``) are the
+pointnet2_ops' tie order is an order of the points (``kernel_order``) in which it is argmax's first maximum: the
+kernel samples the points in that order (``PERMUTED``: its prologue gathers them into its coordinate planes) and
+maps its picks back to indices at its end. Its skipped points (``SKIP``) are the
 kernel's own test, made here: the initial distance of a point is 1e10, or -1 where its squared norm
 ``mag = fma(z, z, fma(x, x, y*y))`` is at most 1e-3 in double precision, that is below ``MIN_MAG``, the float32
 value just above 1e-3. (Made in torch on the host, that test was about 80 small ops: the fused multiply-adds
@@ -77,10 +78,17 @@ def _initial_distance(x, y, z, MIN_MAG: tl.constexpr):
 
 
 @triton.jit
-def _fps_kernel(planes_ptr, dist_ptr, start_ptr, out_ptr, n, m, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr,
-                FUSED: tl.constexpr, SKIP: tl.constexpr, MIN_MAG: tl.constexpr):
-    """Program b: out[b, :m] from planes (B, 3, N) contiguous, dist (B, N) (initial distances, unless ``SKIP``
-    makes them here; with ``ONE_BLOCK`` False also the scratch row, overwritten) and start (B,) int64.
+def _fps_kernel(xyz_ptr, order_ptr, planes_ptr, dist_ptr, start_ptr, out_ptr, n, m, start_index, stride_b, stride_n,
+                stride_c, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, FUSED: tl.constexpr, SKIP: tl.constexpr,
+                MIN_MAG: tl.constexpr, GIVEN: tl.constexpr, PERMUTED: tl.constexpr):
+    """Program b: out[b, :m] from xyz (B, N, 3) of any strides, dist (B, N) (initial distances, unless ``SKIP``
+    makes them here; with ``ONE_BLOCK`` False also the scratch row, overwritten) and the first pick, start[b]
+    (``GIVEN``) or ``start_index``. ``PERMUTED``: the kernel samples the points in the order ``order`` (N,) int64
+    (dist in that order too; the first pick a position in it) and writes the picks back as indices of xyz.
+
+    It first copies the sample's points (in that order) into its coordinate planes, a (B, 3, N) scratch tensor
+    whose rows every step's centre is read from: one launch where the torch ops around it took three (the
+    permuting gather and the planes' copy before, the indices mapped back after).
 
     The loops are ``while`` loops: Triton 3.6's interpreter cannot take a runtime scalar as a ``range`` bound
     (its scalars are 1-element arrays, which NumPy 2.4 no longer converts to an int). Compiled for sm_90, they
@@ -91,8 +99,31 @@ def _fps_kernel(planes_ptr, dist_ptr, start_ptr, out_ptr, n, m, BLOCK: tl.conste
     z_ptr = y_ptr + n
     dist_row = dist_ptr + b * n
     out_row = out_ptr + b * m
-    far = tl.load(start_ptr + b)  # int64 scalar
+    if GIVEN:
+        far = tl.load(start_ptr + b)  # int64 scalar
+    else:
+        far = b * 0 + start_index  # int64 scalar (start_index may come specialised as a constant)
     offs = tl.arange(0, BLOCK)  # (BLOCK,)
+    # the planes, and with SKIP in chunks the scratch row's initial distances: one sweep
+    src_row = xyz_ptr + b * stride_b
+    lo = 0
+    while lo < n:
+        at = lo + offs  # (BLOCK,)
+        mask = at < n
+        if PERMUTED:
+            src = tl.load(order_ptr + at, mask=mask, other=0)  # (BLOCK,) int64: the points at these positions
+        else:
+            src = at
+        x = tl.load(src_row + src * stride_n, mask=mask, other=0.0)
+        y = tl.load(src_row + src * stride_n + stride_c, mask=mask, other=0.0)
+        z = tl.load(src_row + src * stride_n + 2 * stride_c, mask=mask, other=0.0)
+        tl.store(x_ptr + at, x, mask=mask)
+        tl.store(y_ptr + at, y, mask=mask)
+        tl.store(z_ptr + at, z, mask=mask)
+        if SKIP and not ONE_BLOCK:
+            tl.store(dist_row + at, _initial_distance(x, y, z, MIN_MAG), mask=mask)
+        lo += BLOCK
+    tl.debug_barrier()  # every thread's planes written before any step reads a centre from them
     i = 0
     if ONE_BLOCK:
         mask = offs < n
@@ -112,17 +143,6 @@ def _fps_kernel(planes_ptr, dist_ptr, start_ptr, out_ptr, n, m, BLOCK: tl.conste
             far = tl.argmax(dist, 0, tie_break_left=True).to(tl.int64)  # the first maximum
             i += 1
     else:
-        if SKIP:  # the scratch row's initial distances, one sweep
-            lo = 0
-            while lo < n:
-                at = lo + offs  # (BLOCK,)
-                mask = at < n
-                x = tl.load(x_ptr + at, mask=mask, other=0.0)
-                y = tl.load(y_ptr + at, mask=mask, other=0.0)
-                z = tl.load(z_ptr + at, mask=mask, other=0.0)
-                tl.store(dist_row + at, _initial_distance(x, y, z, MIN_MAG), mask=mask)
-                lo += BLOCK
-            tl.debug_barrier()
         while i < m - 1:
             tl.store(out_row + i, far)
             cx = tl.load(x_ptr + far)
@@ -153,17 +173,29 @@ def _fps_kernel(planes_ptr, dist_ptr, start_ptr, out_ptr, n, m, BLOCK: tl.conste
             tl.debug_barrier()
             i += 1
     tl.store(out_row + m - 1, far)  # the last pick: no distances to update after it
+    if PERMUTED:  # positions -> the points' indices, each lane its own entries
+        tl.debug_barrier()
+        lo = 0
+        while lo < m:
+            at = lo + offs  # (BLOCK,)
+            mask = at < m
+            pos = tl.load(out_row + at, mask=mask, other=0)
+            tl.store(out_row + at, tl.load(order_ptr + pos, mask=mask, other=0), mask=mask)
+            lo += BLOCK
 
 
-def farthest_point_sample(xyz: torch.Tensor, m: int, start: torch.Tensor, dist: torch.Tensor | None,
-                          fused: bool = False, min_mag: float | None = None) -> torch.Tensor:
-    """Indices (B, m) for xyz (B, N, 3) float32/float64, start (B,) int64, dist (B, N) initial distances.
+def farthest_point_sample(xyz: torch.Tensor, m: int, start: torch.Tensor | int, dist: torch.Tensor | None,
+                          fused: bool = False, min_mag: float | None = None,
+                          order: torch.Tensor | None = None) -> torch.Tensor:
+    """Indices (B, m) for xyz (B, N, 3) float32/float64 (any strides), start (B,) int64 or one int for every
+    sample, dist (B, N) initial distances.
 
     What :func:`attention.pointops.fps_loop` returns for the same arguments (``fused``: float32 only, the
     distances as pointnet2_ops' fused multiply-adds); start must hold indices in [0, N) (unchecked: checking
     would wait for the GPU). The inputs are left as they are. ``min_mag`` (with ``fused``; ``dist`` None): the
     kernel makes the initial distances itself, 1e10, or -1 where a point's fused squared norm is below it
-    (float32).
+    (float32). ``order`` (N,) int64, a permutation: the result of ``order[fps_loop(xyz[:, order], ...)]``, start
+    and dist then in that order (``like_kernel``'s tie order, :func:`attention.pointops.kernel_order`).
     """
     b, n, _ = xyz.shape
     if xyz.dtype not in (torch.float32, torch.float64):
@@ -175,19 +207,25 @@ def farthest_point_sample(xyz: torch.Tensor, m: int, start: torch.Tensor, dist: 
         raise ValueError("fps_triton: min_mag (the kernel's own initial distances) needs fused float32 distances.")
     if skip == (dist is not None):
         raise ValueError("fps_triton: give either the initial distances (dist) or min_mag, not both or neither.")
-    planes = xyz.transpose(1, 2).contiguous()  # (B, 3, N); no copy where xyz is a view of planes (like_kernel)
+    planes = torch.empty(b, 3, n, dtype=xyz.dtype, device=xyz.device)  # (B, 3, N): the kernel fills it
     one_block = n <= MAX_ONE_BLOCK * 4 // xyz.element_size()
     if skip:  # made by the kernel: no row to read with one block, a scratch row with chunks
         dist = planes if one_block else torch.empty(b, n, dtype=xyz.dtype, device=xyz.device)  # (B, N)
     else:  # one block: the kernel only reads dist; chunks: it writes its running distances there, so a copy
         dist = dist.to(xyz.dtype).contiguous() if one_block else dist.to(xyz.dtype, copy=True).contiguous()
-    start = start.to(device=xyz.device, dtype=torch.long).contiguous()  # (B,)
+    given = isinstance(start, torch.Tensor)
+    if given:
+        start = start.to(device=xyz.device, dtype=torch.long).contiguous()  # (B,)
+    permuted = order is not None
+    if permuted:
+        order = order.to(device=xyz.device, dtype=torch.long).contiguous()  # (N,)
     out = torch.empty(b, m, dtype=torch.long, device=xyz.device)
     block = triton.next_power_of_2(n) if one_block else CHUNK
     warps = warps_for(block)
     # Triton launches on the current CUDA device: make it the points' one
     with torch.cuda.device(xyz.device) if xyz.is_cuda else contextlib.nullcontext():
-        _fps_kernel[(b,)](planes, dist, start, out, n, m, BLOCK=block, ONE_BLOCK=one_block, FUSED=fused,
-                          SKIP=skip, MIN_MAG=min_mag if skip else 0.0, num_warps=warps, enable_fp_fusion=False)
+        _fps_kernel[(b,)](xyz, order if permuted else out, planes, dist, start if given else out, out, n, m,
+                          0 if given else int(start), *xyz.stride(), BLOCK=block, ONE_BLOCK=one_block,
+                          FUSED=fused, SKIP=skip, MIN_MAG=min_mag if skip else 0.0, GIVEN=given,
+                          PERMUTED=permuted, num_warps=warps, enable_fp_fusion=False)
     return out
-

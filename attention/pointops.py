@@ -91,33 +91,33 @@ def _farthest_point_sample(xyz: torch.Tensor, m: int, start: torch.Tensor | None
     """The op's kernel (arguments checked by :func:`farthest_point_sample`): ``start`` a (B,) LongTensor, or None
     for ``start_index`` in every sample."""
     b, n, _ = xyz.shape
+    # like_kernel: the kernel's tie order becomes "first maximum" (argmax's rule) on the points permuted by
+    # kernel_order; its skipped points start at distance -1 (initial_distances)
+    order = kernel_order(n, xyz.device) if like_kernel else None  # (N,), order[0] == 0
+    fused = like_kernel and xyz.dtype != torch.float64
+    if fused:
+        xyz = xyz.float()
+    if backend == "triton" or (backend == "auto" and xyz.is_cuda and xyz.dtype in TRITON_DTYPES
+                               and FPS_KERNELS.wanted((xyz,))):
+        # one launch: the kernel permutes the points by the order itself and maps its picks back
+        first = start if start is not None else start_index
+        if fused:  # the kernel tests for the skipped points itself (its fused squared norm against KERNEL_MIN_MAG32)
+            idx = FPS_KERNELS.call("farthest_point_sample", xyz, m, first, None, fused=True,
+                                   min_mag=KERNEL_MIN_MAG32, order=order, fallback=backend == "auto")
+        else:
+            dist = initial_distances(xyz, like_kernel)  # (B, N)
+            idx = FPS_KERNELS.call("farthest_point_sample", xyz, m, first,
+                                   dist if order is None else dist.index_select(1, order), fused=False, order=order,
+                                   fallback=backend == "auto")
+        if idx is not None:  # None: the kernel failed, the torch loop takes over
+            return idx  # (B, m)
     if start is not None:
         farthest = start.to(xyz.device)  # (B,)
     else:
         farthest = torch.full((b,), start_index, dtype=torch.long, device=xyz.device)  # (B,)
     if like_kernel:
-        # The kernel's tie order becomes "first maximum" (argmax's rule) on points permuted by kernel_order;
-        # its skipped points start at distance -1 (initial_distances).
-        order = kernel_order(n, xyz.device)  # (N,), order[0] == 0
-        # (B, N, 3) permuted, a view of (B, 3, N) coordinate planes: one gather, and the Triton kernel reads the
-        # planes without copying them again (xyz[:, order] and the planes' copy were two kernels)
-        xyz = xyz.transpose(1, 2).index_select(2, order).transpose(1, 2)
-        fused = xyz.dtype != torch.float64
-        if fused:
-            xyz = xyz.float()
-    else:
-        fused = False
-    idx = None
-    if backend == "triton" or (backend == "auto" and xyz.is_cuda and xyz.dtype in TRITON_DTYPES
-                               and FPS_KERNELS.wanted((xyz,))):
-        if fused:  # the kernel tests for the skipped points itself (its fused squared norm against KERNEL_MIN_MAG32)
-            idx = FPS_KERNELS.call("farthest_point_sample", xyz, m, farthest, None, fused=True,
-                                   min_mag=KERNEL_MIN_MAG32, fallback=backend == "auto")  # (B, m); None: failed
-        else:
-            idx = FPS_KERNELS.call("farthest_point_sample", xyz, m, farthest, initial_distances(xyz, like_kernel),
-                                   fused=False, fallback=backend == "auto")
-    if idx is None:
-        idx = fps_loop(xyz, m, farthest, initial_distances(xyz, like_kernel), fused=fused)  # (B, m)
+        xyz = xyz.index_select(1, order)  # (B, N, 3) permuted
+    idx = fps_loop(xyz, m, farthest, initial_distances(xyz, like_kernel), fused=fused)  # (B, m)
     # contiguous, as the fake kernel says (the loop builds it (m, B)); take: one gather of the 1-D order
     return order.take(idx) if like_kernel else idx.contiguous()
 

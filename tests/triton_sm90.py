@@ -29,8 +29,9 @@ def record_launches(*kernels) -> list:
     return launches
 
 
-def compile_sm90(kernel, args, options) -> dict:
-    """{kernel, constexprs (the upper-case ones), atomics, loads, REG, STACK, LOCAL} of one recorded launch."""
+def compile_launch(kernel, args, options):
+    """One recorded launch compiled for sm_90 (``triton.compile``'s result): its arguments specialised as Triton's
+    launcher does, its ``num_warps`` and (where the launch passes it) ``enable_fp_fusion``."""
     signature, constexprs, attrs = {}, {}, {}
     for i, (arg_name, arg) in enumerate(zip(kernel.arg_names, args)):
         kind, key = native_specialize_impl(BaseBackend, arg, False, True, True)
@@ -42,7 +43,14 @@ def compile_sm90(kernel, args, options) -> dict:
     for arg_name in kernel.arg_names[len(args):]:
         signature[arg_name], constexprs[arg_name] = "constexpr", options[arg_name]
     source = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": options["num_warps"]})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={k: options[k] for k in ("num_warps", "enable_fp_fusion") if k in options})
+
+
+def compile_sm90(kernel, args, options) -> dict:
+    """{kernel, constexprs (the upper-case ones), atomics, loads, REG, STACK, LOCAL} of one recorded launch."""
+    compiled = compile_launch(kernel, args, options)
+    constexprs = {name: options[name] for name in kernel.arg_names[len(args):]}
     ptx = compiled.asm["ptx"]
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])

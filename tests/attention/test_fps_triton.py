@@ -188,33 +188,29 @@ def test_kernel_equals_the_torch_loop(interpreted, name):
 COMPILE = """
 import json
 import re
+import sys
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from attention import fps_triton
 from attention.pointops import farthest_point_sample
 
+sys.path.insert(0, "tests")
+from triton_sm90 import compile_launch
+
 launches = []
 
-def run(planes, dist, start, out, *args, grid, warmup, **options):  # records the launch, returns indices 0
-    launches.append((planes.dtype, options))
-    out.zero_()
+def run(*args, grid, warmup, **options):  # records the launch, returns indices 0
+    launches.append((args, options))
+    args[5].zero_()  # out
 
 
 fps_triton._fps_kernel.run = run
 for dtype, n in [(torch.float32, 1000), (torch.float32, 9000), (torch.float64, 1000), (torch.float64, 5000)]:
     for like_kernel in (False, True):
         farthest_point_sample(torch.rand(2, n, 3, dtype=dtype), 4, like_kernel=like_kernel, backend="triton")
-for dtype, options in launches:
-    name = {torch.float32: "fp32", torch.float64: "fp64"}[dtype]
-    signature = {"planes_ptr": "*" + name, "dist_ptr": "*" + name, "start_ptr": "*i64", "out_ptr": "*i64",
-                 "n": "i32", "m": "i32", "BLOCK": "constexpr", "ONE_BLOCK": "constexpr", "FUSED": "constexpr",
-                 "SKIP": "constexpr", "MIN_MAG": "constexpr"}
-    constexprs = {k: options[k] for k in ("BLOCK", "ONE_BLOCK", "FUSED", "SKIP", "MIN_MAG")}
-    source = ASTSource(fps_triton._fps_kernel, signature, constexprs=constexprs)
-    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                         options={k: options[k] for k in ("num_warps", "enable_fp_fusion")}).asm["ptx"]
+for args, options in launches:
+    name = {torch.float32: "fp32", torch.float64: "fp64"}[args[0].dtype]
+    constexprs = {k: options[k] for k in ("BLOCK", "ONE_BLOCK", "FUSED", "SKIP", "MIN_MAG", "PERMUTED")}
+    ptx = compile_launch(fps_triton._fps_kernel, args, options).asm["ptx"]
     ops = re.findall(r"^\\s*((?:fma|mul|add|sub)\\.\\S*f(?:32|64))\\s+(%\\w+),\\s*([^;]*);", ptx, re.M)
     print(json.dumps(dict(dtype=name, fusion=options["enable_fp_fusion"], **constexprs,
                           ops=[(op, dest, [a.strip() for a in args.split(",")]) for op, dest, args in ops])))
@@ -256,10 +252,11 @@ def test_kernel_compiles_for_sm90_as_the_gpu_runs_it(tmp_path):
                           timeout=300)
     assert done.returncode == 0, done.stderr
     rows = [json.loads(line) for line in done.stdout.splitlines()]
-    assert [(r["dtype"], r["ONE_BLOCK"], r["FUSED"], r["SKIP"]) for r in rows] == [
-        ("fp32", True, False, False), ("fp32", True, True, True), ("fp32", False, False, False),
-        ("fp32", False, True, True), ("fp64", True, False, False), ("fp64", True, False, False),
-        ("fp64", False, False, False), ("fp64", False, False, False)]
+    # like_kernel's launches (the second of each pair) permute the points themselves (PERMUTED)
+    assert [(r["dtype"], r["ONE_BLOCK"], r["FUSED"], r["SKIP"], r["PERMUTED"]) for r in rows] == [
+        ("fp32", True, False, False, False), ("fp32", True, True, True, True), ("fp32", False, False, False, False),
+        ("fp32", False, True, True, True), ("fp64", True, False, False, False), ("fp64", True, False, False, True),
+        ("fp64", False, False, False, False), ("fp64", False, False, False, True)]
     for r in rows:
         ops = [op for op, _, _ in r["ops"]]
         assert r["fusion"] is False and any(op.startswith("mul.rn.") for op in ops)
@@ -288,9 +285,9 @@ from triton_sm90 import compile_sm90
 launches = []
 
 
-def run(planes, dist, start, out, *args, grid, warmup, **options):  # records the launch, returns indices 0
-    launches.append((fps_triton._fps_kernel, (planes, dist, start, out, *args), options))
-    out.zero_()
+def run(*args, grid, warmup, **options):  # records the launch, returns indices 0
+    launches.append((fps_triton._fps_kernel, args, options))
+    args[5].zero_()  # out
 
 
 fps_triton._fps_kernel.run = run
