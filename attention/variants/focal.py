@@ -329,7 +329,10 @@ class FocalAttention(Mixer):
         # and split by head after, both matmuls first copied them out (two copies of the gathered size, about 5
         # times the sources' at Focal-T's levels on 56 x 56 to 64 x 64 maps).
         sources = rearrange(sources, "b p (two heads d) -> b heads p (two d)", two=2, heads=self.heads)
-        k, v = sources[:, :, keys].chunk(2, dim=-1)  # (B, heads, nW, M, d) each
+        # index_select, not sources[:, :, keys]: the same rows, but its backward is one index_add_ where advanced
+        # indexing's is index_put_ with accumulation, which sorts the indices first (several kernels on a GPU, and
+        # 4.8x the time on the CPU with the slots' many repeats); deterministic where torch's deterministic mode is
+        k, v = sources.index_select(2, keys.view(-1)).unflatten(2, keys.shape).chunk(2, dim=-1)  # (B, heads, nW, M, d)
 
         bias = self._grid_bias()[:, None]  # (heads, 1, ws*ws, M)
         if self.border == "roll":  # slots beyond the pooled map: key and value 0, logit + ROLL_MASK (official)
@@ -355,13 +358,15 @@ class FocalAttention(Mixer):
     def _grid_bias(self):
         """Relative position bias (heads, ws*ws, M) of a window's queries to its key slots."""
         a = self.window_size ** 2
-        inside = self.relative_position_bias_table[self.relative_position_index.view(-1)]  # (a*a, heads)
+        # index_select for the backward's index_add_ (as the keys' gather in _mix_grid)
+        inside = self.relative_position_bias_table.index_select(
+            0, self.relative_position_index.view(-1))  # (a*a, heads)
         parts = [inside.view(a, a, self.heads).permute(2, 0, 1)]  # (heads, a, a)
         if self.relative_position_bias_table_to_neighbors is not None:
             parts.append(self.relative_position_bias_table_to_neighbors[0])  # (heads, a, expand slots)
         for k, table in enumerate(self.relative_position_bias_table_to_windows):
             index = getattr(self, f"relative_position_index_{k}")  # (a, K*K)
-            parts.append(table[:, index.view(-1)].view(self.heads, a, -1))  # (heads, a, K*K)
+            parts.append(table.index_select(1, index.view(-1)).view(self.heads, a, -1))  # (heads, a, K*K)
         return torch.cat(parts, dim=-1)
 
     # ---- point sets -------------------------------------------------------------------------
