@@ -87,10 +87,11 @@ NO_KEY = tl.constexpr(0x7FFFFFFFFFFFFFFF)
 
 
 @triton.jit
-def _knn_kernel(q_ptr, p_ptr, out_ptr, m, n, k, row_ptr, index_ptr, box_ptr, start_ptr, stats_ptr,
-                BQ: tl.constexpr, KP: tl.constexpr, SORTED: tl.constexpr, STATS: tl.constexpr):
-    """out[b, rows of queries j*BQ .. (j+1)*BQ - 1, :k] for query planes q (B, 3, M) and point planes p (B, 3, N),
-    float32.
+def _knn_kernel(q_ptr, p_ptr, out_ptr, m, n, k, stride_qb, stride_qm, stride_qc, row_ptr, index_ptr, box_ptr,
+                start_ptr, stats_ptr, BQ: tl.constexpr, KP: tl.constexpr, SORTED: tl.constexpr, STATS: tl.constexpr):
+    """out[b, rows of queries j*BQ .. (j+1)*BQ - 1, :k] for queries q (B, M, 3) of strides (stride_qb, stride_qm,
+    stride_qc) and point planes p (B, 3, N), float32. The queries are read once a program, so any strides do (no
+    copy into planes: a launch less a call); the points, read by every program, come as contiguous planes.
 
     SORTED: q and p are in spatial order; row (B, M) int32 is each query's original row, index (B, N) int32 each
     point's original index, box (B, 6, T) float32 each tile's (lo x, y, z, hi x, y, z), start (B, programs) int32
@@ -102,9 +103,10 @@ def _knn_kernel(q_ptr, p_ptr, out_ptr, m, n, k, row_ptr, index_ptr, box_ptr, sta
     programs = tl.num_programs(1)
     rq = j * BQ + tl.arange(0, BQ)  # (BQ,) query positions
     mq = rq < m
-    qx = tl.load(q_ptr + (b * 3 + 0) * m + rq, mask=mq, other=0.0)
-    qy = tl.load(q_ptr + (b * 3 + 1) * m + rq, mask=mq, other=0.0)
-    qz = tl.load(q_ptr + (b * 3 + 2) * m + rq, mask=mq, other=0.0)
+    q_at = q_ptr + b.to(tl.int64) * stride_qb + rq * stride_qm  # (BQ,) pointers to the queries' x
+    qx = tl.load(q_at, mask=mq, other=0.0)
+    qy = tl.load(q_at + stride_qc, mask=mq, other=0.0)
+    qz = tl.load(q_at + 2 * stride_qc, mask=mq, other=0.0)
     cols = tl.arange(0, KP)
     best = tl.full((BQ, KP), NO_KEY, tl.int64)  # ascending
     kth = tl.full((BQ,), NO_KEY, tl.int64)  # best[:, k - 1]
@@ -187,7 +189,7 @@ def _knn_kernel(q_ptr, p_ptr, out_ptr, m, n, k, row_ptr, index_ptr, box_ptr, sta
 
 def spatial_order(query: torch.Tensor, points: torch.Tensor, kp: int) -> tuple[torch.Tensor, ...]:
     """What the kernel's sorted path reads, for float32 query (B, M, 3) and points (B, N, 3) and tiles of kp:
-    query planes (B, 3, M) and point planes (B, 3, N) in Morton order, each query's original row (B, M) int32,
+    the queries (B, M, 3) and point planes (B, 3, N) in Morton order, each query's original row (B, M) int32,
     each point's original index (B, N) int32, the tiles' boxes (B, 6, T) and each program's first tile
     (B, programs) int32 (the tile where its middle query's code falls among the points' codes). O(B (N + M))
     memory, no host synchronisation."""
@@ -209,8 +211,8 @@ def spatial_order(query: torch.Tensor, points: torch.Tensor, kp: int) -> tuple[t
     # the tiles' boxes: pad the last tile with copies of the last point (no wider box), then (B, T, kp, 3)
     padded = torch.cat([p_sorted, p_sorted[:, -1:].expand(-1, tiles * kp - n, -1)], 1).view(b, tiles, kp, 3)
     box = torch.cat([padded.amin(2), padded.amax(2)], -1)  # (B, T, 6); NaN spreads: that box is not finite
-    return (q_sorted.permute(0, 2, 1).contiguous(), p_sorted.permute(0, 2, 1).contiguous(), q_order.int(),
-            p_order.int(), box.permute(0, 2, 1).contiguous(), start)  # (B, 3, M), (B, 3, N), ..., (B, 6, T)
+    return (q_sorted, p_sorted.permute(0, 2, 1).contiguous(), q_order.int(), p_order.int(),
+            box.permute(0, 2, 1).contiguous(), start)  # (B, M, 3), (B, 3, N), ..., (B, 6, T)
 
 
 def visit_order(start: int, tiles: int) -> list[int]:
@@ -249,11 +251,11 @@ def knn(query: torch.Tensor, points: torch.Tensor, k: int, sort: bool | None = N
     if sort:
         q, p, row, index, box, start = spatial_order(query.float(), points.float(), kp)
     else:
-        q = query.float().permute(0, 2, 1).contiguous()  # (B, 3, M)
+        q = query.float()  # (B, M, 3), any strides
         p = points.float().permute(0, 2, 1).contiguous()  # (B, 3, N)
         row = index = box = start = out  # not read
-    _knn_kernel[(b, programs)](q, p, out, m, n, k, row, index, box, start, counts, BQ=BQ, KP=kp, SORTED=sort,
-                               STATS=stats, enable_fp_fusion=False)
+    _knn_kernel[(b, programs)](q, p, out, m, n, k, *q.stride(), row, index, box, start, counts, BQ=BQ, KP=kp,
+                               SORTED=sort, STATS=stats, enable_fp_fusion=False)
     return (out, counts) if stats else out
 
 

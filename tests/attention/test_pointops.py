@@ -633,6 +633,9 @@ def knn_interpreted(tmp_path_factory) -> tuple[dict, dict]:
         "ties, k=19 (tiles of 32)": (tied_queries[:, :9], tied, 19, False),
         "near ties on shells, N=39 (a partial tile), half": (centre.half(), shell.reshape(1, 39, 3).half(), 17, False),
         "k = N": (tied_queries[:, :3], tied[:, :20], 20, False),
+        # queries of any strides, read in place (every other row; a transposed (B, 3, M) tensor)
+        "strided queries, k=5": (torch.rand(1, 34, 3, generator=g)[:, ::2], tied, 5, False),
+        "transposed queries, k=5": (torch.rand(1, 3, 17, generator=g).transpose(1, 2), tied, 5, False),
         # the spatially sorted path
         "sorted: ties, k=19 (tiles of 32)": (tied_queries[:, :9], tied, 19, True),
         "sorted: random, B=2, M != N, N=150 (a partial tile)":
@@ -656,6 +659,8 @@ def knn_interpreted(tmp_path_factory) -> tuple[dict, dict]:
 def test_knn_triton_kernel_is_the_torch_search_index_for_index(knn_interpreted):
     cases, results = knn_interpreted
     assert set(results) == set(cases)
+    strided, transposed = cases["strided queries, k=5"][0], cases["transposed queries, k=5"][0]
+    assert strided.stride() == (102, 6, 1) and transposed.stride() == (51, 1, 17)
     for name, (kernel, search, _) in results.items():
         assert kernel.shape == search.shape and torch.equal(kernel, search), name
     for name in ["ties, k=7 (one tile of 16 at a time)", "sorted: a 5^3 grid (exact ties), queries on and off it",
@@ -723,19 +728,20 @@ def test_knn_triton_morton_codes_interleave_the_cells_bits():
 
 KNN_COMPILE = """
 import re
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import sys
+import torch
 from attention import knn_triton
 
-signature = {"q_ptr": "*fp32", "p_ptr": "*fp32", "out_ptr": "*i64", "m": "i32", "n": "i32", "k": "i32",
-             "row_ptr": "*i32", "index_ptr": "*i32", "box_ptr": "*fp32", "start_ptr": "*i32", "stats_ptr": "*i32",
-             "BQ": "constexpr", "KP": "constexpr", "SORTED": "constexpr", "STATS": "constexpr"}
-for sorted_path, kp in [(False, 32), (True, 64)]:
-    constants = {"BQ": knn_triton.BQ, "KP": kp, "SORTED": sorted_path, "STATS": False}
-    source = ASTSource(knn_triton._knn_kernel, signature, constexprs=constants)
-    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False}).asm["ptx"]
-    print(" ".join(sorted(set(re.findall(r"^\\s*((?:fma|mul|add|sub)\\.\\S*f32)", ptx, re.M)))))
+sys.path.insert(0, "tests")
+from triton_sm90 import compile_launch, record_launches
+
+launches = record_launches(knn_triton._knn_kernel)  # knn_triton.knn's launches, recorded, not run
+for sorted_path, k in [(False, 32), (True, 36)]:
+    knn_triton.knn(torch.rand(2, 300, 3)[:, ::2], torch.rand(2, 500, 3), k, sort=sorted_path)  # strided queries
+for kernel, args, options in launches:
+    ptx = compile_launch(kernel, args, options).asm["ptx"]
+    ops = " ".join(sorted(set(re.findall(r"^\\s*((?:fma|mul|add|sub)\\.\\S*f32)", ptx, re.M))))
+    print(options["SORTED"], options["KP"], options["enable_fp_fusion"], ops)
 """
 
 
@@ -749,7 +755,8 @@ def test_knn_triton_kernel_compiles_for_sm90_without_fused_multiply_add(tmp_path
     done = subprocess.run([sys.executable, "-c", KNN_COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.splitlines() == ["add.rn.f32 mul.rn.f32 sub.rn.f32"] * 2
+    assert done.stdout.splitlines() == [f"{path} {kp} False add.rn.f32 mul.rn.f32 sub.rn.f32"
+                                        for path, kp in [(False, 32), (True, 64)]]
 
 
 def test_knn_kernel_failure_warns_and_hands_over_to_torch(monkeypatch):
