@@ -19,7 +19,7 @@ online, and that does not depend on the format of wandb's offline ``.wandb`` fil
 A resumed run keeps its whole history: W&B continues the same run (its id is kept beside the checkpoints,
 ``suite/resume.py``), and :class:`HistoryCSVLogger` keeps the rows logged before the interruption, which
 Lightning's CSV logger would delete. Its rows reach the disk with every checkpoint, so that a run killed without
-warning has them up to its newest checkpoint.
+warning has them up to its newest checkpoint, and the file is never left cut short (:class:`AtomicHeaderWriter`).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from urllib.parse import urlparse
 
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.utilities import rank_zero_only
 
 from attention.errors import UserError
 from suite.secrets import scrubbed_argv
@@ -174,15 +175,21 @@ class HistoryCSVLogger(CSVLogger):
         path = Path(self.log_dir) / ExperimentWriter.NAME_METRICS_FILE
         if resume_step is not None and path.is_file():
             try:
-                with path.open(newline="") as f:
-                    self._kept = [{k: v for k, v in row.items() if v not in ("", None)} for row in csv.DictReader(f)
-                                  if row.get("step") and int(float(row["step"])) < resume_step]
+                text = path.read_text()
+                if not text.endswith("\n"):  # a row cut short by the kill: not a row
+                    text = text[:text.rfind("\n") + 1]
+                self._kept = [{k: v for k, v in row.items() if v not in ("", None)}
+                              for row in csv.DictReader(text.splitlines())
+                              if row.get("step") and int(float(row["step"])) < resume_step]
             except (OSError, ValueError, csv.Error) as err:  # a history is never a reason to stop a run
                 log.warning("the history of the interrupted run in %s is unreadable (%s): it starts again", path, err)
 
     @property
     def experiment(self):
         fresh = self._experiment is None
+        if fresh and rank_zero_only.rank == 0:  # CSVLogger.experiment's writer, with the atomic rewrite
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = AtomicHeaderWriter(log_dir=self.log_dir)
         writer = CSVLogger.experiment.fget(self)  # on rank zero: the writer, which deleted the old file
         if fresh and isinstance(writer, ExperimentWriter) and self._kept:
             writer.metrics[:0], self._kept = self._kept, []
@@ -190,6 +197,24 @@ class HistoryCSVLogger(CSVLogger):
 
     def after_save_checkpoint(self, checkpoint_callback) -> None:
         self.save()
+
+
+class AtomicHeaderWriter(ExperimentWriter):
+    """Lightning's CSV writer, whose rewrite of the whole file (when a new metric name widens the header, e.g. the
+    first step-level loss after an epoch's rows) goes through a temporary file and ``os.replace``. Lightning opens
+    metrics.csv for writing first: a SIGKILL during that rewrite left it truncated, and the resumed run lost the
+    rows before the interruption (tests/test_resume.py, once in four CI runs). Appends stay appends; a row cut
+    short by a kill is dropped when a resumed run reads the file (:class:`HistoryCSVLogger`)."""
+
+    def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:
+        with open(self.metrics_file_path, newline="") as file:
+            rows = list(csv.DictReader(file))
+        partial = self.metrics_file_path + ".tmp"
+        with open(partial, "w", newline="") as file:
+            writer = csv.DictWriter(file, fieldnames=fieldnames)
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(partial, self.metrics_file_path)  # the old file or the new one, never a part of either
 
 
 def build_loggers(cfg: Mapping, save_dir: str | Path, config: Mapping, run_id: str | None = None,

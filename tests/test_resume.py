@@ -120,3 +120,50 @@ def test_gan_resumed_mid_epoch_continues_where_it_stopped(env, tmp_path):
     assert steps[0]["global_step"] == steps[1]["global_step"] == 6
     for key, value in steps[0]["state_dict"].items():  # G, D and the EMA generator, bit for bit
         assert torch.equal(value, steps[1]["state_dict"][key]), key
+
+
+def test_history_survives_a_kill_while_its_header_widens(tmp_path, monkeypatch):
+    """A new metric name makes Lightning's CSV writer rewrite metrics.csv whole (a wider header). It opened the file
+    for writing first, so a SIGKILL during the rewrite left it cut short, and the resumed run lost every row before
+    the interruption (seen once in CI). Here the rewrite stops halfway (the rows' write raises, as a kill stops it):
+    the file still holds every row of before, which the resumed run keeps; a rewrite that completes widens the
+    header with every row kept; a last row cut short by a kill is not read back."""
+    import csv
+
+    from suite.loggers import HistoryCSVLogger
+
+    def logged(directory: Path) -> HistoryCSVLogger:  # three rows on disk, a fourth with a new name pending
+        logger = HistoryCSVLogger(directory)
+        for step in range(3):
+            logger.log_metrics({"train/loss": 1.0 + step}, step=step)
+        logger.save()
+        logger.log_metrics({"val/loss": 0.5}, step=3)
+        return logger
+
+    logger = logged(tmp_path / "killed")
+    path = Path(logger.log_dir) / "metrics.csv"
+    before = path.read_text()
+    assert before.splitlines()[0] == "step,train/loss" and len(before.splitlines()) == 4
+    writerows = csv.DictWriter.writerows
+
+    def killed(self, rows):
+        raise KeyboardInterrupt("killed during the rewrite")
+
+    monkeypatch.setattr(csv.DictWriter, "writerows", killed)
+    with pytest.raises(KeyboardInterrupt):
+        logger.save()
+    monkeypatch.setattr(csv.DictWriter, "writerows", writerows)
+    assert path.read_text() == before  # not cut short: the old file whole
+    resumed = HistoryCSVLogger(tmp_path / "killed", resume_step=10)
+    assert [row["step"] for row in resumed._kept] == ["0", "1", "2"]
+
+    logger = logged(tmp_path / "whole")
+    logger.save()
+    path = Path(logger.log_dir) / "metrics.csv"
+    rows = list(csv.DictReader(path.open()))
+    assert [r["step"] for r in rows] == ["0", "1", "2", "3"] and rows[3]["val/loss"] == "0.5"
+    assert rows[0]["train/loss"] == "1.0" and rows[0]["val/loss"] == ""
+    with path.open("a") as f:  # a row the kill cut short
+        f.write("4,2.0")
+    resumed = HistoryCSVLogger(tmp_path / "whole", resume_step=10)
+    assert [row["step"] for row in resumed._kept] == ["0", "1", "2", "3"]
