@@ -538,6 +538,104 @@ def test_offset_dispatches_fewer_host_ops_than_the_plain_chain():
     assert written <= 0.8 * plain, (written, plain)
 
 
+# --------------------------------------------------------------------------------------------
+# PCT's offset mixer with its projections as one function (OffsetProjected)
+# --------------------------------------------------------------------------------------------
+
+def projected_inputs(seed, b=2, n=7, c=16, d_qk=4, bias=True, layout="contiguous"):
+    gen = torch.Generator().manual_seed(seed)
+    x = randn(gen, b, n, c) if layout == "contiguous" else randn(gen, b, c, n).transpose(1, 2)  # (B, N, C)
+    weights = [randn(gen, d_qk, c), randn(gen, c, c), randn(gen, c) if bias else None]
+    return [x.requires_grad_()] + [w if w is None else w.requires_grad_() for w in weights]
+
+
+def ref_offset_projected(x, w_qk, w_v, b_v, heads):
+    """The mixer written from its definition: explicit projections, heads split, ref_offset's explicit sums."""
+    b, n, _ = x.shape
+    qk = torch.einsum("bnc,oc->bno", x, w_qk)
+    v = torch.einsum("bnc,oc->bno", x, w_v) + (0 if b_v is None else b_v)
+    split = lambda t: t.reshape(b, n, heads, -1).permute(0, 2, 1, 3)  # noqa: E731  (B, h, N, d)
+    return ref_offset(split(qk), split(qk), split(v)).permute(0, 2, 1, 3).reshape(b, n, -1)  # (B, N, h d_v)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+@pytest.mark.parametrize("heads,bias", [(1, True), (2, True), (4, False)])
+def test_offset_projected_equals_the_projections_then_offset_attention(heads, bias, layout):
+    """Values against the explicit reference; gradients of x and of all three weights against autograd through
+    the two nn.Linear products and offset_attention (the mixer before), float64; with frozen weights, and with
+    x that needs no gradient."""
+    x, w_qk, w_v, b_v = projected_inputs(40 + heads, bias=bias, layout=layout)
+    out = AF.OffsetProjected.apply(x, w_qk, w_v, b_v, heads, 1e-9)
+    assert out.shape == (2, 7, 16)
+    assert rel_err(out.detach(), ref_offset_projected(x, w_qk, w_v, b_v, heads).detach()) < 1e-12
+    grad = randn(torch.Generator().manual_seed(45), *out.shape)
+    inputs = [t for t in (x, w_qk, w_v, b_v) if t is not None]
+    got = torch.autograd.grad(out, inputs, grad)
+    want = torch.autograd.grad(AF._offset_projected_plain(x, w_qk, w_v, b_v, heads, 1e-9), inputs, grad)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and rel_err(g, w) < 1e-12
+    frozen = [w if w is None else w.detach() for w in (w_qk, w_v, b_v)]
+    dx, = torch.autograd.grad(AF.OffsetProjected.apply(x, *frozen, heads, 1e-9), x, grad)
+    assert rel_err(dx, want[0]) < 1e-12
+    weights_only = torch.autograd.grad(AF.OffsetProjected.apply(x.detach(), w_qk, w_v, b_v, heads, 1e-9),
+                                       inputs[1:], grad)
+    for g, w in zip(weights_only, want[1:]):
+        assert rel_err(g, w) < 1e-12
+
+
+def test_offset_projected_double_backward():
+    """A gradient penalty through the mixer: the plain ops recomputed, so second derivatives exist (gradgradcheck)."""
+    inputs = projected_inputs(46, b=1, n=4, c=8, d_qk=2)
+    assert torch.autograd.gradcheck(lambda *t: AF.OffsetProjected.apply(*t, 1, 1e-9), inputs)
+    assert torch.autograd.gradgradcheck(lambda *t: AF.OffsetProjected.apply(*t, 1, 1e-9), inputs)
+    assert torch.autograd.gradgradcheck(lambda *t: AF.OffsetProjected.apply(*t, 2, 1e-9), inputs)
+
+
+def test_offset_projected_takes_fewer_nodes_and_kernels():
+    """One autograd node where the two nn.Linear and the kernel made eleven (views, transposes, the products, the
+    sums of q's and k's and of x's two uses' gradients): 6 nodes a forward + backward with the weights' 3
+    AccumulateGrad and the sum, against 17; and 3 products fewer (one for both projections forward, one each for
+    the input's and the weights' gradients backward), counted below autograd, views left out."""
+    from op_log import OpLog
+
+    inputs = projected_inputs(47, n=16, c=32, d_qk=8)
+
+    def count(fn):
+        with OpLog() as log:
+            loss = fn(*inputs, 1, 1e-9).sum()
+            nodes, stack = set(), [loss.grad_fn]
+            while stack:
+                node = stack.pop()
+                if node is not None and node not in nodes:
+                    nodes.add(node)
+                    stack.extend(n for n, _ in node.next_functions)
+            torch.autograd.grad(loss, inputs)
+        products = [op for op, view, _ in log.ops if op.split(".")[0] in ("mm", "addmm", "bmm", "baddbmm", "baddbmm_")]
+        return len(nodes), len(products), len([op for op, view, _ in log.ops if not view])
+
+    fused, plain = count(AF.OffsetProjected.apply), count(AF._offset_projected_plain)
+    assert fused[0] == 6 and plain[0] == 17, (fused, plain)
+    assert fused[1] == plain[1] - 3, (fused, plain)
+    assert fused[2] < plain[2], (fused, plain)
+
+
+def test_offset_mixer_runs_as_one_function_where_it_can():
+    """The offset variant trains through OffsetProjected in float32 and float64; under autocast (its projections
+    in half precision, the kernel in float32) and in a map too large to hold whole it keeps the plain form."""
+    import attention
+
+    mixer = attention.build("offset", dim=16)
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    assert type(mixer(x)).__name__ == "Tensor" and mixer(x).grad_fn.name() == "OffsetProjectedBackward"
+    assert mixer.double()(x.double()).grad_fn.name() == "OffsetProjectedBackward"
+    mixer.float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = mixer(x)
+    assert out.dtype == torch.bfloat16 and out.grad_fn.name() != "OffsetProjectedBackward"
+    reference = AF._offset_projected_plain(x, mixer.qk.weight, mixer.v.weight, mixer.v.bias, 1, 1e-9)
+    assert torch.allclose(mixer(x), reference, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 7, 50])  # one query a chunk; chunks that do not divide N; one chunk
 @pytest.mark.parametrize("shape", SHAPES[1:3], ids=SHAPE_IDS[1:3])
 def test_offset_chunked_equals_the_full_map_values_and_gradients(shape, rows):
