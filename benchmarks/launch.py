@@ -13,13 +13,17 @@ tiny, so it keeps up and the time is the host's. The rows:
 
 - ``torch add``: one aten op on a 16-element tensor, the floor of any launch through torch; ``torch mul + sum +
   backward``: the floor of a forward and backward through autograd's engine (on CUDA its device thread);
+  ``python autograd.Function + sum + backward``: the same with the multiplication a ``torch.autograd.Function``
+  whose backward is Python, as the suite's written-out functions' are (dilated, offset, linear attention): an
+  H200's profile of PCT's step had 150-210 us of self host time in each such backward node, 15 us in a C++ one;
 - ``triton, 2 arguments`` / ``triton, 30 arguments``: a kernel that stores one value, launched with a pointer and
   1 or 29 integer arguments (strides, sizes: what the suite's kernels take), so that the difference is the
   launcher's cost per argument (CUDA only);
 - ``knn``, ``fps``, ``dilated forward``, ``dilated forward + backward``, ``index attention forward``: the suite's
   public functions at tiny sizes, what a model calls (on CUDA their Triton kernels, on the CPU the torch paths);
   dilated's backward alone (``torch.autograd.grad`` on a kept graph: an H200 took 165 us for its forward and
-  1,007 us for forward + backward, 2026-11-27, with 3 launches in all), and its forward + backward once more
+  1,007 us for forward + backward, 2026-11-27, with 3 launches in all), its backward's kernels called directly
+  (``_dilated_backward``: the wrapper and its 2 launches, no autograd), and its forward + backward once more
   through its ``torch.library`` op, as compiled code and dispatch modes call it (:func:`through_op`), for what the
   eager path saves.
 """
@@ -75,6 +79,19 @@ def triton_kernels():
     return few, many
 
 
+class Twice(torch.autograd.Function):
+    """x * 2 with its backward in Python: what a written-out function's autograd costs beyond its ops (on CUDA its
+    backward runs on autograd's device thread, which takes the GIL for it)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
 def through_op(call):
     """``call()`` with attention.functional's eager calls sent through their ``torch.library`` op, as under
     torch.compile or a dispatch mode (its ``skips_dispatch`` off): what the eager path saves is the difference."""
@@ -97,8 +114,10 @@ def cases(device) -> dict:
     index = torch.randint(0, 64, (64, 8), generator=g).to(device)
     kept = AF.dilated_attention(*leaves, (8, 8), 3, [1, 2, 3, 4])  # a graph that the backward row runs again
     seed = torch.ones_like(kept)
+    attn = AF._dilated_forward(q, k, v, 8, 8, 3, [1, 2, 3, 4], False, 8 ** -0.5)[1]  # the map its backward reads
     out = {"torch add": lambda: small.add_(1),
-           "torch mul + sum + backward (one leaf)": lambda: (leaves[0] * 2).sum().backward()}
+           "torch mul + sum + backward (one leaf)": lambda: (leaves[0] * 2).sum().backward(),
+           "python autograd.Function + sum + backward (one leaf)": lambda: Twice.apply(leaves[0]).sum().backward()}
     if device.type == "cuda":
         few, many = triton_kernels()
         out["triton, 2 arguments"] = lambda: few[(1,)](small, 3)
@@ -109,6 +128,8 @@ def cases(device) -> dict:
         "dilated forward (4 heads at rates 1-4, 8 x 8)": lambda: AF.dilated_attention(q, k, v, (8, 8), 3, [1, 2, 3, 4]),
         "dilated forward + backward": lambda: AF.dilated_attention(*leaves, (8, 8), 3, [1, 2, 3, 4]).sum().backward(),
         "dilated backward alone (its graph kept)": lambda: torch.autograd.grad(kept, leaves, seed, retain_graph=True),
+        "dilated backward kernel, called directly (no autograd)": lambda: AF._dilated_backward(
+            seed, q, k, v, attn, 8, 8, 3, [1, 2, 3, 4], 8 ** -0.5),
         "dilated forward + backward, through the op's dispatch": lambda: through_op(
             lambda: AF.dilated_attention(*leaves, (8, 8), 3, [1, 2, 3, 4]).sum().backward()),
         "index attention forward (64 rows, 8 keys)": lambda: AF.index_attention(rows, keys, keys, index, 4),

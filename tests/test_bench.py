@@ -370,7 +370,7 @@ def test_launch_benchmark_times_each_call_on_the_host(tmp_path, one_thread):
     out = tmp_path / "launch.md"
     rows = launch.main(["--quick", "--device", "cpu", "--out", str(out)])
     works = [r["work"] for r in rows]
-    assert works[0] == "torch add" and not any(w.startswith("triton") for w in works) and len(works) == 9, works
+    assert works[0] == "torch add" and not any(w.startswith("triton") for w in works) and len(works) == 11, works
     assert all(r["us"] > 0 and r["calls"] == 20 for r in rows)
     assert rows[0]["us"] < min(r["us"] for r in rows[1:]), rows
     text = out.read_text()
