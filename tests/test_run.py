@@ -123,12 +123,13 @@ def test_summary_reports_published_pct_size(env):
     assert last.startswith("params=2876136 flops=")
     flops = int(last.split("flops=")[1])
     # The paper's ~4.5 GFLOPs for one 1024-point sample (2.32 G multiply-adds) count the first conv of each grouping
-    # layer on the S K concatenated [g - c, c] rows; the suite computes the same function as W_d g on the N points
-    # and (W_c - W_d) c on the S centres (tasks/nets/pct.py SampleAndGroup), which saves exactly this many FLOPs:
-    saving = sum(2 * c_out * c_in * (s * k * 2 - n - s)
+    # layer on the S K concatenated [g - c, c] rows; the suite computes the same function as W_d g and
+    # (W_c - W_d) g on the N points, one product (tasks/nets/pct.py SampleAndGroup; a centre is one of the points),
+    # which saves exactly this many FLOPs:
+    saving = sum(2 * c_out * c_in * (s * k * 2 - 2 * n)
                  for n, s, k, c_in, c_out in ((1024, 512, 32, 64, 128), (512, 256, 32, 128, 256)))
     assert 4.3e9 < flops + saving < 4.6e9
-    assert flops == 2_904_182_784
+    assert flops == 2_929_348_608
     assert "blocks" in out and "mixer" in out and "groups" in out  # a per-module table precedes it
 
 

@@ -356,28 +356,36 @@ class NormActMax(torch.autograd.Function):
 
 
 class GroupRows(torch.autograd.Function):
-    """points (R, C) at the row indices idx (..., K), plus centre (..., C) added to each of the K rows -> (..., K, C):
-    one (..., K, C) tensor forward (a gather, then an add in place) and none backward (a scatter-add into the (R, C)
-    points, a sum over K). The output is a fresh tensor, not a view, so the activation after it may act in place."""
+    """Both projections of the points' rows (R, 2C): the first C columns at the row indices idx (..., K), plus the
+    last C columns at the centres' rows centre (...) (and ``bias``, or None) added to each of the K rows ->
+    (..., K, C): a gather and an add in place forward; backward, one (R, 2C) gradient (two index-adds into it, and
+    the sum over K), so that the product before takes it in one matrix product for its input's gradient and one
+    for its weights'. The output is a fresh tensor, not a view, so the activation after it may act in place."""
 
     @staticmethod
-    def forward(ctx, points, centre, idx):
-        out = points[idx]  # (..., K, C): advanced indexing allocates it (index_select + view would return a view)
-        out += centre.unsqueeze(-2)
-        ctx.save_for_backward(idx)
-        ctx.n = points.shape[0]
+    def forward(ctx, both, idx, centre, bias):
+        c = both.shape[1] // 2
+        rows = both[:, c:][centre]  # (..., C): the centres' own projection
+        if bias is not None:
+            rows += bias
+        out = both[:, :c][idx]  # (..., K, C): advanced indexing allocates it (index_select + view: a view)
+        out += rows.unsqueeze(-2)
+        ctx.save_for_backward(idx, centre)
+        ctx.rows, ctx.bias = both.shape[0], bias is not None
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        (idx,) = ctx.saved_tensors
-        d_points = d_centre = None
+        idx, centre = ctx.saved_tensors
+        c = grad.shape[-1]
+        d_centre = grad.sum(-2)  # (..., C)
+        d_both = None
         if ctx.needs_input_grad[0]:
-            d_points = grad.new_zeros(ctx.n, grad.shape[-1]).index_add_(0, idx.reshape(-1),
-                                                                        grad.reshape(-1, grad.shape[-1]))
-        if ctx.needs_input_grad[1]:
-            d_centre = grad.sum(-2)
-        return d_points, d_centre, None
+            d_both = grad.new_zeros(ctx.rows, 2 * c)  # (R, 2C)
+            d_both[:, :c].index_add_(0, idx.reshape(-1), grad.reshape(-1, c))
+            d_both[:, c:].index_add_(0, centre.reshape(-1), d_centre.reshape(-1, c))
+        d_bias = d_centre.reshape(-1, c).sum(0) if ctx.bias and ctx.needs_input_grad[3] else None
+        return d_both, None, None, d_bias
 
 
 @contextlib.contextmanager
@@ -441,23 +449,28 @@ def _neighbourhoods_fake(xyz, samples, neighbours, like_kernel):
     return xyz.new_empty(b, samples, dtype=torch.long), xyz.new_empty(b, samples, neighbours, dtype=torch.long)
 
 
-def group_rows(points: torch.Tensor, centre: torch.Tensor, groups: torch.Tensor, n: int) -> torch.Tensor:
-    """points (B N, C), B samples of n, at groups (B, S, K), plus centre (B, S, C) -> (B, S, K, C), by
-    :class:`GroupRows`: rows of the (B N, C) matrix by indexing, a quarter faster, forward and backward, than
-    ``torch.gather`` with an index expanded over the channels (``attention.pointops.gather``)."""
+def group_rows(both: torch.Tensor, groups: torch.Tensor, centres: torch.Tensor, n: int,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """both (B N, 2C), B samples of n points: [W_d g | (W_c - W_d) g] of every point, at groups (B, S, K), plus
+    its second half at the centres (B, S) (+ bias) -> (B, S, K, C), by :class:`GroupRows`: rows of the (B N, .)
+    matrix by indexing, a quarter faster, forward and backward, than ``torch.gather`` with an index expanded over
+    the channels (``attention.pointops.gather``)."""
     b = groups.shape[0]
-    index = groups + torch.arange(b, device=groups.device).view(b, 1, 1) * n  # (B, S, K) rows of (B N, C)
-    return GroupRows.apply(points, centre, index)  # (B, S, K, C)
+    offset = torch.arange(b, device=groups.device) * n  # (B,): each sample's first row
+    return GroupRows.apply(both, groups + offset.view(b, 1, 1), centres + offset.view(b, 1), bias)  # (B, S, K, C)
 
 
 class SampleAndGroup(nn.Module):
     """PCT's ``sample_and_group`` + ``Local_op``: FPS centres, kNN groups, shared MLP, max over neighbours.
 
     The first layer maps each neighbour's [g - c, c] (2C) through W = [W_d | W_c]; that is W_d g + (W_c - W_d) c,
-    so W_d runs on the N points once and W_c - W_d on the S centres, and the (B, S, K, C_out) rows are a gather
-    plus a broadcast add: S K / N times fewer rows (16x in PCT's first group) at half the width, and no
-    (B, S, K, 2C) tensor. Equal in exact arithmetic; in floating point the rounding differs (about 1e-16 relative
-    in float64). Batch norm after it still takes its statistics over the S K grouped rows.
+    so both run on the N points once (a centre is one of them), as one product with [W_d; W_c - W_d], and the
+    (B, S, K, C_out) rows are a gather plus a broadcast add: S K / N times fewer rows (16x in PCT's first group) at
+    half the width, and no (B, S, K, 2C) tensor. One product where W_c - W_d on the gathered centres took a second
+    (and its backward two more, and a scatter for the gather): on a GPU PCT's batch-16 step is bound by its host,
+    which an H200 spent ~40 us on a matrix product. Equal in exact arithmetic; in floating point the rounding
+    differs (about 1e-16 relative in float64). Batch norm after it still takes its statistics over the S K grouped
+    rows.
     """
 
     def __init__(self, cin: int, cout: int, samples: int, neighbours: int, fps: str = "kernel"):
@@ -472,10 +485,8 @@ class SampleAndGroup(nn.Module):
         c = feats.shape[-1]
         weight, bias, normalised = fold(first[0], first[1], cast=False)  # (C_out, 2C): [W_d | W_c] on [g - c, c]
         w_d, w_c = weight.split(c, dim=1)  # split, not sliced: a split's backward is one cat, each slice's a zero fill
-        b, n, _ = feats.shape
-        points = linear_rows(feats, w_d)  # (B N, C_out): W_d g for every point
-        centre = F.linear(gather(feats, centres), w_c - w_d, bias)  # (B, S, C_out): (W_c - W_d) c (+ BN's shift)
-        h = group_rows(points, centre, groups, n)  # (B, S, K, C_out)
+        both = linear_rows(feats, torch.cat([w_d, w_c - w_d]))  # (B N, 2 C_out): W_d g, (W_c - W_d) g, every point
+        h = group_rows(both, groups, centres, feats.shape[1], bias)  # (B, S, K, C_out) (+ BN's shift in eval)
         x = act_(h, first[2]) if normalised else bn_act(h, first[1], first[2])
         return new_xyz, conv_bn_act_max(x, second)  # (B, S, C_out)
 

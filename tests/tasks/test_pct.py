@@ -133,8 +133,10 @@ def test_conv_bn_on_rows_is_conv1d_batchnorm1d(act, momentum):
 
 
 def test_grouping_first_layer_is_the_concatenated_form():
-    """SampleAndGroup's first layer, W_d g + (W_c - W_d) c gathered from the points, is the conv of the
-    concatenated [g - c, c] rows (PCT's Local_op), before and after batch norm, in training and in eval."""
+    """SampleAndGroup's first layer, W_d g + (W_c - W_d) c as one product on every point ([W_d; W_c - W_d]) and
+    a gather, is the conv of the concatenated [g - c, c] rows (PCT's Local_op), before and after batch norm, in
+    training and in eval (its batch norm folded in: the centres' rows take the shift): the values, the gradients
+    of the features and of every parameter, and the running statistics, float64."""
     from attention.pointops import farthest_point_sample, gather, knn
     from tasks.nets.pct import SampleAndGroup
 
@@ -143,7 +145,8 @@ def test_grouping_first_layer_is_the_concatenated_form():
     ref = torch.nn.Sequential(*[torch.nn.Sequential(*layer) for layer in group.mlp]).double()
     ref.load_state_dict(group.mlp.state_dict())
     xyz = torch.rand(2, 20, 3, dtype=torch.float64)
-    feats = torch.randn(2, 20, 4, dtype=torch.float64)
+    feats = torch.randn(2, 20, 4, dtype=torch.float64, requires_grad=True)
+    seed = torch.randn(2, 8, 6, dtype=torch.float64)
     for mode in (True, False):
         group.train(mode), ref.train(mode)
         new_xyz, out = group(xyz, feats)
@@ -154,6 +157,12 @@ def test_grouping_first_layer_is_the_concatenated_form():
         expected = ref(x).amax(-1).reshape(2, 8, 6)
         torch.testing.assert_close(new_xyz, gather(xyz, centres))
         torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+        ours = torch.autograd.grad(out, [feats, *group.parameters()], seed)
+        theirs = torch.autograd.grad(expected, [feats, *ref.parameters()], seed)
+        for got, want in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        for got, want in zip(group.mlp.state_dict().values(), ref.state_dict().values(), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)  # the running statistics
 
 
 def _small(network):
