@@ -132,14 +132,17 @@ def test_conv_bn_on_rows_is_conv1d_batchnorm1d(act, momentum):
     torch.testing.assert_close(ours.eval()(x), ref.eval()(x.transpose(1, 2)).transpose(1, 2), rtol=1e-12, atol=1e-12)
 
 
-def test_grouping_first_layer_is_the_concatenated_form():
+@pytest.mark.parametrize("in_place", [False, True])  # the CPU's default, and CUDA's (GROUP_ROWS_IN_PLACE)
+def test_grouping_first_layer_is_the_concatenated_form(monkeypatch, in_place):
     """SampleAndGroup's first layer, W_d g + (W_c - W_d) c as one product on every point ([W_d; W_c - W_d]) and
     a gather, is the conv of the concatenated [g - c, c] rows (PCT's Local_op), before and after batch norm, in
     training and in eval (its batch norm folded in: the centres' rows take the shift): the values, the gradients
     of the features and of every parameter, and the running statistics, float64."""
     from attention.pointops import farthest_point_sample, gather, knn
+    from tasks.nets import pct
     from tasks.nets.pct import SampleAndGroup
 
+    monkeypatch.setattr(pct, "GROUP_ROWS_IN_PLACE", in_place)
     torch.manual_seed(0)
     group = SampleAndGroup(4, 6, samples=8, neighbours=5, fps="plain").double()
     ref = torch.nn.Sequential(*[torch.nn.Sequential(*layer) for layer in group.mlp]).double()
