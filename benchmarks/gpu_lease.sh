@@ -48,7 +48,9 @@
 #     rerun (FPS against the torch path and the built pointnet2_ops, the Triton kNN), then the PCT tasks' `cuda`
 #     tests with the plain batch norm + max as the GPU's training default and FPS in one launch, classification's
 #     (Focal-T: focal's gathers by index_select), then PCT at batches 16 and 32 (NormActMax
-#     timed as the other form), with benchmarks.launch's new rows between; about 5 minutes.
+#     timed as the other form), with benchmarks.launch's new rows between; about 5 minutes. Since the fifth session
+#     without a GPU also the offset mixer as one function (OffsetProjected) and GroupRows' in-place index-adds
+#     against float64, and PCT's step with their 18 fewer matrix products.
 # Writes OUTDIR/log.txt (each step's summary), OUTDIR/tests-cuda.txt, OUTDIR/tests-rest.txt and OUTDIR/tables.tar
 # (the benchmark tables).
 set -u
@@ -279,7 +281,9 @@ elif [ "$PART" = 13 ]; then
   say "FPS and kNN cuda tests, the PCT tasks with the GPU's training default, classification (8 workers)"
   timeout -s INT -k 10 "$(left 220 150)" python3 -m pytest -m cuda -n 8 -p no:cacheprovider -rA \
     tests/attention/test_fps_triton.py tests/attention/test_pointops.py tests/gpu/test_cuda_tasks.py \
-    -k "(fps or knn or modelnet or shapenet or classification) and not compiled" > "$OUT/tests-cuda.txt" 2>&1
+    tests/attention/test_functional.py tests/tasks/test_pct.py \
+    -k "(fps or knn or modelnet or shapenet or classification or projected or group_rows) and not compiled" \
+    > "$OUT/tests-cuda.txt" 2>&1
   say "cuda tests exit $?"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/tests-cuda.txt" | tail -n 30 >> "$LOG"
   say "what one call costs the host (benchmarks.launch: dilated's backward alone, the autograd floor)"
   timeout -s INT "$(left 200 40)" python3 -m benchmarks.launch --out "$TABLES/launch-cuda.md" >> "$LOG" 2>&1

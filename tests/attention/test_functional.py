@@ -726,3 +726,21 @@ def test_kernels_on_cuda_against_float64(kernel):
         got = (out, *torch.autograd.grad(out, [q, *cuda[1:]], grad.float().cuda()))
         for a, w in zip(got, want):
             assert rel_err(a.cpu(), w) < 1e-5, (kernel, autocast, rel_err(a.cpu(), w))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("heads", [1, 2])
+def test_offset_projected_on_cuda_against_float64(heads):
+    """PCT's offset mixer as one function on a CUDA GPU, float32: its values and the gradients of x and of the
+    three weights against the CPU's float64 (on CUDA its backward's products write into the column blocks of one
+    gradient through their strided ``out=``, which the CPU's bmm takes by a loop over the batch)."""
+    inputs = projected_inputs(48, b=2, n=64, c=32, d_qk=8)
+    want = AF.OffsetProjected.apply(*inputs, heads, 1e-9)
+    grad = randn(torch.Generator().manual_seed(49), *want.shape)
+    want = (want, *torch.autograd.grad(want, inputs, grad))
+    cuda = [t.detach().float().cuda().requires_grad_() for t in inputs]
+    out = AF.offset_projected(*cuda, heads)
+    assert out.grad_fn.name() == "OffsetProjectedBackward"
+    got = (out, *torch.autograd.grad(out, cuda, grad.float().cuda()))
+    for a, w in zip(got, want):
+        assert rel_err(a.cpu(), w) < 1e-5, (heads, rel_err(a.cpu(), w))

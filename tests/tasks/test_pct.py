@@ -309,3 +309,24 @@ def test_training_with_or_without_norm_act_max_is_the_same_function(monkeypatch)
     torch.testing.assert_close(mean_a, mean_b, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(var_a, var_b, rtol=1e-12, atol=1e-14)
     assert ops_b.kernels < ops_a.kernels and ops_a.bytes_moved < ops_b.bytes_moved, (ops_a.kernels, ops_b.kernels)
+
+
+@pytest.mark.cuda
+def test_group_rows_on_cuda_adds_in_place_as_the_cpu_adds():
+    """GroupRows on a CUDA GPU (its index-adds in place into the halves of one (R, 2C) gradient, the default
+    there) against the CPU's float64: the grouped rows with the shift, and the gradients of the rows and of it."""
+    from tasks.nets.pct import GroupRows, adds_in_place
+
+    assert adds_in_place(torch.device("cuda")) and not adds_in_place(torch.device("cpu"))
+    gen = torch.Generator().manual_seed(3)
+    both = torch.randn(64, 12, generator=gen, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(6, generator=gen, dtype=torch.float64, requires_grad=True)
+    idx, centre = torch.randint(0, 64, (2, 5, 7), generator=gen), torch.randint(0, 64, (2, 5), generator=gen)
+    grad = torch.randn(2, 5, 7, 6, generator=gen, dtype=torch.float64)
+    out = GroupRows.apply(both, idx, centre, bias)
+    want = (out, *torch.autograd.grad(out, (both, bias), grad))
+    cuda = [t.detach().float().cuda().requires_grad_() for t in (both, bias)]
+    out = GroupRows.apply(cuda[0], idx.cuda(), centre.cuda(), cuda[1])
+    got = (out, *torch.autograd.grad(out, cuda, grad.float().cuda()))
+    for a, w in zip(got, want):
+        torch.testing.assert_close(a.cpu().double(), w, rtol=1e-5, atol=1e-5)
