@@ -243,9 +243,46 @@ def act_(y: torch.Tensor, act: nn.Module) -> torch.Tensor:
 
 def bn_act(h: torch.Tensor, bn: nn.Module, act: nn.Module) -> torch.Tensor:
     """act(bn(h)) over the rows of h (..., C). BatchNorm1d on (R, C) is BatchNorm1d on (B, C, N) with R = B N rows:
-    the same statistics and running-stat updates. The module itself runs, so SyncBatchNorm works too."""
-    out = act_(bn(rows(h)), act)  # (R, C)
+    the same statistics and running-stat updates. The module itself runs (so SyncBatchNorm works too), or its
+    function where :func:`batch_norm` counts the batch once for the whole forward."""
+    out = act_(batch_norm(rows(h), bn), act)  # (R, C)
     return out if h.dim() == 2 else out.view(h.shape)  # (..., C)
+
+
+# The ``num_batches_tracked`` counters of the batch norms a training forward has run (:func:`counted_once`)
+_COUNTED: contextvars.ContextVar[list | None] = contextvars.ContextVar("pct_counted", default=None)
+
+
+@contextlib.contextmanager
+def counted_once(net: nn.Module) -> Iterator[None]:
+    """A training forward of ``net`` whose plain batch norms leave their ``num_batches_tracked += 1`` to one
+    ``torch._foreach_add_`` at its end (:func:`batch_norm`): ``nn.BatchNorm1d.forward`` adds to it in a launch of
+    its own, 13 launches of PCT's step on a GPU, where its batch of 16 is bound by its launches. The counters end
+    the same, also when the forward fails halfway. Not under torch.compile (inductor fuses the additions itself),
+    and a no-op in eval mode and inside another network's block."""
+    if not net.training or torch.compiler.is_compiling() or _COUNTED.get() is not None:
+        yield
+        return
+    counters: list[torch.Tensor] = []
+    token = _COUNTED.set(counters)
+    try:
+        yield
+    finally:
+        _COUNTED.reset(token)
+        if counters:
+            with torch.no_grad():
+                torch._foreach_add_(counters, 1)
+
+
+def batch_norm(x: torch.Tensor, bn: nn.Module) -> torch.Tensor:
+    """bn(x) on rows x (R, C): the module, or inside :func:`counted_once`, for a plain ``nn.BatchNorm1d`` in training
+    with a momentum and no hooks, its function, the counter's increment left to the forward's end."""
+    counters = _COUNTED.get()
+    if (counters is None or type(bn) is not nn.BatchNorm1d or not bn.training or not bn.track_running_stats
+            or bn.momentum is None or bn.num_batches_tracked is None or bn._forward_hooks or bn._forward_pre_hooks):
+        return bn(x)
+    counters.append(bn.num_batches_tracked)
+    return F.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, True, bn.momentum, bn.eps)
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -305,7 +342,11 @@ def batch_statistics(h: torch.Tensor, bn: nn.BatchNorm1d) -> tuple[torch.Tensor,
     """(mean, 1 / sqrt(biased variance + eps)) over the rows of h (R, C), and ``bn``'s running statistics
     updated as its training forward updates them (unbiased variance, momentum or cumulative average)."""
     if bn.track_running_stats and bn.running_mean is not None:
-        bn.num_batches_tracked.add_(1)
+        counters = _COUNTED.get()
+        if counters is not None and bn.momentum is not None:
+            counters.append(bn.num_batches_tracked)  # added to at the forward's end (counted_once)
+        else:
+            bn.num_batches_tracked.add_(1)
         factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
         mean, var = torch.batch_norm_update_stats(h, bn.running_mean, bn.running_var, factor)
     else:
@@ -604,7 +645,7 @@ class PCT(FoldingNetwork):
         if xyz.shape[1] < self.min_points or xyz.shape[1] < self.neighbours:
             raise UserError(f"PCT got {xyz.shape[1]} points per shape but samples {self.min_points} centres with "
                             f"{self.neighbours} neighbours; raise data.npoints or lower model.samples/model.neighbours.")
-        with folded_for_inference(self):
+        with folded_for_inference(self), counted_once(self):
             b, n, _ = xyz.shape
             feats = self.embed(rows(xyz)).view(b, n, -1)  # (B, N, C): the layers on (B N, .) rows, one view each way
             for group in self.groups:
@@ -672,7 +713,7 @@ class PCTPartSeg(FoldingNetwork):
 
     def forward(self, points: torch.Tensor, category: torch.Tensor) -> torch.Tensor:
         # points (B, N, 3 or 6) with xyz first, category (B,) -> part logits (B, parts, N)
-        with folded_for_inference(self):
+        with folded_for_inference(self), counted_once(self):
             layout = attention.Points(points[..., :3])
             b, n, _ = points.shape
             x = self.embed(rows(points)).view(b, n, -1)  # (B, N, 128): the layers on (B N, .) rows

@@ -330,3 +330,37 @@ def test_group_rows_on_cuda_adds_in_place_as_the_cpu_adds():
     got = (out, *torch.autograd.grad(out, cuda, grad.float().cuda()))
     for a, w in zip(got, want):
         torch.testing.assert_close(a.cpu().double(), w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("network", ["PCT", "PCTPartSeg"])
+def test_training_forward_counts_its_batch_norms_in_one_op(monkeypatch, network):
+    """A training forward leaves every batch norm's num_batches_tracked += 1 to one foreach op at its end
+    (counted_once; nn.BatchNorm1d adds in an op of its own, a launch each on a GPU): the counters, the running
+    statistics, the logits and the gradients are those of the modules' own forwards, bit for bit, over two steps;
+    and the forward dispatches one foreach op where the modules dispatched an add each."""
+    import contextlib
+
+    from op_log import OpLog
+    from tasks.nets import pct
+
+    def steps(counted: bool):
+        net, inputs = _small(network)
+        net.train()
+        if not counted:
+            monkeypatch.setattr(pct, "counted_once", lambda net: contextlib.nullcontext())
+        results = []
+        for _ in range(2):
+            with OpLog() as log:
+                out = net(*inputs)
+            results += [out, *torch.autograd.grad(out.square().sum(), list(net.parameters()))]
+        monkeypatch.undo()
+        return results, [b.clone() for b in net.buffers()], log.count
+
+    (fused, fused_buffers, fused_ops), (plain, plain_buffers, plain_ops) = steps(True), steps(False)
+    for got, want in zip(fused + fused_buffers, plain + plain_buffers, strict=True):
+        assert torch.equal(got, want)
+    counted = {PCT: 13, PCTPartSeg: 10}[type(_small(network)[0])]  # the head's modules run in PCT's nn.Sequential
+    assert fused_ops["_foreach_add_"] == 1 and plain_ops["_foreach_add_"] == 0
+    assert plain_ops["add_"] - fused_ops["add_"] == counted, (plain_ops["add_"], fused_ops["add_"])
+    counters = [b for b in fused_buffers if b.dtype == torch.long]  # every num_batches_tracked, after two steps
+    assert len(counters) == counted + (2 if network == "PCT" else 0) and all(b.item() == 2 for b in counters)
