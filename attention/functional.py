@@ -293,7 +293,8 @@ class OffsetProjected(torch.autograd.Function):
         d_qkv = rows.new_empty(b * n, weight.shape[0])  # (B N, d_qk + C_v): both projections' gradients
         if heads == 1:  # written in place: the column blocks of d_qkv, viewed (B, N, .)
             d_qk_out, d_v_out = _heads(d_qkv[:, :d_qk], b, n, 1), _heads(d_qkv[:, d_qk:], b, n, 1)
-            torch.bmm(d_logits, qk, out=d_qk_out).baddbmm_(d_logits.transpose(1, 2), qk)  # dS qk + dS^T qk
+            torch.bmm(d_logits, qk, out=d_qk_out)  # dS qk, then + dS^T qk (out=, not baddbmm_: the FLOP counter
+            torch.baddbmm(d_qk_out, d_logits.transpose(1, 2), qk, out=d_qk_out)  # counts no in-place baddbmm_)
             torch.bmm(attn, d_u, out=d_v_out)  # A dU
         else:  # (B h, N, .) products copied into the column blocks, viewed (B, N, h, .)
             d_qk_heads = torch.baddbmm(torch.bmm(d_logits, qk), d_logits.transpose(1, 2), qk)

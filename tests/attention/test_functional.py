@@ -595,8 +595,10 @@ def test_offset_projected_takes_fewer_nodes_and_kernels():
     """One autograd node where the two nn.Linear and the kernel made eleven (views, transposes, the products, the
     sums of q's and k's and of x's two uses' gradients): 6 nodes a forward + backward with the weights' 3
     AccumulateGrad and the sum, against 17; and 3 products fewer (one for both projections forward, one each for
-    the input's and the weights' gradients backward), counted below autograd, views left out."""
+    the input's and the weights' gradients backward), counted below autograd, views left out; and the same FLOPs
+    as the FLOP counter counts them (it counts no in-place ``baddbmm_``, so the function takes none)."""
     from op_log import OpLog
+    from torch.utils.flop_counter import FlopCounterMode
 
     inputs = projected_inputs(47, n=16, c=32, d_qk=8)
 
@@ -617,6 +619,14 @@ def test_offset_projected_takes_fewer_nodes_and_kernels():
     assert fused[0] == 6 and plain[0] == 17, (fused, plain)
     assert fused[1] == plain[1] - 3, (fused, plain)
     assert fused[2] < plain[2], (fused, plain)
+
+    def flops(fn, heads):  # the same work, as the FLOP counter (mode=bench, mode=summary) sees it
+        with FlopCounterMode(display=False) as counter:
+            torch.autograd.grad(fn(*inputs, heads, 1e-9).sum(), inputs)
+        return counter.get_total_flops()
+
+    for heads in (1, 2):
+        assert flops(AF.OffsetProjected.apply, heads) == flops(AF._offset_projected_plain, heads) > 0
 
 
 def test_offset_mixer_runs_as_one_function_where_it_can():
