@@ -1,4 +1,5 @@
-"""FLOP formulas for the SDPA kernels that ``torch.utils.flop_counter`` leaves out in some torch builds.
+"""FLOP formulas that ``torch.utils.flop_counter`` leaves out: the SDPA kernels of some torch builds, and the
+in-place forms of its matrix products.
 
 ``F.scaled_dot_product_attention`` dispatches to one of several fused kernels (the CPU flash kernel, CUDA's
 flash, memory-efficient and cuDNN kernels, the overrideable kernel of out-of-tree backends, MPS's math kernel),
@@ -66,3 +67,26 @@ def register_missing() -> list[str]:
 
 
 REGISTERED = register_missing()
+
+
+# The counter has formulas for addmm and baddbmm but none for their in-place forms, which a chunked kernel
+# accumulates with (offset attention's OffsetChunked: A^T v forward, dS^T q backward). Uncounted, offset attention at
+# N = 65,536 (C = 256) counted 704 of its 1,024 units of 2 N^2 multiply-adds, and the bench's fraction of the
+# machine's bound read 36% on an H200 where the work done was 51% of it (benchmarks/cost-part-cuda.md's 317 ms).
+IN_PLACE = {"addmm_": "addmm", "baddbmm_": "baddbmm"}
+
+
+def register_in_place() -> list[str]:
+    """Give each in-place product of :data:`IN_PLACE` its out-of-place op's formula, where torch has none for it."""
+    from torch.utils.flop_counter import flop_registry
+
+    added = []
+    for name, like in IN_PLACE.items():
+        op, formula = getattr(torch.ops.aten, name), flop_registry.get(getattr(torch.ops.aten, like))
+        if op not in flop_registry and formula is not None:
+            flop_registry[op] = formula
+            added.append(name)
+    return added
+
+
+IN_PLACE_REGISTERED = register_in_place()

@@ -81,3 +81,25 @@ def test_sdpa_on_cpu_dispatches_to_a_counted_kernel():
     with FlopCounterMode(display=False) as counter:
         F.scaled_dot_product_attention(q, k, v)
     assert counter.get_total_flops() == 2 * 2 * 16 * 16 * (8 + 8)
+
+
+def test_in_place_products_are_counted():
+    """addmm_ and baddbmm_ count as addmm and baddbmm (torch's counter has no formula for them): offset attention's
+    chunked form accumulates with them, and counted 704 of its 1,024 units at PCT's widths before. Its forward +
+    backward now counts every product, by hand: forward Q K^T and A^T V; backward Q K^T again (recomputed),
+    A dU, V dU^T, dS K and dS^T Q."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from attention import functional as AF
+
+    a, b, c = torch.randn(4, 5), torch.randn(5, 6), torch.randn(4, 6)
+    with FlopCounterMode(display=False) as counter:
+        c.addmm_(a, b)
+        c.unsqueeze(0).baddbmm_(a.unsqueeze(0), b.unsqueeze(0))
+    assert counter.get_total_flops() == 2 * (2 * 4 * 5 * 6)
+    B, h, n, d, d_v = 1, 2, 64, 8, 16
+    q, k = torch.randn(B, h, n, d, requires_grad=True), torch.randn(B, h, n, d, requires_grad=True)
+    v = torch.randn(B, h, n, d_v, requires_grad=True)
+    with FlopCounterMode(display=False) as counter:
+        torch.autograd.grad(AF.OffsetChunked.apply(q, k, v, 1e-9, 16).sum(), (q, k, v))
+    assert counter.get_total_flops() == 2 * B * h * n * n * (4 * d + 3 * d_v)
