@@ -151,6 +151,18 @@ def _offset_full(q, k, v, eps):
     return out.transpose(-2, -1)  # (B, h, M, d_v)
 
 
+def _offset_map_backward(grad, v, attn, denom, out):
+    """The shared part of offset attention's written-out backwards (:class:`OffsetFull`, :class:`OffsetProjected`),
+    on the (B h) matrices: from the output's gradient G (B h, M, d_v), the values v (B h, N, d_v), the map A
+    (B h, N, M), D = eps + its column sums (B h, M) and the output (B h, M, d_v): dU = G / D (B h, M, d_v) and the
+    logits' gradient dS (B h, N, M), through dA = v dU^T - dD (one baddbmm: the column sums' gradient
+    dD_j = (dU_j . out_j) its bias, broadcast over N) and softmax's backward."""
+    d_u = grad / denom.unsqueeze(-1)  # (B h, M, d_v)
+    d_denom = (d_u * out).sum(-1)  # (B h, M): minus the gradient of D
+    d_attn = torch.baddbmm(d_denom.unsqueeze(1), v, d_u.transpose(1, 2), beta=-1)  # (B h, N, M)
+    return d_u, torch._softmax_backward_data(d_attn, attn, -1, attn.dtype)
+
+
 def _float32_backward(backward, ctx, grad):
     """A written-out autograd function's ``backward(ctx, grad, *saved tensors)`` with autocast off: in float32 as
     its forward (:func:`float32_kernel`), also when the caller runs backward() inside its autocast block."""
@@ -192,11 +204,7 @@ class OffsetFull(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph: the plain ops' graph, recomputed
             return (*recomputed_grads(lambda *t: _offset_full(*t, ctx.eps), grad, (q, k, v)), None)
         q3, k3, v3 = (t.flatten(0, 1) for t in (q, k, v))  # (B h, N | M, d)
-        d_u = grad.flatten(0, 1) / denom.unsqueeze(-1)  # (B h, M, d_v)
-        d_denom = (d_u * out).sum(-1)  # (B h, M): minus the gradient of D
-        # dA = v dU^T - dD (B h, N, M) as one baddbmm, the (M,) row broadcast over N
-        d_attn = torch.baddbmm(d_denom.unsqueeze(1), v3, d_u.transpose(1, 2), beta=-1)
-        d_logits = torch._softmax_backward_data(d_attn, attn, -1, attn.dtype)  # (B h, N, M)
+        d_u, d_logits = _offset_map_backward(grad.flatten(0, 1), v3, attn, denom, out)
         dq = torch.bmm(d_logits, k3).view(q.shape) if ctx.needs_input_grad[0] else None
         dk = torch.bmm(d_logits.transpose(1, 2), q3).view(k.shape) if ctx.needs_input_grad[1] else None
         dv = torch.bmm(attn, d_u).view(v.shape) if ctx.needs_input_grad[2] else None
@@ -286,10 +294,7 @@ class OffsetProjected(torch.autograd.Function):
         b, n, _ = x.shape
         d_qk = w_qk.shape[0]
         g = _heads(grad.reshape(b * n, -1), b, n, heads)  # (B h, N, d_v)
-        d_u = g / denom.unsqueeze(-1)  # (B h, N, d_v)
-        d_denom = (d_u * out).sum(-1)  # (B h, N): minus the gradient of D
-        d_attn = torch.baddbmm(d_denom.unsqueeze(1), v, d_u.transpose(1, 2), beta=-1)  # (B h, N, N): v dU^T - dD
-        d_logits = torch._softmax_backward_data(d_attn, attn, -1, attn.dtype)  # (B h, N, N)
+        d_u, d_logits = _offset_map_backward(g, v, attn, denom, out)  # (B h, N, d_v), (B h, N, N)
         d_qkv = rows.new_empty(b * n, weight.shape[0])  # (B N, d_qk + C_v): both projections' gradients
         if heads == 1:  # written in place: the column blocks of d_qkv, viewed (B, N, .)
             d_qk_out, d_v_out = _heads(d_qkv[:, :d_qk], b, n, 1), _heads(d_qkv[:, d_qk:], b, n, 1)
