@@ -215,21 +215,26 @@ def offset_projected(x, w_qk, w_v, b_v, heads: int = 1, eps: float = 1e-9):
     """PCT's offset mixer with its projections: ``offset_attention(qk, qk, v)`` of qk = x W_qk^T and
     v = x W_v^T + b_v split into ``heads``, on x (B, N, C) -> (B, N, C_v) (the heads merged), C_v = W_v's rows.
 
-    Where it runs as one autograd function (:class:`OffsetProjected`: float32 or float64, outside autocast and
-    torch.compile, the map whole), it is the same function in fewer host ops: one product for both projections
-    (the weights concatenated) and, backward, one product each for the input's and the weights' gradients, where
-    two ``nn.Linear`` and the kernel made about a dozen autograd nodes (views, transposes, products and the sums
-    of the gradients of q and k, and of x's two uses). PCT's training step at batch 16 is bound by those on a GPU
-    (an H200 spent 40 us of host time a matrix product, 15 us an autograd node: docs/cost.md). Elsewhere it
-    runs the ``nn.Linear`` products and :func:`offset_attention`, as the mixer did.
+    Where it runs as one autograd function (:class:`OffsetProjected`: float32 or float64, or float32 under autocast;
+    not under torch.compile; the map whole), it is the same function in fewer host ops: one product for both
+    projections (the weights concatenated) and, backward, one product each for the input's and the weights'
+    gradients, where two ``nn.Linear`` and the kernel made about a dozen autograd nodes (views, transposes, products
+    and the sums of the gradients of q and k, and of x's two uses), and under autocast about fourteen casts a
+    call where it takes seven. PCT's training step at batch 16 is bound by those on a GPU (an H200 spent 40 us of
+    host time a matrix product, 15 us an autograd node: docs/cost.md). Elsewhere it runs the ``nn.Linear`` products
+    and :func:`offset_attention`, as the mixer did.
     """
     b, n, c = x.shape
-    if (torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type)
-            or x.dtype not in (torch.float32, torch.float64)
-            or any(t.dtype != x.dtype for t in (w_qk, w_v, b_v) if t is not None)
-            or b * heads * n * n > OFFSET_FULL_MAX_ELEMENTS):
+    device = x.device.type
+    half = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    weights = [t.dtype for t in (w_qk, w_v, b_v) if t is not None]
+    if half is None:  # x and the weights of one dtype, float32 or float64
+        fits = x.dtype in (torch.float32, torch.float64) and all(dtype == x.dtype for dtype in weights)
+    else:  # AMP's float32 weights, x in float32 or in autocast's dtype (the output of a layer before it)
+        fits = half in HALF and x.dtype in (torch.float32, half) and all(dtype == torch.float32 for dtype in weights)
+    if not fits or torch.compiler.is_compiling() or b * heads * n * n > OFFSET_FULL_MAX_ELEMENTS:
         return _offset_projected_plain(x, w_qk, w_v, b_v, heads, eps)
-    return OffsetProjected.apply(x, w_qk, w_v, b_v, heads, eps)
+    return OffsetProjected.apply(x, w_qk, w_v, b_v, heads, eps, half)
 
 
 def _heads(t: torch.Tensor, b: int, n: int, heads: int) -> torch.Tensor:
@@ -257,45 +262,65 @@ def _offset_projected_plain(x, w_qk, w_v, b_v, heads, eps):
 
 
 class OffsetProjected(torch.autograd.Function):
-    """:func:`offset_projected` as one function: apply(x, w_qk, w_v, b_v, heads, eps).
+    """:func:`offset_projected` as one function: apply(x, w_qk, w_v, b_v, heads, eps, half).
 
     Forward: qkv = x [W_qk; W_v]^T (one product; + b_v on v's columns), then :class:`OffsetFull`'s forward on the
     (B h) matrices. Backward: OffsetFull's, with q = k: dqk = dS qk + dS^T qk (one product and one accumulating
     product, written into the qk columns of one (B N, d_qk + C_v) gradient), dv = A dU into its v columns; then
     dx = dqkv [W_qk; W_v] and d[W_qk; W_v] = dqkv^T x, one product each, and db_v = the v columns' sum.
-    ``create_graph`` (a gradient penalty) differentiates the plain ops, recomputed.
+
+    ``half`` (autocast's dtype, or None): the products of the projections and of their gradients in it, as autocast
+    runs ``nn.Linear``, the attention between in float32 (:func:`float32_kernel`), the output in it, as the plain
+    form returns it. ``create_graph`` (a gradient penalty) differentiates the plain ops, recomputed (under autocast
+    where the forward was).
     """
 
     @staticmethod
-    def forward(ctx, x, w_qk, w_v, b_v, heads, eps):
+    def forward(ctx, x, w_qk, w_v, b_v, heads, eps, half):
         b, n, c = x.shape
         d_qk = w_qk.shape[0]
-        rows = x.view(b * n, c) if x.is_contiguous() else x.reshape(b * n, c)  # (B N, C)
-        weight = torch.cat([w_qk, w_v])  # (d_qk + C_v, C)
-        qkv = torch.mm(rows, weight.t())  # (B N, d_qk + C_v)
-        if b_v is not None:
-            qkv[:, d_qk:] += b_v
-        qk, v = _heads(qkv[:, :d_qk], b, n, heads), _heads(qkv[:, d_qk:], b, n, heads)  # (B h, N, d | d_v)
-        attn = torch.softmax(torch.bmm(qk, qk.transpose(1, 2)), dim=-1)  # (B h, N, N)
-        denom = attn.sum(dim=1).add_(eps)  # (B h, N): eps + each column's sum over the queries
-        out = torch.bmm(attn.transpose(1, 2), v).div_(denom.unsqueeze(-1))  # (B h, N, d_v): A^T v / D
+        with torch.autocast(x.device.type, enabled=False):  # the casts below are the only ones
+            rows = x.view(b * n, c) if x.is_contiguous() else x.reshape(b * n, c)  # (B N, C)
+            weight = torch.cat([w_qk, w_v])  # (d_qk + C_v, C)
+            if half is not None:  # the projections in autocast's dtype, the kernel in float32
+                rows, weight = rows.to(half), weight.to(half)
+            qkv = torch.mm(rows, weight.t())  # (B N, d_qk + C_v)
+            if half is not None:
+                qkv = qkv.float()
+            if b_v is not None:
+                qkv[:, d_qk:] += b_v
+            qk, v = _heads(qkv[:, :d_qk], b, n, heads), _heads(qkv[:, d_qk:], b, n, heads)  # (B h, N, d | d_v)
+            attn = torch.softmax(torch.bmm(qk, qk.transpose(1, 2)), dim=-1)  # (B h, N, N)
+            denom = attn.sum(dim=1).add_(eps)  # (B h, N): eps + each column's sum over the queries
+            out = torch.bmm(attn.transpose(1, 2), v).div_(denom.unsqueeze(-1))  # (B h, N, d_v): A^T v / D
         ctx.save_for_backward(x, w_qk, w_v, b_v, rows, weight, qk, v, attn, denom, out)
-        ctx.heads, ctx.eps = heads, eps
-        return _merge_heads(out, b, heads)  # (B, N, h d_v)
+        ctx.heads, ctx.eps, ctx.half = heads, eps, half
+        merged = _merge_heads(out, b, heads)  # (B, N, h d_v)
+        return merged if half is None else merged.to(half)
 
     @staticmethod
     def backward(ctx, grad):
         x, w_qk, w_v, b_v, rows, weight, qk, v, attn, denom, out = ctx.saved_tensors
-        heads, eps = ctx.heads, ctx.eps
+        heads, eps, half = ctx.heads, ctx.eps, ctx.half
         if torch.is_grad_enabled():  # create_graph: the plain ops' graph, recomputed
-            plain = lambda *t: _offset_projected_plain(*t, heads, eps)  # noqa: E731
+            def plain(*t):
+                with torch.autocast(x.device.type, dtype=half or torch.bfloat16, enabled=half is not None):
+                    return _offset_projected_plain(*t, heads, eps)
+
             inputs = (x, w_qk, w_v) if b_v is None else (x, w_qk, w_v, b_v)
-            return (*recomputed_grads(plain, grad, inputs), *[None] * (6 - len(inputs)))
+            return (*recomputed_grads(plain, grad, inputs), *[None] * (7 - len(inputs)))
+        with torch.autocast(x.device.type, enabled=False):
+            return OffsetProjected._backward(ctx, grad.to(out.dtype), x, w_qk, b_v, rows, weight, qk, v, attn,
+                                             denom, out)
+
+    @staticmethod
+    def _backward(ctx, grad, x, w_qk, b_v, rows, weight, qk, v, attn, denom, out):
+        heads = ctx.heads
         b, n, _ = x.shape
         d_qk = w_qk.shape[0]
         g = _heads(grad.reshape(b * n, -1), b, n, heads)  # (B h, N, d_v)
         d_u, d_logits = _offset_map_backward(g, v, attn, denom, out)  # (B h, N, d_v), (B h, N, N)
-        d_qkv = rows.new_empty(b * n, weight.shape[0])  # (B N, d_qk + C_v): both projections' gradients
+        d_qkv = out.new_empty(b * n, weight.shape[0])  # (B N, d_qk + C_v): both projections' gradients
         if heads == 1:  # written in place: the column blocks of d_qkv, viewed (B, N, .)
             d_qk_out, d_v_out = _heads(d_qkv[:, :d_qk], b, n, 1), _heads(d_qkv[:, d_qk:], b, n, 1)
             torch.bmm(d_logits, qk, out=d_qk_out)  # dS qk, then + dS^T qk (out=, not baddbmm_: the FLOP counter
@@ -305,12 +330,14 @@ class OffsetProjected(torch.autograd.Function):
             d_qk_heads = torch.baddbmm(torch.bmm(d_logits, qk), d_logits.transpose(1, 2), qk)
             for cols, t in ((slice(None, d_qk), d_qk_heads), (slice(d_qk, None), torch.bmm(attn, d_u))):
                 d_qkv[:, cols].view(b, n, heads, -1).copy_(t.view(b, heads, n, -1).transpose(1, 2))
-        dx = torch.mm(d_qkv, weight).view(x.shape) if ctx.needs_input_grad[0] else None  # (B, N, C)
+        d_b_v = d_qkv[:, d_qk:].sum(0) if b_v is not None and ctx.needs_input_grad[3] else None
+        products = d_qkv if ctx.half is None else d_qkv.to(ctx.half)  # as the projections ran
+        dx = torch.mm(products, weight).view(x.shape).to(x.dtype) if ctx.needs_input_grad[0] else None  # (B, N, C)
         d_w_qk = d_w_v = None
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            d_w_qk, d_w_v = torch.mm(d_qkv.t(), rows).split([d_qk, weight.shape[0] - d_qk])  # (d_qk | C_v, C)
-        d_b_v = d_qkv[:, d_qk:].sum(0) if b_v is not None and ctx.needs_input_grad[3] else None
-        return dx, d_w_qk, d_w_v, d_b_v, None, None
+            d_w = torch.mm(products.t(), rows).to(w_qk.dtype)  # (d_qk + C_v, C)
+            d_w_qk, d_w_v = d_w.split([d_qk, weight.shape[0] - d_qk])
+        return dx, d_w_qk, d_w_v, d_b_v, None, None, None
 
 
 class OffsetChunked(torch.autograd.Function):

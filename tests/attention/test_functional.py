@@ -549,6 +549,11 @@ def projected_inputs(seed, b=2, n=7, c=16, d_qk=4, bias=True, layout="contiguous
     return [x.requires_grad_()] + [w if w is None else w.requires_grad_() for w in weights]
 
 
+def projected(*args):
+    """OffsetProjected outside autocast: apply(x, w_qk, w_v, b_v, heads, eps)."""
+    return AF.OffsetProjected.apply(*args, None)
+
+
 def ref_offset_projected(x, w_qk, w_v, b_v, heads):
     """The mixer written from its definition: explicit projections, heads split, ref_offset's explicit sums."""
     b, n, _ = x.shape
@@ -565,7 +570,7 @@ def test_offset_projected_equals_the_projections_then_offset_attention(heads, bi
     the two nn.Linear products and offset_attention (the mixer before), float64; with frozen weights, and with
     x that needs no gradient."""
     x, w_qk, w_v, b_v = projected_inputs(40 + heads, bias=bias, layout=layout)
-    out = AF.OffsetProjected.apply(x, w_qk, w_v, b_v, heads, 1e-9)
+    out = projected(x, w_qk, w_v, b_v, heads, 1e-9)
     assert out.shape == (2, 7, 16)
     assert rel_err(out.detach(), ref_offset_projected(x, w_qk, w_v, b_v, heads).detach()) < 1e-12
     grad = randn(torch.Generator().manual_seed(45), *out.shape)
@@ -575,9 +580,9 @@ def test_offset_projected_equals_the_projections_then_offset_attention(heads, bi
     for g, w in zip(got, want):
         assert g.shape == w.shape and rel_err(g, w) < 1e-12
     frozen = [w if w is None else w.detach() for w in (w_qk, w_v, b_v)]
-    dx, = torch.autograd.grad(AF.OffsetProjected.apply(x, *frozen, heads, 1e-9), x, grad)
+    dx, = torch.autograd.grad(projected(x, *frozen, heads, 1e-9), x, grad)
     assert rel_err(dx, want[0]) < 1e-12
-    weights_only = torch.autograd.grad(AF.OffsetProjected.apply(x.detach(), w_qk, w_v, b_v, heads, 1e-9),
+    weights_only = torch.autograd.grad(projected(x.detach(), w_qk, w_v, b_v, heads, 1e-9),
                                        inputs[1:], grad)
     for g, w in zip(weights_only, want[1:]):
         assert rel_err(g, w) < 1e-12
@@ -586,9 +591,9 @@ def test_offset_projected_equals_the_projections_then_offset_attention(heads, bi
 def test_offset_projected_double_backward():
     """A gradient penalty through the mixer: the plain ops recomputed, so second derivatives exist (gradgradcheck)."""
     inputs = projected_inputs(46, b=1, n=4, c=8, d_qk=2)
-    assert torch.autograd.gradcheck(lambda *t: AF.OffsetProjected.apply(*t, 1, 1e-9), inputs)
-    assert torch.autograd.gradgradcheck(lambda *t: AF.OffsetProjected.apply(*t, 1, 1e-9), inputs)
-    assert torch.autograd.gradgradcheck(lambda *t: AF.OffsetProjected.apply(*t, 2, 1e-9), inputs)
+    assert torch.autograd.gradcheck(lambda *t: projected(*t, 1, 1e-9), inputs)
+    assert torch.autograd.gradgradcheck(lambda *t: projected(*t, 1, 1e-9), inputs)
+    assert torch.autograd.gradgradcheck(lambda *t: projected(*t, 2, 1e-9), inputs)
 
 
 def test_offset_projected_takes_fewer_nodes_and_kernels():
@@ -615,7 +620,7 @@ def test_offset_projected_takes_fewer_nodes_and_kernels():
         products = [op for op, view, _ in log.ops if op.split(".")[0] in ("mm", "addmm", "bmm", "baddbmm", "baddbmm_")]
         return len(nodes), len(products), len([op for op, view, _ in log.ops if not view])
 
-    fused, plain = count(AF.OffsetProjected.apply), count(AF._offset_projected_plain)
+    fused, plain = count(projected), count(AF._offset_projected_plain)
     assert fused[0] == 6 and plain[0] == 17, (fused, plain)
     assert fused[1] == plain[1] - 3, (fused, plain)
     assert fused[2] < plain[2], (fused, plain)
@@ -626,24 +631,71 @@ def test_offset_projected_takes_fewer_nodes_and_kernels():
         return counter.get_total_flops()
 
     for heads in (1, 2):
-        assert flops(AF.OffsetProjected.apply, heads) == flops(AF._offset_projected_plain, heads) > 0
+        assert flops(projected, heads) == flops(AF._offset_projected_plain, heads) > 0
 
 
-def test_offset_mixer_runs_as_one_function_where_it_can():
-    """The offset variant trains through OffsetProjected in float32 and float64; under autocast (its projections
-    in half precision, the kernel in float32) and in a map too large to hold whole it keeps the plain form."""
+def test_offset_mixer_runs_as_one_function_where_it_can(monkeypatch):
+    """The offset variant trains through OffsetProjected in float32, float64 and under autocast; a map too large
+    to hold whole keeps the plain form (the chunked kernel)."""
     import attention
 
     mixer = attention.build("offset", dim=16)
     x = torch.randn(2, 8, 16, requires_grad=True)
-    assert type(mixer(x)).__name__ == "Tensor" and mixer(x).grad_fn.name() == "OffsetProjectedBackward"
+    assert mixer(x).grad_fn.name() == "OffsetProjectedBackward"
     assert mixer.double()(x.double()).grad_fn.name() == "OffsetProjectedBackward"
     mixer.float()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = mixer(x)
-    assert out.dtype == torch.bfloat16 and out.grad_fn.name() != "OffsetProjectedBackward"
+    assert out.dtype == torch.bfloat16 and out.grad_fn.name() == "OffsetProjectedBackward"
+    monkeypatch.setattr(AF, "OFFSET_FULL_MAX_ELEMENTS", 2 * 8 * 8 - 1)
+    assert mixer(x).grad_fn.name() != "OffsetProjectedBackward"
     reference = AF._offset_projected_plain(x, mixer.qk.weight, mixer.v.weight, mixer.v.bias, 1, 1e-9)
     assert torch.allclose(mixer(x), reference, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])  # x from a layer outside or inside autocast
+@pytest.mark.parametrize("heads", [1, 2])
+def test_offset_projected_under_autocast_is_the_plain_form_under_autocast(heads, x_dtype):
+    """Under bf16 autocast the function runs its projections' products (and their gradients') in bf16, as
+    autocast runs nn.Linear, and the attention between in float32 (float32_kernel), returning bf16 as the plain
+    form does: its values and the float32 gradients of x and the weights against the plain form under autocast
+    (bf16's rounding apart), and both against float64."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x, w_qk, w_v, b_v = projected_inputs(50, n=16, c=32, d_qk=8)
+    inputs = [x] + [(w * 0.1).detach().requires_grad_() for w in (w_qk, w_v, b_v)]  # logits of order 1: a sharp
+    want = ref_offset_projected(*inputs, heads)  # softmax turns bf16's rounding of q and k into large changes
+    grad = randn(torch.Generator().manual_seed(51), *want.shape)
+    want = (want, *torch.autograd.grad(want, inputs, grad))
+    floats = [t.detach().to(x_dtype if i == 0 else torch.float32).requires_grad_() for i, t in enumerate(inputs)]
+    results = {}
+    for name, fn in (("fused", AF.offset_projected), ("plain", AF._offset_projected_plain)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fn(*floats, heads, 1e-9)
+        assert out.dtype == torch.bfloat16
+        assert (out.grad_fn.name() == "OffsetProjectedBackward") == (name == "fused")
+        results[name] = (out, *torch.autograd.grad(out, floats, grad.to(out.dtype)))
+        assert [g.dtype for g in results[name][1:]] == [t.dtype for t in floats]
+    for fused, plain, exact in zip(results["fused"], results["plain"], want):
+        assert rel_err(fused.detach(), plain.detach()) < 1e-2
+        assert rel_err(fused.detach(), exact) < 1e-2 and rel_err(plain.detach(), exact) < 1e-2
+
+    class Dtypes(TorchDispatchMode):  # each product's (op, dtype of its first input)
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] in ("mm", "bmm", "baddbmm", "_softmax"):
+                self.seen.append((func.__name__.split(".")[0], args[0].dtype))
+            return func(*args, **(kwargs or {}))
+
+    with Dtypes() as mode:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = AF.offset_projected(*floats, heads, 1e-9)
+        torch.autograd.grad(out, floats, grad.to(out.dtype))
+    assert {dtype for op, dtype in mode.seen if op == "mm"} == {torch.bfloat16}  # forward and both gradients
+    assert {dtype for op, dtype in mode.seen if op != "mm"} == {torch.float32}  # the attention, both ways
 
 
 @pytest.mark.parametrize("rows", [1, 3, 7, 50])  # one query a chunk; chunks that do not divide N; one chunk
@@ -745,7 +797,7 @@ def test_offset_projected_on_cuda_against_float64(heads):
     three weights against the CPU's float64 (on CUDA its backward's products write into the column blocks of one
     gradient through their strided ``out=``, which the CPU's bmm takes by a loop over the batch)."""
     inputs = projected_inputs(48, b=2, n=64, c=32, d_qk=8)
-    want = AF.OffsetProjected.apply(*inputs, heads, 1e-9)
+    want = projected(*inputs, heads, 1e-9)
     grad = randn(torch.Generator().manual_seed(49), *want.shape)
     want = (want, *torch.autograd.grad(want, inputs, grad))
     cuda = [t.detach().float().cuda().requires_grad_() for t in inputs]
@@ -754,3 +806,24 @@ def test_offset_projected_on_cuda_against_float64(heads):
     got = (out, *torch.autograd.grad(out, cuda, grad.float().cuda()))
     for a, w in zip(got, want):
         assert rel_err(a.cpu(), w) < 1e-5, (heads, rel_err(a.cpu(), w))
+
+
+@pytest.mark.cuda
+def test_offset_projected_under_autocast_on_cuda():
+    """The function under CUDA's bf16 autocast (x in float32 and in bf16): bf16 out, gradients in the inputs'
+    dtypes, against the CPU's float64 within bf16's rounding."""
+    x, w_qk, w_v, b_v = projected_inputs(52, n=64, c=32, d_qk=8)
+    inputs = [x] + [(w * 0.1).detach().requires_grad_() for w in (w_qk, w_v, b_v)]  # logits of order 1
+    want = ref_offset_projected(*inputs, 1)
+    grad = randn(torch.Generator().manual_seed(53), *want.shape)
+    want = (want, *torch.autograd.grad(want, inputs, grad))
+    for x_dtype in (torch.float32, torch.bfloat16):
+        cuda = [t.detach().to("cuda", x_dtype if i == 0 else torch.float32).requires_grad_()
+                for i, t in enumerate(inputs)]
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = AF.offset_projected(*cuda, 1)
+        assert out.dtype == torch.bfloat16 and out.grad_fn.name() == "OffsetProjectedBackward"
+        got = (out, *torch.autograd.grad(out, cuda, grad.to("cuda", torch.bfloat16)))
+        assert [g.dtype for g in got[1:]] == [t.dtype for t in cuda]
+        for a, w in zip(got, want):
+            assert rel_err(a.detach().cpu(), w) < 2e-2, (x_dtype, rel_err(a.detach().cpu(), w))
