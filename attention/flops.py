@@ -78,8 +78,6 @@ IN_PLACE = {"addmm_": "addmm", "baddbmm_": "baddbmm"}
 
 def register_in_place() -> list[str]:
     """Give each in-place product of :data:`IN_PLACE` its out-of-place op's formula, where torch has none for it."""
-    from torch.utils.flop_counter import flop_registry
-
     added = []
     for name, like in IN_PLACE.items():
         op, formula = getattr(torch.ops.aten, name), flop_registry.get(getattr(torch.ops.aten, like))

@@ -224,7 +224,7 @@ def offset_projected(x, w_qk, w_v, b_v, heads: int = 1, eps: float = 1e-9):
     host time a matrix product, 15 us an autograd node: docs/cost.md). Elsewhere it runs the ``nn.Linear`` products
     and :func:`offset_attention`, as the mixer did.
     """
-    b, n, c = x.shape
+    b, n, _ = x.shape
     device = x.device.type
     half = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
     weights = [t.dtype for t in (w_qk, w_v, b_v) if t is not None]
@@ -235,6 +235,11 @@ def offset_projected(x, w_qk, w_v, b_v, heads: int = 1, eps: float = 1e-9):
     if not fits or torch.compiler.is_compiling() or b * heads * n * n > OFFSET_FULL_MAX_ELEMENTS:
         return _offset_projected_plain(x, w_qk, w_v, b_v, heads, eps)
     return OffsetProjected.apply(x, w_qk, w_v, b_v, heads, eps, half)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x (B, N, C) as a (B N, C) matrix: a view (one op; ``reshape`` dispatches two), or a copy if not contiguous."""
+    return x.view(-1, x.shape[-1]) if x.is_contiguous() else x.reshape(-1, x.shape[-1])
 
 
 def _heads(t: torch.Tensor, b: int, n: int, heads: int) -> torch.Tensor:
@@ -254,8 +259,8 @@ def _merge_heads(t: torch.Tensor, b: int, heads: int) -> torch.Tensor:
 def _offset_projected_plain(x, w_qk, w_v, b_v, heads, eps):
     """:func:`offset_projected` as the mixer computed it: two ``F.linear`` on the rows, then
     :func:`offset_attention` (the plain ops under torch.compile, its float32 kernel under autocast)."""
-    b, n, c = x.shape
-    rows = x.view(b * n, c) if x.is_contiguous() else x.reshape(b * n, c)  # (B N, C)
+    b, n, _ = x.shape
+    rows = _rows(x)  # (B N, C)
     qk = F.linear(rows, w_qk).view(b, n, heads, -1).transpose(1, 2)  # (B, h, N, d)
     v = F.linear(rows, w_v, b_v).view(b, n, heads, -1).transpose(1, 2)  # (B, h, N, d_v)
     return offset_attention(qk, qk, v, eps).transpose(1, 2).reshape(b, n, -1)  # (B, N, h d_v)
@@ -277,10 +282,10 @@ class OffsetProjected(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w_qk, w_v, b_v, heads, eps, half):
-        b, n, c = x.shape
+        b, n, _ = x.shape
         d_qk = w_qk.shape[0]
         with torch.autocast(x.device.type, enabled=False):  # the casts below are the only ones
-            rows = x.view(b * n, c) if x.is_contiguous() else x.reshape(b * n, c)  # (B N, C)
+            rows = _rows(x)  # (B N, C)
             weight = torch.cat([w_qk, w_v])  # (d_qk + C_v, C)
             if half is not None:  # the projections in autocast's dtype, the kernel in float32
                 rows, weight = rows.to(half), weight.to(half)
