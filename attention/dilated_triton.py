@@ -45,6 +45,10 @@ and, marked ``cuda``, runs them on a GPU.
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 import triton
@@ -52,6 +56,7 @@ import triton.language as tl
 
 from attention.functional import _dilated_groups
 from attention.tensor_cache import tensor_cache
+from attention.triton_kernels import cdiv, pow2
 
 # Programs a launch aims for (about two per SM of an H100, 132 SMs): the block of queries shrinks, down to
 # ``MIN_BLOCK``, until the launch has this many, so that a small grid (one 56 x 56 head) still spreads over the GPU.
@@ -221,18 +226,20 @@ def _backward_key_kernel(q_ptr, g_ptr, attn_ptr, dlogits_ptr, dk_ptr, dv_ptr,
     tl.store(dv_ptr + (bhl * n + rn[:, None]) * d_v + cv[None, :], dv, mask=valid[:, None] & mv)
 
 
-def launch_config(pairs: int, n: int, d: int, d_v: int, kernel_size: int) -> dict:
+@functools.lru_cache(maxsize=256)
+def launch_config(pairs: int, n: int, d: int, d_v: int, kernel_size: int) -> Mapping[str, int]:
     """The constexprs and warps of a launch over ``pairs`` (sample, head) pairs of n tokens: BQ queries a program
     (a power of two in [MIN_BLOCK, MAX_BLOCK], BQ * max(DP, DVP, KK) <= MAX_TILE where it can, halved while the
     launch has under TARGET_PROGRAMS programs), DP, DVP, KK, and 4 warps per MAX_TILE tile entries (more for heads
-    wider than 64). Chosen from the compiled code's registers, not timed: no GPU was available."""
-    dp, dvp, kk = (triton.next_power_of_2(max(1, m)) for m in (d, d_v, kernel_size ** 2))
+    wider than 64). Chosen from the compiled code's registers, not timed: no GPU was available. Kept per shape
+    (read-only): a launch's host time is what a small step costs on a GPU."""
+    dp, dvp, kk = (pow2(max(1, m)) for m in (d, d_v, kernel_size ** 2))
     widest = max(dp, dvp, kk)
     block = min(MAX_BLOCK, max(MIN_BLOCK, MAX_TILE // widest))
-    while block > MIN_BLOCK and pairs * triton.cdiv(n, block) < TARGET_PROGRAMS:
+    while block > MIN_BLOCK and pairs * cdiv(n, block) < TARGET_PROGRAMS:
         block //= 2
     warps = min(16, NUM_WARPS * max(1, block * widest // MAX_TILE))  # 8 tile entries a thread up to 256 channels
-    return dict(BQ=block, DP=dp, DVP=dvp, KK=kk, num_warps=warps)
+    return MappingProxyType(dict(BQ=block, DP=dp, DVP=dvp, KK=kk, num_warps=warps))
 
 
 def alignment(tensors, dims) -> int:
@@ -242,21 +249,31 @@ def alignment(tensors, dims) -> int:
     knows every row of d (d_v) floats starts on a multiple of 4 floats and its mask ``c < d`` is constant over 4
     lanes, and loads and stores 16 bytes at a time (ld.global.v4) instead of 4. At the module's layout (rows of
     the qkv projection, 3C floats apart) it is 4 for every C and head width divisible by 4."""
-    if any(abs(st) >= 2 ** 31 for t in tensors for st in t.stride()):  # stride // align could pass as int32
-        return 1  # and its product with ALIGN overflow: as they are, such strides pass (and multiply) as int64
-    for align in (4, 2):
-        if all(m % align == 0 for m in dims) and all(
-                t.data_ptr() % (align * t.element_size()) == 0 and t.stride(-1) == 1
-                and all(st % align == 0 for st, size in zip(t.stride()[:-1], t.shape[:-1]) if size > 1)
-                for t in tensors):
-            return align
-    return 1
+    align = math.gcd(4, *dims)
+    for t in tensors:
+        ptr, size = t.data_ptr(), t.element_size()
+        align = math.gcd(align, _stride_alignment(t.shape, t.stride()), ptr // size if ptr % size == 0 else 1)
+        if align == 1:
+            return 1
+    return align
+
+
+@functools.lru_cache(maxsize=1024)
+def _stride_alignment(shape: tuple, strides: tuple) -> int:
+    """:func:`alignment`'s part that depends on a tensor's geometry only (kept: the same few layouts come back at
+    every call): 1 where a stride reaches 2^31 (stride // align could pass as int32 and its product with ALIGN
+    overflow: as they are, such strides pass and multiply as int64) or the last is not 1, else the gcd of 4 and the
+    other strides of dimensions longer than 1."""
+    if max(strides, default=0) >= 2 ** 31 or not strides or strides[-1] != 1:
+        return 1
+    return math.gcd(4, *(st for st, size in zip(strides[:-1], shape[:-1]) if size > 1))
 
 
 def _strides(t: torch.Tensor, align: int) -> tuple:
-    """t's strides, all but the last divided by ``align`` (:func:`alignment`: exact, or of a dimension of one)."""
-    *lead, last = t.stride()
-    return (*(st // align for st in lead), last)
+    """The strides of t (B, H, N, .), all but the last divided by ``align`` (:func:`alignment`: exact, or of a
+    dimension of one)."""
+    sb, sh, sn, sd = t.stride()
+    return sb // align, sh // align, sn // align, sd
 
 
 def _check(*tensors: torch.Tensor) -> None:
@@ -270,19 +287,18 @@ def _device(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def rate_table(heads: int, dilation, h: int, w: int, device) -> torch.Tensor:
+def rate_table(heads: int, dilation, h: int, w: int, device: torch.device) -> torch.Tensor:
     """(heads,) int32 on ``device``: each head's rate, ``dilation`` an int or one rate per equal head group
     (:func:`attention.functional._dilated_groups`), a rate at least max(h, w) passed as max(h, w) (the same windows:
     every offset but the centre lies outside), so that no index overflows int32. Made once per (rates, device) and
     kept (:func:`_rate_table`): a copy to the GPU at every call would wait for it."""
-    per_head = tuple(min(r, max(h, w)) for group, r in _dilated_groups(heads, dilation)
-                     for _ in range(group.stop - group.start))
-    return _rate_table(per_head, torch.device(device))
+    return _rate_table(heads, dilation if isinstance(dilation, int) else tuple(dilation), max(h, w), device)
 
 
 @tensor_cache(maxsize=64)
-def _rate_table(rates: tuple, device: torch.device) -> torch.Tensor:
-    return torch.tensor(rates, dtype=torch.int32).to(device)
+def _rate_table(heads: int, dilation, most: int, device: torch.device) -> torch.Tensor:
+    per_head = [min(r, most) for group, r in _dilated_groups(heads, dilation) for _ in range(group.stop - group.start)]
+    return torch.tensor(per_head, dtype=torch.int32).to(device)
 
 
 def forward(q, k, v, h: int, w: int, kernel_size: int, dilation, mask: bool, scale: float):
@@ -297,7 +313,7 @@ def forward(q, k, v, h: int, w: int, kernel_size: int, dilation, mask: bool, sca
     if B * H * n == 0:
         return out, attn
     config = launch_config(B * H, n, d, d_v, kernel_size)
-    blocks = triton.cdiv(n, config["BQ"])
+    blocks = cdiv(n, config["BQ"])
     align = alignment((q, k, v, out), (d, d_v))
     with _device(q):
         _forward_kernel[(B * H * blocks,)](
@@ -319,15 +335,14 @@ def backward(grad, q, k, v, attn, h: int, w: int, kernel_size: int, dilation, sc
     attn = attn.contiguous()  # the forward's map is: no copy
     dlogits = torch.empty_like(attn)  # (B, H, k*k, h, w)
     config = launch_config(B * H, n, d, d_v, kernel_size)
-    blocks = triton.cdiv(n, config["BQ"])
+    blocks = cdiv(n, config["BQ"])
     align = alignment((grad, q, k, v, dq), (d, d_v))
     dims = (H, h, w, d // align, d_v // align, rate_table(H, dilation, h, w, q.device))
     with _device(q):
         _backward_query_kernel[(B * H * blocks,)](
             grad, k, v, attn, dlogits, dq, *_strides(grad, align), *_strides(k, align), *_strides(v, align),
             *dims, float(scale), blocks, KS=kernel_size, ALIGN=align, **config)
-        config.pop("KK")
         _backward_key_kernel[(B * H * blocks,)](
             q, grad, attn, dlogits, dk, dv, *_strides(q, align), *_strides(grad, align),
-            *dims, blocks, KS=kernel_size, ALIGN=align, **config)
+            *dims, blocks, KS=kernel_size, ALIGN=align, **{k: v for k, v in config.items() if k != "KK"})
     return dq, dk, dv

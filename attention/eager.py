@@ -11,6 +11,8 @@ kernel (and autograd, as a Function: ``attention.functional._eager_function``) d
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -29,3 +31,14 @@ def below_autograd():
     made, so nothing there needs version counters; the torch kernels' in-place ops on views took 15% of dilated
     attention's torch kernel with them (CPU, 4 heads at 4 rates on 8 x 8)."""
     return torch._C._AutoDispatchBelowADInplaceOrView()
+
+
+def autocast_off(device_type: str):
+    """``torch.autocast(device_type, enabled=False)`` where autocast is on for that device, else a null context: the
+    written-out functions run in their forward's dtype also when called (or their backward run) inside the caller's
+    autocast block, and entering an autocast context costs a few microseconds of host time that a GPU step of small
+    kernels would pay for nothing when autocast is off. "meta" and other devices without autocast get the null
+    context."""
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()

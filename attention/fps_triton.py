@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_kernels import pow2
+
 # Up to this many points a sample (half as many in float64), its coordinates and distances stay in registers for
 # all m steps: at 8 to 16 points a thread, compiled for sm_90, about 106 registers and no spills (float64 spills
 # at 8192).
@@ -220,7 +222,7 @@ def farthest_point_sample(xyz: torch.Tensor, m: int, start: torch.Tensor | int, 
     if permuted:
         order = order.to(device=xyz.device, dtype=torch.long).contiguous()  # (N,)
     out = torch.empty(b, m, dtype=torch.long, device=xyz.device)
-    block = triton.next_power_of_2(n) if one_block else CHUNK
+    block = pow2(n) if one_block else CHUNK
     warps = warps_for(block)
     # Triton launches on the current CUDA device: make it the points' one
     with torch.cuda.device(xyz.device) if xyz.is_cuda else contextlib.nullcontext():

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import register_flop_formula
 
-from .eager import below_autograd, skips_dispatch
+from .eager import autocast_off, below_autograd, skips_dispatch
 from .tensor_cache import tensor_cache
 from .triton_kernels import Kernels
 
@@ -58,7 +58,7 @@ def float32_kernel(kernel):
                 made[id(t)] = _upcast(t)
             return made[id(t)]
 
-        with torch.autocast(device, enabled=False):
+        with autocast_off(device):
             out = kernel(upcast(q), *map(upcast, args), **{k: upcast(v) for k, v in kwargs.items()})
         return out.to(q.dtype)
 
@@ -166,7 +166,7 @@ def _offset_map_backward(grad, v, attn, denom, out):
 def _float32_backward(backward, ctx, grad):
     """A written-out autograd function's ``backward(ctx, grad, *saved tensors)`` with autocast off: in float32 as
     its forward (:func:`float32_kernel`), also when the caller runs backward() inside its autocast block."""
-    with torch.autocast(grad.device.type, enabled=False):
+    with autocast_off(grad.device.type):
         return backward(ctx, grad, *ctx.saved_tensors)
 
 
@@ -284,7 +284,7 @@ class OffsetProjected(torch.autograd.Function):
     def forward(ctx, x, w_qk, w_v, b_v, heads, eps, half):
         b, n, _ = x.shape
         d_qk = w_qk.shape[0]
-        with torch.autocast(x.device.type, enabled=False):  # the casts below are the only ones
+        with autocast_off(x.device.type):  # the casts below are the only ones
             rows = _rows(x)  # (B N, C)
             weight = torch.cat([w_qk, w_v])  # (d_qk + C_v, C)
             if half is not None:  # the projections in autocast's dtype, the kernel in float32
@@ -314,7 +314,7 @@ class OffsetProjected(torch.autograd.Function):
 
             inputs = (x, w_qk, w_v) if b_v is None else (x, w_qk, w_v, b_v)
             return (*recomputed_grads(plain, grad, inputs), *[None] * (7 - len(inputs)))
-        with torch.autocast(x.device.type, enabled=False):
+        with autocast_off(x.device.type):
             return OffsetProjected._backward(ctx, grad.to(out.dtype), x, w_qk, b_v, rows, weight, qk, v, attn,
                                              denom, out)
 
@@ -376,7 +376,7 @@ class OffsetChunked(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        with torch.autocast(grad.device.type, enabled=False):  # in float32 as the forward (float32_kernel), also
+        with autocast_off(grad.device.type):  # in float32 as the forward (float32_kernel), also
             return OffsetChunked._backward(ctx, grad)  # when the caller's backward is under autocast
 
     @staticmethod
@@ -1058,7 +1058,7 @@ def _dilated_grad(ctx, grad, grad_attn):
     if grad is None:
         return (None,) * 9
     q, k, v, attn = ctx.saved_tensors  # float32 or float64: dilated_attention upcasts half precision
-    with torch.autocast(q.device.type, enabled=False):  # a backward called under autocast stays in q's dtype
+    with autocast_off(q.device.type):  # a backward called under autocast stays in q's dtype
         if torch.is_grad_enabled():  # create_graph (a gradient penalty): the plain ops' graph, recomputed
             h, w, kernel_size, dilation, scale = ctx.args
             plain = lambda *t: _dilated_plain(*t, h, w, kernel_size, dilation, ctx.mask, scale)  # noqa: E731
@@ -1281,7 +1281,7 @@ def _index_grad(ctx, grad, grad_lse):
         return (None,) * 6
     q, k, v, index, out, lse = ctx.saved_tensors
     device = q.device.type  # a backward called under autocast stays in q's dtype; "meta" (FLOP counts) has none
-    with torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else contextlib.nullcontext():
+    with autocast_off(device):
         if torch.is_grad_enabled():  # create_graph (a gradient penalty): the plain ops' graph, recomputed
             return (*recomputed_grads(lambda *t: _index_plain(*t, index, *ctx.args), grad.to(q.dtype), (q, k, v)),
                     None, None, None)

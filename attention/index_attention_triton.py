@@ -88,6 +88,9 @@ CPU tensors under ``TRITON_INTERPRET=1``, compiles them for sm_90, and, marked `
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
@@ -95,6 +98,7 @@ import triton
 import triton.language as tl
 
 from .dilated_triton import alignment
+from .triton_kernels import cdiv, pow2
 
 # Largest gathered tile a program holds, in elements: (rows, slots, channels) in the forward and the query kernel,
 # (keys, edges, channels) in the key kernel. 2048 float32 over 4 warps are 16 registers a tile; the kernels hold
@@ -265,21 +269,23 @@ def _block(step: int, widest: int, tile: int) -> int:
     return max(1, min(MAX_BLOCK, tile // (step * widest)))
 
 
-def forward_config(m: int, d: int, d_v: int) -> dict:
+@functools.lru_cache(maxsize=256)
+def forward_config(m: int, d: int, d_v: int) -> Mapping[str, int]:
     """Constexprs and warps of the forward and the query kernel: BM slots a step (M rounded up to a power of two,
     at most MAX_STEP), BR rows a program, DP and DVP (d and d_v rounded up to powers of two)."""
-    dp, dvp = triton.next_power_of_2(max(1, d)), triton.next_power_of_2(max(1, d_v))
-    bm = min(MAX_STEP, triton.next_power_of_2(max(1, m)))
-    return dict(BR=_block(bm, max(dp, dvp), MAX_TILE), BM=bm, DP=dp, DVP=dvp, num_warps=NUM_WARPS)
+    dp, dvp = pow2(max(1, d)), pow2(max(1, d_v))
+    bm = min(MAX_STEP, pow2(max(1, m)))
+    return MappingProxyType(dict(BR=_block(bm, max(dp, dvp), MAX_TILE), BM=bm, DP=dp, DVP=dvp, num_warps=NUM_WARPS))
 
 
-def key_config(edges: int, keys: int, d: int, d_v: int) -> dict:
+@functools.lru_cache(maxsize=256)
+def key_config(edges: int, keys: int, d: int, d_v: int) -> Mapping[str, int]:
     """Constexprs and warps of the key kernel: BE edges a step (half the mean in-degree rounded up to a power of
     two, 1 to MAX_STEP: a key of mean in-degree takes about two steps), BK keys a program ((BK, BE, widest)
     within KEY_TILE), DP, DVP."""
-    dp, dvp = triton.next_power_of_2(max(1, d)), triton.next_power_of_2(max(1, d_v))
-    be = min(MAX_STEP, triton.next_power_of_2(max(1, -(-edges // max(1, 2 * keys)))))
-    return dict(BK=_block(be, max(dp, dvp), KEY_TILE), BE=be, DP=dp, DVP=dvp, num_warps=NUM_WARPS)
+    dp, dvp = pow2(max(1, d)), pow2(max(1, d_v))
+    be = min(MAX_STEP, pow2(max(1, -(-edges // max(1, 2 * keys)))))
+    return MappingProxyType(dict(BK=_block(be, max(dp, dvp), KEY_TILE), BE=be, DP=dp, DVP=dvp, num_warps=NUM_WARPS))
 
 
 def inverse_index(index: torch.Tensor, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -351,7 +357,7 @@ def forward(q, k, v, index, heads: int, scale: float):
     config = forward_config(m, d, d_v)
     align = _align((q, k, v, out), d, d_v)
     with _device(q):
-        _forward_kernel[(triton.cdiv(rows, config["BR"]) * heads,)](
+        _forward_kernel[(cdiv(rows, config["BR"]) * heads,)](
             q, k, v, index, out, lse, *_strides(q, align), *_strides(k, align), *_strides(v, align),
             rows, m, heads, heads // tables, d // align, d_v // align, float(scale), ALIGN=align, **config)
     return out, lse
@@ -374,12 +380,12 @@ def backward(grad, q, k, v, index, out, lse, heads: int, scale: float):
     strides = (*_strides(q, align), *_strides(k, align), *_strides(v, align), *_strides(grad, align))
     config = forward_config(m, d, d_v)
     with _device(q):
-        _backward_query_kernel[(triton.cdiv(rows, config["BR"]) * heads,)](
+        _backward_query_kernel[(cdiv(rows, config["BR"]) * heads,)](
             q, k, v, index, grad, out, lse, dq, delta, *strides, rows, m, heads, heads // tables, d // align,
             d_v // align, float(scale), ALIGN=align, **config)
         edge_row, offsets = inverse_index(index.to(torch.int32), keys)  # int32 keys: a shorter radix sort
         config = key_config(rows * m, keys, d, d_v)
-        blocks = triton.cdiv(keys, config["BK"])
+        blocks = cdiv(keys, config["BK"])
         # each block's largest in-degree over the tables (its loop's length), blocks of most work first
         work = F.pad(offsets.diff().view(tables, keys), (0, blocks * config["BK"] - keys)) \
             .view(tables, blocks, -1).amax((0, 2))  # (blocks,)

@@ -75,6 +75,7 @@ import triton
 import triton.language as tl
 
 from .pointops import MORTON_BITS, morton_codes
+from .triton_kernels import cdiv, pow2
 
 # Queries a program takes.
 BQ = 16
@@ -195,7 +196,7 @@ def spatial_order(query: torch.Tensor, points: torch.Tensor, kp: int) -> tuple[t
     memory, no host synchronisation."""
     b, m, _ = query.shape
     n = points.shape[1]
-    tiles = triton.cdiv(n, kp)
+    tiles = cdiv(n, kp)
     lo = points.amin(1, keepdim=True)  # (B, 1, 3) the points' bounding cube
     side = (points.amax(1, keepdim=True) - lo).amax(-1, keepdim=True)  # (B, 1, 1)
     scale = (1 << MORTON_BITS) / side.clamp_min(torch.finfo(torch.float32).tiny)
@@ -204,7 +205,7 @@ def spatial_order(query: torch.Tensor, points: torch.Tensor, kp: int) -> tuple[t
     q_code, q_order = code[:, n:].sort(dim=1, stable=True)  # (B, M) each
     p_sorted = points.gather(1, p_order[..., None].expand(-1, -1, 3))  # (B, N, 3)
     q_sorted = query.gather(1, q_order[..., None].expand(-1, -1, 3))  # (B, M, 3)
-    programs = triton.cdiv(m, BQ)
+    programs = cdiv(m, BQ)
     middle = (torch.arange(programs, device=query.device) * BQ + BQ // 2).clamp_(max=m - 1)  # (programs,)
     place = torch.searchsorted(p_code, q_code[:, middle].contiguous())  # (B, programs) in [0, N]
     start = (place // kp).clamp_(max=tiles - 1).int()  # (B, programs)
@@ -244,8 +245,8 @@ def knn(query: torch.Tensor, points: torch.Tensor, k: int, sort: bool | None = N
         raise ValueError(f"knn_triton: k must be in [1, min(N, {MAX_K})], got {k} (N = {n}).")
     if sort is None:
         sort = n >= SORTED_FROM
-    kp = max(16, triton.next_power_of_2(k))
-    programs = triton.cdiv(m, BQ)
+    kp = max(16, pow2(k))
+    programs = cdiv(m, BQ)
     out = torch.empty(b, m, k, dtype=torch.int64, device=query.device)
     counts = torch.zeros(b, programs, 3, dtype=torch.int32, device=query.device) if stats else out
     if sort:

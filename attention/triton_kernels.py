@@ -26,6 +26,19 @@ import warnings
 
 import torch
 
+def pow2(n: int) -> int:
+    """The least power of two >= n (1 for n <= 1): ``triton.next_power_of_2`` on the host. Triton's is a
+    ``ConstexprFunction`` (callable inside kernels too) that costs about 1.5 us a call on the host, against 0.1 us
+    here; the wrappers call it several times a launch, and on a GPU a step of small kernels is bound by its host."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for a >= 0, b > 0: ``triton.cdiv`` on the host, without its ``ConstexprFunction`` call
+    (:func:`pow2`)."""
+    return -(-a // b)
+
+
 # What an op's backend may be: "auto" (the kernels where they work), "torch" or "triton" (forced: the tests).
 BACKENDS = ("auto", "torch", "triton")
 # Whether Triton imports and finds a GPU driver: None until :func:`available` first looks.

@@ -349,3 +349,53 @@ def test_kernels_on_the_gpu(B, H, heads, h, w, d, ks, r, border):
     assert all(torch.equal(a, b) for a, b in zip(first, second))
     assert all(rel_err(a.cpu(), b) < 1e-5 for a, b in zip(first, want[2:]))
     assert AF.DILATED_KERNELS.usable
+
+
+def _alignment_spec(tensors, dims) -> int:
+    """ALIGN as dilated_triton.alignment's docstring states it, written plainly (the form it had before its host
+    cost was cut): the largest of 4, 2, 1 dividing d, d_v, every stride but the last of dims longer than 1 and every
+    data pointer in elements, each last stride 1; 1 where any stride reaches 2^31."""
+    if any(abs(st) >= 2 ** 31 for t in tensors for st in t.stride()):
+        return 1
+    for align in (4, 2):
+        if all(m % align == 0 for m in dims) and all(
+                t.data_ptr() % (align * t.element_size()) == 0 and t.stride(-1) == 1
+                and all(st % align == 0 for st, size in zip(t.stride()[:-1], t.shape[:-1]) if size > 1)
+                for t in tensors):
+            return align
+    return 1
+
+
+def test_alignment_and_launch_helpers_equal_their_plain_forms():
+    """The wrappers' host helpers, made cheaper (kept per layout; no ``ConstexprFunction`` calls), decide exactly
+    what the plain forms decide: ALIGN over views at every element offset, odd and even strides, size-one and
+    stride-zero dimensions and head widths of 1 to 8; ``pow2`` / ``cdiv`` as Triton's; launch configurations kept
+    read-only (a caller changing one would change every later launch's)."""
+    import triton
+
+    from attention import dilated_triton as DT
+    from attention import index_attention_triton as IT
+    from attention.triton_kernels import cdiv, pow2
+
+    base = torch.randn(4, 3, 40, 24)
+    cases = [base, base[..., 1:], base[..., 2:18], base[:, :, :, 4:20], base[:, 1:2, :, :12], base[:1, :, 3:4],
+             base.transpose(1, 2), base[..., ::2], base[0:1].expand(5, -1, -1, -1),
+             torch.randn(3, 5, 7, 6)[..., 1:5], torch.randn(2, 1, 9, 2)[:, :, 1:],
+             torch.zeros(1, 1, 1, 4).expand(2, 3, 5, 4), base.view(-1)[2:].view(1, 1, -1, 2)[..., :1]]
+    seen = set()
+    for i, t in enumerate(cases):
+        for other in (base, cases[(i + 3) % len(cases)], cases[(i + 5) % len(cases)]):
+            for dims in ((8, 8), (6, 4), (5, 4), (4, 2), (8, 1)):
+                got = DT.alignment((t, other), dims)
+                assert got == _alignment_spec((t, other), dims), (i, dims)
+                seen.add(got)
+    assert seen == {1, 2, 4}
+    for n in range(1, 5000):
+        assert pow2(n) == triton.next_power_of_2(n), n
+    for a in range(0, 200):
+        for b in range(1, 33):
+            assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
+    for config in (DT.launch_config(12, 3136, 24, 24, 3), IT.forward_config(19, 6, 4), IT.key_config(76, 8, 6, 4)):
+        with pytest.raises(TypeError):
+            config["num_warps"] = 1
+    assert DT.launch_config(12, 3136, 24, 24, 3) is DT.launch_config(12, 3136, 24, 24, 3)
