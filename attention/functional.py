@@ -211,6 +211,12 @@ class OffsetFull(torch.autograd.Function):
         return dq, dk, dv, None
 
 
+OFFSET_PROJECTED = True
+"""Whether :func:`offset_projected` may run as one autograd function (:class:`OffsetProjected`); ``False``: always
+the ``nn.Linear`` products and :func:`offset_attention`, the same function (``benchmarks.pct_cuda`` times both
+forms on a GPU, whose host pays for a Python backward node what it saves in products and nodes)."""
+
+
 def offset_projected(x, w_qk, w_v, b_v, heads: int = 1, eps: float = 1e-9):
     """PCT's offset mixer with its projections: ``offset_attention(qk, qk, v)`` of qk = x W_qk^T and
     v = x W_v^T + b_v split into ``heads``, on x (B, N, C) -> (B, N, C_v) (the heads merged), C_v = W_v's rows.
@@ -232,7 +238,8 @@ def offset_projected(x, w_qk, w_v, b_v, heads: int = 1, eps: float = 1e-9):
         fits = x.dtype in (torch.float32, torch.float64) and all(dtype == x.dtype for dtype in weights)
     else:  # AMP's float32 weights, x in float32 or in autocast's dtype (the output of a layer before it)
         fits = half in HALF and x.dtype in (torch.float32, half) and all(dtype == torch.float32 for dtype in weights)
-    if not fits or torch.compiler.is_compiling() or b * heads * n * n > OFFSET_FULL_MAX_ELEMENTS:
+    if (not OFFSET_PROJECTED or not fits or torch.compiler.is_compiling()
+            or b * heads * n * n > OFFSET_FULL_MAX_ELEMENTS):
         return _offset_projected_plain(x, w_qk, w_v, b_v, heads, eps)
     return OffsetProjected.apply(x, w_qk, w_v, b_v, heads, eps, half)
 

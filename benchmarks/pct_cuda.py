@@ -20,7 +20,10 @@ is queued after the GPU has drained, so host overhead counts as the user sees it
    (``trainer.tf32``, ``suite/tf32.py``). The suite's network is ``tasks.nets.pct.PCT`` (``attn=offset``,
    ``fps=kernel``: pointnet2_ops' indices); the reference is ``model.Pct``. Goals: train and eval >= 1.5x the
    reference's float32 step, bf16 >= 2x the reference's float32 step, compiled >= 2x the reference's float32 step
-   (both-compiled beside it).
+   (both-compiled beside it). Beside the defaults, the other form of two choices a GPU's host decides: the grouping
+   and fuse layers' batch norm + max (NormActMax or plain ops) in training, and the offset mixers as one Python
+   autograd function or in plain ops (``attention.functional.OFFSET_PROJECTED``), float32 and bf16; in eval, the
+   batch norms folded layer by layer.
 2. ShapeNet part's network (2,048 points, batch 16) against ``benchmarks.baselines.ChannelFirstPCTPartSeg``, the
    authors' Jittor network in PyTorch with the suite's weights (PCT_Pytorch has no part segmentation): >= 1.3x,
    in the same three float32 forms.
@@ -167,6 +170,23 @@ def other_max(step: Callable[[], None], device: torch.device) -> tuple[str, Call
     return label, other
 
 
+def plain_offset(step: Callable[[], None]) -> Callable[[], None]:
+    """``step`` with PCT's offset mixers in their plain ops (``attention.functional.OFFSET_PROJECTED = False``: two
+    ``nn.Linear`` and the attention kernel, about a dozen C++ autograd nodes a block) instead of the one Python
+    autograd function :class:`attention.functional.OffsetProjected` (fewer products and nodes, one Python backward),
+    to time on the GPU's host which of the two the default should be."""
+    from attention import functional
+
+    def other():
+        default, functional.OFFSET_PROJECTED = functional.OFFSET_PROJECTED, False
+        try:
+            step()
+        finally:
+            functional.OFFSET_PROJECTED = default
+
+    return other
+
+
 def eval_step(net, inputs, autocast: bool, tf32: bool | None = None, at_once: bool = True) -> Callable[[], None]:
     """One inference forward; ``at_once=False``: the suite's batch norms folded layer by layer
     (``tasks.nets.pct.FOLD_AT_ONCE``), to time that form beside the default one."""
@@ -228,8 +248,11 @@ def pct_rows(model_module, batch: int, points: int, rounds: int, device, samples
         if mode == "eval":  # the batch norms folded layer by layer, beside fold_all's form (the default)
             steps["suite_layerwise"] = eval_step(suite, (xyz,), False, at_once=False)
             steps["suite_bf16_layerwise"] = eval_step(suite, (xyz,), True, at_once=False)
-        else:  # NormActMax beside the plain batch norm + max, whichever is not the device's default
+        else:  # NormActMax beside the plain batch norm + max, whichever is not the device's default; the offset
+            # mixers in plain ops beside OffsetProjected, in float32 and bf16
             other_label, steps["suite_other_max"] = other_max(make(suite), device)
+            steps["suite_plain_offset"] = plain_offset(make(suite))
+            steps["suite_bf16_plain_offset"] = plain_offset(make(suite, True))
         first = {}
         if compile_too:
             compiled = {"reference_compiled": make(torch.compile(reference)),
@@ -249,7 +272,9 @@ def pct_rows(model_module, batch: int, points: int, rounds: int, device, samples
             forms += [("float32, folded layer by layer", "suite_layerwise", base, "reference fp32"),
                       ("bfloat16, folded layer by layer", "suite_bf16_layerwise", base, "reference fp32")]
         else:
-            forms.append((other_label, "suite_other_max", base, "reference fp32"))
+            forms += [(other_label, "suite_other_max", base, "reference fp32"),
+                      ("float32, offset mixer in plain ops", "suite_plain_offset", base, "reference fp32"),
+                      ("bfloat16, offset mixer in plain ops", "suite_bf16_plain_offset", base, "reference fp32")]
         if compile_too:
             forms += [("compiled", "suite_compiled", base, "reference fp32"),
                       ("compiled, CUDA graphs", "suite_graphs", base, "reference fp32")]

@@ -636,7 +636,8 @@ def test_offset_projected_takes_fewer_nodes_and_kernels():
 
 def test_offset_mixer_runs_as_one_function_where_it_can(monkeypatch):
     """The offset variant trains through OffsetProjected in float32, float64 and under autocast; a map too large
-    to hold whole keeps the plain form (the chunked kernel)."""
+    to hold whole keeps the plain form (the chunked kernel), and so does every call with ``OFFSET_PROJECTED`` off
+    (the benchmark's other form), with the same values."""
     import attention
 
     mixer = attention.build("offset", dim=16)
@@ -647,6 +648,12 @@ def test_offset_mixer_runs_as_one_function_where_it_can(monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = mixer(x)
     assert out.dtype == torch.bfloat16 and out.grad_fn.name() == "OffsetProjectedBackward"
+    fused = mixer(x)
+    with monkeypatch.context() as patch:
+        patch.setattr(AF, "OFFSET_PROJECTED", False)
+        plain = mixer(x)
+        assert plain.grad_fn.name() != "OffsetProjectedBackward"
+    assert torch.allclose(plain, fused, rtol=1e-5, atol=1e-6)
     monkeypatch.setattr(AF, "OFFSET_FULL_MAX_ELEMENTS", 2 * 8 * 8 - 1)
     assert mixer(x).grad_fn.name() != "OffsetProjectedBackward"
     reference = AF._offset_projected_plain(x, mixer.qk.weight, mixer.v.weight, mixer.v.bias, 1, 1e-9)
