@@ -22,8 +22,9 @@ is queued after the GPU has drained, so host overhead counts as the user sees it
    reference's float32 step, bf16 >= 2x the reference's float32 step, compiled >= 2x the reference's float32 step
    (both-compiled beside it). Beside the defaults, the other form of two choices a GPU's host decides: the grouping
    and fuse layers' batch norm + max (NormActMax or plain ops) in training, and the offset mixers as one Python
-   autograd function or in plain ops (``attention.functional.OFFSET_PROJECTED``), float32 and bf16; in eval, the
-   batch norms folded layer by layer.
+   autograd function or in plain ops (``attention.functional.OFFSET_PROJECTED``), float32 and bf16, and the
+   training forward's batch norms on channels-last views that reach cuDNN (``tasks.nets.pct.BATCH_NORM_CHANNELS_LAST``);
+   in eval, the batch norms folded layer by layer.
 2. ShapeNet part's network (2,048 points, batch 16) against ``benchmarks.baselines.ChannelFirstPCTPartSeg``, the
    authors' Jittor network in PyTorch with the suite's weights (PCT_Pytorch has no part segmentation): >= 1.3x,
    in the same three float32 forms.
@@ -159,30 +160,25 @@ def other_max(step: Callable[[], None], device: torch.device) -> tuple[str, Call
 
     fused = not pct.takes_norm_act_max(torch.device(device))  # the other form
     label = "float32, NormActMax" if fused else "float32, plain batch norm + max"
+    return label, patched(step, pct, "FUSED_NORM_ACT_MAX", fused)
+
+
+def patched(step: Callable[[], None], module, name: str, value) -> Callable[[], None]:
+    """``step`` with ``module.name`` set to ``value`` for its duration: a switch of the suite's forms, so that the
+    other form of a choice that a GPU's host decides is timed beside the default, step by step. The switches:
+    ``attention.functional.OFFSET_PROJECTED = False``: PCT's offset mixers in plain ops (two ``nn.Linear`` and the
+    attention kernel, about a dozen C++ autograd nodes a block) instead of one Python autograd function
+    (:class:`attention.functional.OffsetProjected`: fewer products and nodes, one Python backward);
+    ``tasks.nets.pct.BATCH_NORM_CHANNELS_LAST = True``: the batch norms of a training forward on (1, C, R, 1)
+    channels-last views of their rows, which torch hands to cuDNN (its native kernels take the 2-D rows)."""
 
     def other():
-        default, pct.FUSED_NORM_ACT_MAX = pct.FUSED_NORM_ACT_MAX, fused
+        default = getattr(module, name)
+        setattr(module, name, value)
         try:
             step()
         finally:
-            pct.FUSED_NORM_ACT_MAX = default
-
-    return label, other
-
-
-def plain_offset(step: Callable[[], None]) -> Callable[[], None]:
-    """``step`` with PCT's offset mixers in their plain ops (``attention.functional.OFFSET_PROJECTED = False``: two
-    ``nn.Linear`` and the attention kernel, about a dozen C++ autograd nodes a block) instead of the one Python
-    autograd function :class:`attention.functional.OffsetProjected` (fewer products and nodes, one Python backward),
-    to time on the GPU's host which of the two the default should be."""
-    from attention import functional
-
-    def other():
-        default, functional.OFFSET_PROJECTED = functional.OFFSET_PROJECTED, False
-        try:
-            step()
-        finally:
-            functional.OFFSET_PROJECTED = default
+            setattr(module, name, default)
 
     return other
 
@@ -221,7 +217,9 @@ FLOAT32_FORMS = [("float32", None, "reference fp32 (torch's defaults)"),
 def pct_rows(model_module, batch: int, points: int, rounds: int, device, samples=(512, 256), neighbours: int = 32,
              compile_too: bool = True) -> list[dict]:
     """Rows {network, batch, mode, form, reference_s, suite_s, ratio, goal, ...} of ModelNet40's PCT."""
+    from attention import functional
     from tasks.modelnet import reference_smoothing
+    from tasks.nets import pct
     from tasks.nets.pct import PCT
 
     torch.manual_seed(0)
@@ -251,8 +249,9 @@ def pct_rows(model_module, batch: int, points: int, rounds: int, device, samples
         else:  # NormActMax beside the plain batch norm + max, whichever is not the device's default; the offset
             # mixers in plain ops beside OffsetProjected, in float32 and bf16
             other_label, steps["suite_other_max"] = other_max(make(suite), device)
-            steps["suite_plain_offset"] = plain_offset(make(suite))
-            steps["suite_bf16_plain_offset"] = plain_offset(make(suite, True))
+            steps["suite_plain_offset"] = patched(make(suite), functional, "OFFSET_PROJECTED", False)
+            steps["suite_bf16_plain_offset"] = patched(make(suite, True), functional, "OFFSET_PROJECTED", False)
+            steps["suite_channels_last"] = patched(make(suite), pct, "BATCH_NORM_CHANNELS_LAST", True)
         first = {}
         if compile_too:
             compiled = {"reference_compiled": make(torch.compile(reference)),
@@ -274,7 +273,8 @@ def pct_rows(model_module, batch: int, points: int, rounds: int, device, samples
         else:
             forms += [(other_label, "suite_other_max", base, "reference fp32"),
                       ("float32, offset mixer in plain ops", "suite_plain_offset", base, "reference fp32"),
-                      ("bfloat16, offset mixer in plain ops", "suite_bf16_plain_offset", base, "reference fp32")]
+                      ("bfloat16, offset mixer in plain ops", "suite_bf16_plain_offset", base, "reference fp32"),
+                      ("float32, batch norms on channels-last views", "suite_channels_last", base, "reference fp32")]
         if compile_too:
             forms += [("compiled", "suite_compiled", base, "reference fp32"),
                       ("compiled, CUDA graphs", "suite_graphs", base, "reference fp32")]

@@ -290,7 +290,8 @@ def test_pct_cuda_benchmark_runs_against_a_reference_checkout(tmp_path):
     forms = ["float32", "float32, both IEEE", "float32, both TF32"]
     assert [(r["network"], r["mode"], r["form"]) for r in data["pct"]] == [
         *(("PCT", "train", f) for f in [*forms, "bfloat16", "float32, plain batch norm + max",
-                                        "float32, offset mixer in plain ops", "bfloat16, offset mixer in plain ops"]),
+                                        "float32, offset mixer in plain ops", "bfloat16, offset mixer in plain ops",
+                                        "float32, batch norms on channels-last views"]),
         *(("PCT", "eval", f) for f in [*forms, "bfloat16", "float32, folded layer by layer",
                                        "bfloat16, folded layer by layer"]),
         *(("PCTPartSeg", "train", f) for f in forms), *(("PCTPartSeg", "eval", f) for f in forms)]

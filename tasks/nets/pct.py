@@ -244,8 +244,8 @@ def act_(y: torch.Tensor, act: nn.Module) -> torch.Tensor:
 def bn_act(h: torch.Tensor, bn: nn.Module, act: nn.Module) -> torch.Tensor:
     """act(bn(h)) over the rows of h (..., C). BatchNorm1d on (R, C) is BatchNorm1d on (B, C, N) with R = B N rows:
     the same statistics and running-stat updates. The module itself runs (so SyncBatchNorm works too), or its
-    function where :func:`batch_norm` counts the batch once for the whole forward."""
-    out = act_(batch_norm(rows(h), bn), act)  # (R, C)
+    function where :func:`batch_norm_act` counts the batch once for the whole forward."""
+    out = batch_norm_act(rows(h), bn, act)  # (R, C)
     return out if h.dim() == 2 else out.view(h.shape)  # (..., C)
 
 
@@ -256,7 +256,7 @@ _COUNTED: contextvars.ContextVar[list | None] = contextvars.ContextVar("pct_coun
 @contextlib.contextmanager
 def counted_once(net: nn.Module) -> Iterator[None]:
     """A training forward of ``net`` whose plain batch norms leave their ``num_batches_tracked += 1`` to one
-    ``torch._foreach_add_`` at its end (:func:`batch_norm`): ``nn.BatchNorm1d.forward`` adds to it in a launch of
+    ``torch._foreach_add_`` at its end (:func:`batch_norm_act`): ``nn.BatchNorm1d.forward`` adds to it in a launch of
     its own, 13 launches of PCT's step on a GPU, where its batch of 16 is bound by its launches. The counters end
     the same, also when the forward fails halfway. Not under torch.compile (inductor fuses the additions itself),
     and a no-op in eval mode and inside another network's block."""
@@ -274,15 +274,30 @@ def counted_once(net: nn.Module) -> Iterator[None]:
                 torch._foreach_add_(counters, 1)
 
 
-def batch_norm(x: torch.Tensor, bn: nn.Module) -> torch.Tensor:
-    """bn(x) on rows x (R, C): the module, or inside :func:`counted_once`, for a plain ``nn.BatchNorm1d`` in training
-    with a momentum and no hooks, its function, the counter's increment left to the forward's end."""
+# Whether a training forward's plain batch norms (:func:`batch_norm_act`) see their rows (R, C) as a (1, C, R, 1)
+# channels-last view (no copy either way). torch hands 2-D inputs to its native kernels and inputs of 3 or more
+# dimensions on CUDA to cuDNN, whose batch norm took 66 and 55 us of an H200's host time a call forward and backward
+# where the native one took 95 and 113 (the fourth lease's profile of the reference's and the suite's steps; 13 a
+# step). The same function (a test holds the two forms equal in float64); off until a GPU has timed it
+# (``benchmarks.pct_cuda`` times the other form).
+BATCH_NORM_CHANNELS_LAST = False
+
+
+def batch_norm_act(x: torch.Tensor, bn: nn.Module, act: nn.Module) -> torch.Tensor:
+    """act(bn(x)) on rows x (R, C): the module, or inside :func:`counted_once`, for a plain ``nn.BatchNorm1d`` in
+    training with a momentum and no hooks, its function, the counter's increment left to the forward's end
+    (:data:`BATCH_NORM_CHANNELS_LAST`: on a (1, C, R, 1) view, the activation in place before the view back)."""
     counters = _COUNTED.get()
     if (counters is None or type(bn) is not nn.BatchNorm1d or not bn.training or not bn.track_running_stats
             or bn.momentum is None or bn.num_batches_tracked is None or bn._forward_hooks or bn._forward_pre_hooks):
-        return bn(x)
+        return act_(bn(x), act)
     counters.append(bn.num_batches_tracked)
-    return F.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, True, bn.momentum, bn.eps)
+    args = (bn.running_mean, bn.running_var, bn.weight, bn.bias, True, bn.momentum, bn.eps)
+    if not BATCH_NORM_CHANNELS_LAST:
+        return act_(F.batch_norm(x, *args), act)
+    r, c = x.shape
+    y = F.batch_norm(x.contiguous().view(1, r, 1, c).permute(0, 3, 1, 2), *args)  # (1, C, R, 1), channels-last
+    return act_(y, act).permute(0, 2, 3, 1).reshape(r, c)  # (R, C): a view of y where it is channels-last
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -364,3 +364,41 @@ def test_training_forward_counts_its_batch_norms_in_one_op(monkeypatch, network)
     assert plain_ops["add_"] - fused_ops["add_"] == counted, (plain_ops["add_"], fused_ops["add_"])
     counters = [b for b in fused_buffers if b.dtype == torch.long]  # every num_batches_tracked, after two steps
     assert len(counters) == counted + (2 if network == "PCT" else 0) and all(b.item() == 2 for b in counters)
+
+
+@pytest.mark.parametrize("network", ["PCT", "PCTPartSeg"])
+def test_batch_norms_on_channels_last_views_are_the_same_function(monkeypatch, network):
+    """BATCH_NORM_CHANNELS_LAST (the form that reaches cuDNN on a GPU): every plain batch norm of a training forward
+    sees its rows as a (1, C, R, 1) channels-last view, and over two float64 steps the logits, every parameter's
+    gradient and the running statistics equal the 2-D form's (to rounding: the kernels sum in another order). In the
+    GPU's form of the grouping and fuse layers (plain batch norm + max, not NormActMax), where it would run."""
+    from tasks.nets import pct
+
+    monkeypatch.setattr(pct, "FUSED_NORM_ACT_MAX", False)
+    seen = []
+    batch_norm = F.batch_norm
+
+    def spy(x, *args, **kwargs):
+        seen.append((x.dim(), x.is_contiguous(memory_format=torch.channels_last) if x.dim() == 4 else None))
+        return batch_norm(x, *args, **kwargs)
+
+    def steps(channels_last: bool):
+        monkeypatch.setattr(pct, "BATCH_NORM_CHANNELS_LAST", channels_last)
+        net, inputs = _small(network)
+        net.double().train()
+        inputs = tuple(t.double() if t.is_floating_point() else t for t in inputs)
+        results = []
+        for _ in range(2):
+            out = net(*inputs)
+            results += [out, *torch.autograd.grad(out.square().sum(), list(net.parameters()))]
+        return results + [b.clone() for b in net.buffers()]
+
+    monkeypatch.setattr(F, "batch_norm", spy)
+    plain = steps(False)
+    assert seen and all(dim == 2 for dim, _ in seen)
+    seen.clear()
+    views = steps(True)
+    counted = {"PCT": 13, "PCTPartSeg": 10}[network]  # PCT's head runs its two batch norms as modules, in 2-D
+    assert sum(1 for dim, last in seen if dim == 4 and last) == 2 * counted, seen
+    for got, want in zip(views, plain, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
