@@ -402,3 +402,28 @@ def test_batch_norms_on_channels_last_views_are_the_same_function(monkeypatch, n
     assert sum(1 for dim, last in seen if dim == 4 and last) == 2 * counted, seen
     for got, want in zip(views, plain, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.cuda
+def test_batch_norms_on_channels_last_views_reach_cudnn_on_cuda(monkeypatch):
+    """On a CUDA GPU the channels-last form's batch norms run cuDNN's kernels (the 2-D rows torch's native ones),
+    and one float32 training step of PCT gives the 2-D form's logits and gradients to float32 rounding."""
+    from tasks.nets import pct
+
+    monkeypatch.setattr(pct, "FUSED_NORM_ACT_MAX", False)
+    results = {}
+    for channels_last in (False, True):
+        monkeypatch.setattr(pct, "BATCH_NORM_CHANNELS_LAST", channels_last)
+        net, (xyz,) = _small("PCT")
+        net.cuda().train()
+        with OpLog() as log:
+            out = net(xyz.cuda())
+            grads = torch.autograd.grad(out.square().sum(), list(net.parameters()))
+        results[channels_last] = (out, grads, log.count)
+    (out_2d, grads_2d, ops_2d), (out_cl, grads_cl, ops_cl) = results[False], results[True]
+    assert ops_cl["cudnn_batch_norm"] == 13 and ops_cl["cudnn_batch_norm_backward"] == 13, ops_cl
+    assert ops_2d["cudnn_batch_norm"] == 0 and ops_2d["native_batch_norm"] >= 13, ops_2d
+    torch.testing.assert_close(out_cl, out_2d, rtol=1e-4, atol=1e-5)
+    scale = torch.stack([g.norm() for g in grads_2d]).norm()
+    for a, b in zip(grads_cl, grads_2d):
+        assert ((a - b).norm() / scale).item() < 1e-4
