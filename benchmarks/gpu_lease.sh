@@ -283,7 +283,7 @@ elif [ "$PART" = 13 ]; then
   timeout -s INT -k 10 "$(left 220 150)" python3 -m pytest -m cuda -n 8 -p no:cacheprovider -rA \
     tests/attention/test_fps_triton.py tests/attention/test_pointops.py tests/gpu/test_cuda_tasks.py \
     tests/attention/test_functional.py tests/tasks/test_pct.py \
-    -k "(fps or knn or modelnet or shapenet or classification or projected or group_rows or channels_last) and not compiled" \
+    -k "(fps or knn or modelnet or shapenet or classification or projected or group_rows or cudnn) and not compiled" \
     > "$OUT/tests-cuda.txt" 2>&1
   say "cuda tests exit $?"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/tests-cuda.txt" | tail -n 30 >> "$LOG"
   say "what one call costs the host (benchmarks.launch: dilated's backward alone, the autograd floor)"

@@ -24,10 +24,11 @@ is queued after the GPU has drained, so host overhead counts as the user sees it
    and fuse layers' batch norm + max (NormActMax or plain ops) in training, and the offset mixers as one Python
    autograd function or in plain ops (``attention.functional.OFFSET_PROJECTED``), float32 and bf16, and the
    training forward's batch norms on channels-last views that reach cuDNN (``tasks.nets.pct.BATCH_NORM_CHANNELS_LAST``);
-   in eval, the batch norms folded layer by layer.
+   in eval, the batch norms folded layer by layer; in both, the 1x1 convolutions as cuDNN convolutions
+   (``tasks.nets.pct.CONVOLUTIONS``: the reference's arithmetic under torch's defaults, TF32).
 2. ShapeNet part's network (2,048 points, batch 16) against ``benchmarks.baselines.ChannelFirstPCTPartSeg``, the
    authors' Jittor network in PyTorch with the suite's weights (PCT_Pytorch has no part segmentation): >= 1.3x,
-   in the same three float32 forms.
+   in the same three float32 forms, and with the 1x1 convolutions through cuDNN under torch's defaults.
 3. Host synchronisations inside one training step of the suite's PCT (CUDA's sync debug mode): the goal is none.
 4. FPS: the suite's Triton kernel (``like_kernel``) against pointnet2_ops from 512 to 65,536 points, and whether
    the two return the same indices (issue 27 §5): points uniform in [-1, 1]^3, one of them near the origin.
@@ -202,6 +203,10 @@ def eval_step(net, inputs, autocast: bool, tf32: bool | None = None, at_once: bo
     return step
 
 
+# The suite's 1x1 convolutions as cuDNN convolutions (tasks.nets.pct.CONVOLUTIONS) under torch's defaults: then
+# its arithmetic there is the reference's (convolutions in TF32, the attention's products in IEEE float32)
+CONVOLUTIONS_FORM = "float32, 1x1 convolutions through cuDNN"
+
 # The float32 forms: torch's defaults (the reference's 1x1 convolutions in TF32, the suite's nn.Linear products in
 # IEEE float32: not the same arithmetic) and the two like-for-like ones (``trainer.tf32``, suite/tf32.py).
 # (form, tf32, what the reference runs in that form)
@@ -243,6 +248,8 @@ def pct_rows(model_module, batch: int, points: int, rounds: int, device, samples
         for form, tf32, _ in FLOAT32_FORMS:
             steps[_key("reference", form)] = make(reference, tf32=tf32)
             steps[_key("suite", form)] = make(suite, tf32=tf32)
+        # the 1x1 convolutions through cuDNN (its TF32 under torch's defaults, as the reference's convolutions)
+        steps["suite_convolutions"] = patched(make(suite), pct, "CONVOLUTIONS", True)
         if mode == "eval":  # the batch norms folded layer by layer, beside fold_all's form (the default)
             steps["suite_layerwise"] = eval_step(suite, (xyz,), False, at_once=False)
             steps["suite_bf16_layerwise"] = eval_step(suite, (xyz,), True, at_once=False)
@@ -266,7 +273,8 @@ def pct_rows(model_module, batch: int, points: int, rounds: int, device, samples
         base = times["reference"]
         forms = [(form, _key("suite", form), times[_key("reference", form)], against)
                  for form, _, against in FLOAT32_FORMS]
-        forms.append(("bfloat16", "suite_bf16", base, "reference fp32"))
+        forms += [("bfloat16", "suite_bf16", base, "reference fp32"),
+                  (CONVOLUTIONS_FORM, "suite_convolutions", base, "reference fp32 (torch's defaults)")]
         if mode == "eval":
             forms += [("float32, folded layer by layer", "suite_layerwise", base, "reference fp32"),
                       ("bfloat16, folded layer by layer", "suite_bf16_layerwise", base, "reference fp32")]
@@ -300,7 +308,9 @@ def _key(side: str, form: str) -> str:
 
 
 def partseg_rows(batch: int, points: int, rounds: int, device) -> list[dict]:
-    """Rows of ShapeNet part's network against the channel-first formulation of the authors' network."""
+    """Rows of ShapeNet part's network against the channel-first formulation of the authors' network, in the three
+    float32 forms and with the suite's 1x1 convolutions through cuDNN under torch's defaults."""
+    from tasks.nets import pct
     from tasks.nets.pct import PCTPartSeg
 
     torch.manual_seed(0)
@@ -315,9 +325,13 @@ def partseg_rows(batch: int, points: int, rounds: int, device) -> list[dict]:
         steps = {_key(name, form): (train_step(net, F.cross_entropy, (xyz, category), target, False, tf32)
                                     if mode == "train" else eval_step(net, (xyz, category), False, tf32))
                  for name, net in (("reference", reference), ("suite", suite)) for form, tf32, _ in FLOAT32_FORMS}
+        steps["suite_convolutions"] = patched(steps["suite"], pct, "CONVOLUTIONS", True)
         times = {k: statistics.median(v) for k, v in alternate(steps, rounds, device).items()}
-        for form, _, against in FLOAT32_FORMS:
-            ref, ours = times[_key("reference", form)], times[_key("suite", form)]
+        forms = [(form, _key("suite", form), times[_key("reference", form)], against)
+                 for form, _, against in FLOAT32_FORMS]
+        forms.append((CONVOLUTIONS_FORM, "suite_convolutions", times["reference"], "reference fp32 (torch's defaults)"))
+        for form, key, ref, against in forms:
+            ours = times[key]
             rows.append({"network": "PCTPartSeg", "batch": batch, "points": points, "mode": mode, "form": form,
                          "against": "channel-first (authors' network)" + against.removeprefix("reference fp32"),
                          "reference_s": ref, "suite_s": ours, "ratio": ref / ours, "goal": GOALS["partseg"]})

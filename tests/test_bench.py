@@ -288,13 +288,15 @@ def test_pct_cuda_benchmark_runs_against_a_reference_checkout(tmp_path):
     text, data = out.read_text(), json.loads(out.with_suffix(".json").read_text())
     assert "PCT_Pytorch at" in data["reference"] and "pointnet2_ops stub" in data["reference"]
     forms = ["float32", "float32, both IEEE", "float32, both TF32"]
+    convolutions = "float32, 1x1 convolutions through cuDNN"
     assert [(r["network"], r["mode"], r["form"]) for r in data["pct"]] == [
-        *(("PCT", "train", f) for f in [*forms, "bfloat16", "float32, plain batch norm + max",
+        *(("PCT", "train", f) for f in [*forms, "bfloat16", convolutions, "float32, plain batch norm + max",
                                         "float32, offset mixer in plain ops", "bfloat16, offset mixer in plain ops",
                                         "float32, batch norms on channels-last views"]),
-        *(("PCT", "eval", f) for f in [*forms, "bfloat16", "float32, folded layer by layer",
+        *(("PCT", "eval", f) for f in [*forms, "bfloat16", convolutions, "float32, folded layer by layer",
                                        "bfloat16, folded layer by layer"]),
-        *(("PCTPartSeg", "train", f) for f in forms), *(("PCTPartSeg", "eval", f) for f in forms)]
+        *(("PCTPartSeg", "train", f) for f in [*forms, convolutions]),
+        *(("PCTPartSeg", "eval", f) for f in [*forms, convolutions])]
     for r in data["pct"]:
         assert r["reference_s"] > 0 and r["suite_s"] > 0
         assert r["ratio"] == pytest.approx(r["reference_s"] / r["suite_s"])

@@ -295,15 +295,39 @@ def batch_norm_act(x: torch.Tensor, bn: nn.Module, act: nn.Module) -> torch.Tens
     args = (bn.running_mean, bn.running_var, bn.weight, bn.bias, True, bn.momentum, bn.eps)
     if not BATCH_NORM_CHANNELS_LAST:
         return act_(F.batch_norm(x, *args), act)
+    return image_rows(act_(F.batch_norm(row_image(x), *args), act))  # (1, C, R, 1) channels-last, then (R, C)
+
+
+def row_image(x: torch.Tensor) -> torch.Tensor:
+    """Rows x (R, C) as a (1, C, R, 1) channels-last image, a view (of a contiguous copy where x is not
+    contiguous): the layout in which torch hands batch norms and convolutions to cuDNN without copying."""
     r, c = x.shape
-    y = F.batch_norm(x.contiguous().view(1, r, 1, c).permute(0, 3, 1, 2), *args)  # (1, C, R, 1), channels-last
-    return act_(y, act).permute(0, 2, 3, 1).reshape(r, c)  # (R, C): a view of y where it is channels-last
+    return (x if x.is_contiguous() else x.contiguous()).view(1, r, 1, c).permute(0, 3, 1, 2)
+
+
+def image_rows(y: torch.Tensor) -> torch.Tensor:
+    """A (1, C, R, 1) image back as rows (R, C): a view where y is channels-last (:func:`row_image`)."""
+    return y.permute(0, 2, 3, 1).reshape(-1, y.shape[1])
+
+
+# Whether PCT's 1x1 convolutions run as convolutions (``F.conv2d`` on :func:`row_image` views: cuDNN on a GPU) instead
+# of matrix products on their rows (``F.linear``: cuBLAS). The same function, in another arithmetic on a GPU with TF32
+# under torch's defaults: cuDNN's convolutions take TF32 there (``torch.backends.cudnn.allow_tf32``), as the
+# reference's ``nn.Conv1d`` layers do, and cuBLAS's products IEEE float32 (``suite/tf32.py``). So under torch's
+# defaults this form does the reference's arithmetic, which the default form does only with ``trainer.tf32`` set.
+# Off until a GPU has timed it (``benchmarks.pct_cuda`` times the other form: cuDNN's host time against cuBLAS's).
+CONVOLUTIONS = False
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` on the rows of x (..., I) -> (R, O). On a (R, I) matrix ``F.linear`` is one ``addmm`` or ``mm``
     and its backward two products; on (..., I) it goes through ``matmul``, whose reshapes and transposes
-    around the product are more host ops each way (PCT's eager step at batch 16 is bound by its host)."""
+    around the product are more host ops each way (PCT's eager step at batch 16 is bound by its host).
+    With :data:`CONVOLUTIONS`, the 1x1 convolution that it is, on a channels-last image of the rows."""
+    if CONVOLUTIONS:
+        o, i = weight.shape
+        kernel = weight.view(o, 1, 1, i).permute(0, 3, 1, 2)  # (O, I, 1, 1), channels-last: cuDNN copies nothing
+        return image_rows(F.conv2d(row_image(rows(x)), kernel, bias))  # (1, O, R, 1) -> (R, O)
     return F.linear(rows(x), weight, bias)
 
 

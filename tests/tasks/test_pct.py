@@ -367,23 +367,36 @@ def test_training_forward_counts_its_batch_norms_in_one_op(monkeypatch, network)
 
 
 @pytest.mark.parametrize("network", ["PCT", "PCTPartSeg"])
-def test_batch_norms_on_channels_last_views_are_the_same_function(monkeypatch, network):
-    """BATCH_NORM_CHANNELS_LAST (the form that reaches cuDNN on a GPU): every plain batch norm of a training forward
-    sees its rows as a (1, C, R, 1) channels-last view, and over two float64 steps the logits, every parameter's
-    gradient and the running statistics equal the 2-D form's (to rounding: the kernels sum in another order). In the
-    GPU's form of the grouping and fuse layers (plain batch norm + max, not NormActMax), where it would run."""
+@pytest.mark.parametrize("switch", ["BATCH_NORM_CHANNELS_LAST", "CONVOLUTIONS"])
+def test_cudnn_forms_are_the_same_function(monkeypatch, network, switch):
+    """The forms that reach cuDNN on a GPU: with BATCH_NORM_CHANNELS_LAST every plain batch norm of a training
+    forward sees its rows as a (1, C, R, 1) channels-last view; with CONVOLUTIONS every 1x1 convolution
+    (``linear_rows``) runs as ``F.conv2d`` on such a view, with a channels-last kernel. Over two float64 training
+    steps and an eval forward (the batch norms folded), the logits, every parameter's gradient and the running
+    statistics equal the default form's (to rounding: the kernels sum in another order). In the GPU's form of the
+    grouping and fuse layers (plain batch norm + max, not NormActMax), where they would run."""
     from tasks.nets import pct
 
     monkeypatch.setattr(pct, "FUSED_NORM_ACT_MAX", False)
-    seen = []
-    batch_norm = F.batch_norm
+    seen, calls = [], []
+    spied = "batch_norm" if switch == "BATCH_NORM_CHANNELS_LAST" else "conv2d"
+    original, linear_rows = getattr(F, spied), pct.linear_rows
 
     def spy(x, *args, **kwargs):
-        seen.append((x.dim(), x.is_contiguous(memory_format=torch.channels_last) if x.dim() == 4 else None))
-        return batch_norm(x, *args, **kwargs)
+        last = x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)
+        # the kernel channels-last too, but for a slice of a weight (part segmentation's per-point half), which
+        # no view makes dense
+        kernel = spied != "conv2d" or args[0].is_contiguous(memory_format=torch.channels_last) \
+            or args[0].stride(0) != args[0].shape[1]
+        seen.append(last and kernel)
+        return original(x, *args, **kwargs)
 
-    def steps(channels_last: bool):
-        monkeypatch.setattr(pct, "BATCH_NORM_CHANNELS_LAST", channels_last)
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return linear_rows(*args, **kwargs)
+
+    def steps(on: bool):
+        monkeypatch.setattr(pct, switch, on)
         net, inputs = _small(network)
         net.double().train()
         inputs = tuple(t.double() if t.is_floating_point() else t for t in inputs)
@@ -391,39 +404,53 @@ def test_batch_norms_on_channels_last_views_are_the_same_function(monkeypatch, n
         for _ in range(2):
             out = net(*inputs)
             results += [out, *torch.autograd.grad(out.square().sum(), list(net.parameters()))]
+        net.eval()
+        with torch.no_grad():
+            results.append(net(*inputs))
         return results + [b.clone() for b in net.buffers()]
 
-    monkeypatch.setattr(F, "batch_norm", spy)
+    monkeypatch.setattr(F, spied, spy)
+    monkeypatch.setattr(pct, "linear_rows", counted)
     plain = steps(False)
-    assert seen and all(dim == 2 for dim, _ in seen)
-    seen.clear()
+    assert not any(seen)
+    layers, before = len(calls), len(seen)
     views = steps(True)
-    counted = {"PCT": 13, "PCTPartSeg": 10}[network]  # PCT's head runs its two batch norms as modules, in 2-D
-    assert sum(1 for dim, last in seen if dim == 4 and last) == 2 * counted, seen
+    assert len(calls) == 2 * layers and sum(seen[before:]) > 0
+    counted_norms = {"PCT": 13, "PCTPartSeg": 10}[network]  # PCT's head runs its two batch norms as modules, 2-D
+    assert sum(seen) == (2 * counted_norms if spied == "batch_norm" else layers), (sum(seen), layers)
     for got, want in zip(views, plain, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.cuda
-def test_batch_norms_on_channels_last_views_reach_cudnn_on_cuda(monkeypatch):
-    """On a CUDA GPU the channels-last form's batch norms run cuDNN's kernels (the 2-D rows torch's native ones),
-    and one float32 training step of PCT gives the 2-D form's logits and gradients to float32 rounding."""
+@pytest.mark.parametrize("switch", ["BATCH_NORM_CHANNELS_LAST", "CONVOLUTIONS"])
+def test_cudnn_forms_reach_cudnn_on_cuda(monkeypatch, switch):
+    """On a CUDA GPU the channels-last batch norms run cuDNN's kernels (13 a forward and a backward; the 2-D rows
+    torch's native ones), and the convolution form cuDNN's convolutions (the default form none), and one float32
+    training step of PCT gives the default form's logits and gradients to float32's rounding (cuDNN's TF32 off
+    here: under torch's defaults its convolutions take TF32, the point of that form, and round to 1e-3)."""
     from tasks.nets import pct
 
     monkeypatch.setattr(pct, "FUSED_NORM_ACT_MAX", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     results = {}
-    for channels_last in (False, True):
-        monkeypatch.setattr(pct, "BATCH_NORM_CHANNELS_LAST", channels_last)
+    for on in (False, True):
+        monkeypatch.setattr(pct, switch, on)
         net, (xyz,) = _small("PCT")
         net.cuda().train()
-        with OpLog() as log:
+        with OpLog() as log, torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             out = net(xyz.cuda())
             grads = torch.autograd.grad(out.square().sum(), list(net.parameters()))
-        results[channels_last] = (out, grads, log.count)
-    (out_2d, grads_2d, ops_2d), (out_cl, grads_cl, ops_cl) = results[False], results[True]
-    assert ops_cl["cudnn_batch_norm"] == 13 and ops_cl["cudnn_batch_norm_backward"] == 13, ops_cl
-    assert ops_2d["cudnn_batch_norm"] == 0 and ops_2d["native_batch_norm"] >= 13, ops_2d
-    torch.testing.assert_close(out_cl, out_2d, rtol=1e-4, atol=1e-5)
-    scale = torch.stack([g.norm() for g in grads_2d]).norm()
-    for a, b in zip(grads_cl, grads_2d):
+        names = {e.name for e in prof.events()}
+        results[on] = (out, grads, log.count, names)
+    (out_a, grads_a, ops_a, names_a), (out_b, grads_b, ops_b, names_b) = results[False], results[True]
+    if switch == "BATCH_NORM_CHANNELS_LAST":
+        assert ops_b["cudnn_batch_norm"] == 13 and ops_b["cudnn_batch_norm_backward"] == 13, ops_b
+        assert ops_a["cudnn_batch_norm"] == 0 and ops_a["native_batch_norm"] >= 13, ops_a
+    else:
+        assert "aten::cudnn_convolution" in names_b and "aten::cudnn_convolution" not in names_a
+        assert ops_b["convolution"] == 13 and ops_a["convolution"] == 0, (ops_a, ops_b)
+    torch.testing.assert_close(out_b, out_a, rtol=1e-4, atol=1e-5)
+    scale = torch.stack([g.norm() for g in grads_a]).norm()
+    for a, b in zip(grads_b, grads_a):
         assert ((a - b).norm() / scale).item() < 1e-4
