@@ -51,7 +51,10 @@
 #     timed as the other form), with benchmarks.launch's new rows between; about 5 minutes. Since the fifth session
 #     without a GPU also the offset mixer as one function (OffsetProjected) and GroupRows' in-place index-adds
 #     against float64, and PCT's step with their 18 fewer matrix products; and offset at N = 65,536 in the cost bench,
-#     its in-place products now counted (its fraction of the bound read 36%; 51% by the table's own time).
+#     its in-place products now counted (its fraction of the bound read 36%; 51% by the table's own time). Since the
+#     sixth: the Triton wrappers' cut host time (benchmarks.launch), the cuda test that the channels-last batch norms
+#     and the 1x1 convolutions reach cuDNN, and pct_cuda's rows for the three forms off by default (the offset mixer
+#     in plain ops, float32 and bf16; batch norms on channels-last views; 1x1 convolutions through cuDNN).
 # Writes OUTDIR/log.txt (each step's summary), OUTDIR/tests-cuda.txt, OUTDIR/tests-rest.txt and OUTDIR/tables.tar
 # (the benchmark tables).
 set -u
