@@ -36,8 +36,9 @@ is queued after the GPU has drained, so host overhead counts as the user sees it
    and at 65,536 points.
 6. Where the suite's float32 training step spends its GPU time (``torch.profiler``), the top kernels.
 7. Where each side's float32 training step spends its host time: the ops with the most self CPU time, and each
-   step's aten ops, host and GPU totals. At batch 16 the suite's step is bound by the host's launches (about 8 ms
-   of GPU time in a 19 ms step on an H200), so this is the table that says which ops to fuse or leave out.
+   step's aten ops, host and GPU totals; the same for the suite's step under bf16 autocast. At batch 16 the suite's
+   step is bound by the host's launches (about 8 ms of GPU time in a 19 ms step on an H200), so this is the table
+   that says which ops to fuse or leave out.
 """
 
 from __future__ import annotations
@@ -455,22 +456,25 @@ def host_profile(model_module, batch: int, points: int, device, samples=(512, 25
                  rows: int = 20) -> str:
     """Section 7: for the suite's PCT and (with ``model_module``) the reference, one float32 training step's aten
     ops, host time (self CPU time of every op, profiler overhead included: compare the two, not the absolute
-    numbers), GPU time, then its ops by self CPU time."""
+    numbers), GPU time, then its ops by self CPU time; and the suite's step under bf16 autocast (its ratio misses
+    most: casts and the products' host time)."""
     from tasks.nets.pct import PCT
 
     torch.manual_seed(0)
-    nets = {"suite": PCT(40, {"name": "offset"}, samples=list(samples), neighbours=neighbours).to(device)}
+    suite = PCT(40, {"name": "offset"}, samples=list(samples), neighbours=neighbours).to(device)
+    steps = {"suite": _warm_step(suite, batch, points, device)}
     if model_module is not None:
-        nets["reference"] = ReferencePCT(model_module).to(device)
-    return "\n".join(f"{side}: " + measure.host_profile(_warm_step(net, batch, points, device), device, rows)
-                     for side, net in nets.items())
+        steps["reference"] = _warm_step(ReferencePCT(model_module).to(device), batch, points, device)
+    steps["suite, bf16 autocast"] = _warm_step(suite, batch, points, device, autocast=True)
+    return "\n".join(f"{side}: " + measure.host_profile(step, device, rows) for side, step in steps.items())
 
 
-def _warm_step(net, batch: int, points: int, device) -> Callable[[], None]:
-    """One float32 SGD step of ``net`` on uniform points, after three untimed ones."""
+def _warm_step(net, batch: int, points: int, device, autocast: bool = False) -> Callable[[], None]:
+    """One float32 SGD step of ``net`` on uniform points (``autocast``: under bf16 autocast), after three untimed
+    ones."""
     xyz = (torch.rand(batch, points, 3) * 2 - 1).to(device)
     target = torch.randint(0, 40, (batch,)).to(device)
-    step = train_step(net, F.cross_entropy, (xyz,), target, False)
+    step = train_step(net, F.cross_entropy, (xyz,), target, autocast)
     for _ in range(3):
         step()
     return step

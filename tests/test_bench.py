@@ -304,7 +304,8 @@ def test_pct_cuda_benchmark_runs_against_a_reference_checkout(tmp_path):
     assert data["knn"] and data["knn"][0]["suite_s"] > 0 and data["fps"] == [] and data["syncs"] is None
     assert "Not measured: only a CUDA device" in text and "aten::" in text  # no sync count on a CPU; the profile
     host = text.split("## Where each side's float32 training step spends its host time")[1]
-    assert "suite: " in host and "reference: " in host and host.count("aten ops, host") == 2  # section 7, both sides
+    assert "suite: " in host and "reference: " in host and "suite, bf16 autocast: " in host  # section 7: both sides
+    assert host.count("aten ops, host") == 3  # and the suite's bf16 step
 
 
 def test_pct_cuda_fps_rows_compare_indices_and_warp_counts(one_thread):
