@@ -23,9 +23,10 @@ tiny, so it keeps up and the time is the host's. The rows:
   public functions at tiny sizes, what a model calls (on CUDA their Triton kernels, on the CPU the torch paths);
   dilated's backward alone (``torch.autograd.grad`` on a kept graph: an H200 took 165 us for its forward and
   1,007 us for forward + backward, 2026-11-27, with 3 launches in all), its backward's kernels called directly
-  (``_dilated_backward``: the wrapper and its 2 launches, no autograd), and its forward + backward once more
+  (``_dilated_backward``: the wrapper and its 2 launches, no autograd), its forward + backward once more
   through its ``torch.library`` op, as compiled code and dispatch modes call it (:func:`through_op`), for what the
-  eager path saves.
+  eager path saves, and (CUDA) once with its 3 launches left out (:func:`without_launches`: the wrappers,
+  allocations and autograd alone).
 """
 
 from __future__ import annotations
@@ -92,6 +93,30 @@ class Twice(torch.autograd.Function):
         return grad * 2
 
 
+class _NoLaunch:
+    """A Triton kernel's stand-in: ``kernel[grid](...)`` does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def without_launches(call):
+    """``call()`` with dilated attention's three Triton kernels replaced by calls that launch nothing: the host's
+    time of everything around the launches (the wrappers, the allocations, autograd), which with the bare launches'
+    rows splits dilated's forward + backward (CUDA only: elsewhere the torch kernel runs)."""
+    from attention import dilated_triton
+
+    names = ("_forward_kernel", "_backward_query_kernel", "_backward_key_kernel")
+    kernels = [getattr(dilated_triton, name) for name in names]
+    for name in names:
+        setattr(dilated_triton, name, _NoLaunch())
+    try:
+        return call()
+    finally:
+        for name, kernel in zip(names, kernels):
+            setattr(dilated_triton, name, kernel)
+
+
 def through_op(call):
     """``call()`` with attention.functional's eager calls sent through their ``torch.library`` op, as under
     torch.compile or a dispatch mode (its ``skips_dispatch`` off): what the eager path saves is the difference."""
@@ -132,6 +157,11 @@ def cases(device) -> dict:
             seed, q, k, v, attn, 8, 8, 3, [1, 2, 3, 4], 8 ** -0.5),
         "dilated forward + backward, through the op's dispatch": lambda: through_op(
             lambda: AF.dilated_attention(*leaves, (8, 8), 3, [1, 2, 3, 4]).sum().backward()),
+    })
+    if device.type == "cuda":
+        out["dilated forward + backward, its 3 launches left out"] = lambda: without_launches(
+            lambda: AF.dilated_attention(*leaves, (8, 8), 3, [1, 2, 3, 4]).sum().backward())
+    out.update({
         "index attention forward (64 rows, 8 keys)": lambda: AF.index_attention(rows, keys, keys, index, 4),
     })
     return out

@@ -382,6 +382,32 @@ def test_launch_benchmark_times_each_call_on_the_host(tmp_path, one_thread):
     assert all(f"| {w} | 20 |" in text for w in works)
 
 
+def test_launch_benchmark_leaves_dilated_launches_out_and_puts_them_back(monkeypatch):
+    """The CUDA row "dilated forward + backward, its 3 launches left out" (benchmarks.launch.without_launches), run
+    on CPU tensors with the Triton backend forced: the wrappers and autograd run with the stand-ins in place of the
+    kernels, gradients come back, and the kernels are back after."""
+    from attention import dilated_triton
+    from attention import functional as AF
+    from benchmarks import launch
+
+    monkeypatch.setattr(AF, "DILATED_BACKEND", "triton")
+    kernels = (dilated_triton._forward_kernel, dilated_triton._backward_query_kernel,
+               dilated_triton._backward_key_kernel)
+    q, k, v = (torch.randn(1, 4, 64, 8, requires_grad=True) for _ in range(3))
+    seen = []
+
+    def call():
+        seen.append(type(dilated_triton._forward_kernel).__name__)
+        out = AF.dilated_attention(q, k, v, (8, 8), 3, [1, 2, 3, 4])
+        out.sum().backward()
+        return out
+
+    launch.without_launches(call)
+    assert seen == ["_NoLaunch"] and q.grad is not None and q.grad.shape == q.shape
+    assert (dilated_triton._forward_kernel, dilated_triton._backward_query_kernel,
+            dilated_triton._backward_key_kernel) == kernels
+
+
 def test_small_n_benchmark_writes_what_it_measured_when_interrupted(tmp_path, monkeypatch):
     """A time limit's SIGINT (gpu_lease.sh's `timeout -s INT`) in the middle of the variants: the rows measured
     before it are written, not lost with the rest (an H200 run lost all of them, 2026-11-26)."""
