@@ -20,12 +20,11 @@ is queued after the GPU has drained, so host overhead counts as the user sees it
    (``trainer.tf32``, ``suite/tf32.py``). The suite's network is ``tasks.nets.pct.PCT`` (``attn=offset``,
    ``fps=kernel``: pointnet2_ops' indices); the reference is ``model.Pct``. Goals: train and eval >= 1.5x the
    reference's float32 step, bf16 >= 2x the reference's float32 step, compiled >= 2x the reference's float32 step
-   (both-compiled beside it). Beside the defaults, the other form of two choices a GPU's host decides: the grouping
-   and fuse layers' batch norm + max (NormActMax or plain ops) in training, and the offset mixers as one Python
-   autograd function or in plain ops (``attention.functional.OFFSET_PROJECTED``), float32 and bf16, and the
-   training forward's batch norms on channels-last views that reach cuDNN (``tasks.nets.pct.BATCH_NORM_CHANNELS_LAST``);
-   in eval, the batch norms folded layer by layer; in both, the 1x1 convolutions as cuDNN convolutions
-   (``tasks.nets.pct.CONVOLUTIONS``: the reference's arithmetic under torch's defaults, TF32).
+   (both-compiled beside it). Beside the defaults, the other form of each choice that a GPU's host decides (the
+   switches of :func:`patched`): in training, the grouping and fuse layers' batch norm + max (NormActMax or plain
+   ops), the offset mixers as one Python autograd function or in plain ops (float32 and bf16) and the batch norms
+   on channels-last views that reach cuDNN; in eval, the batch norms folded layer by layer; in both, the 1x1
+   convolutions as cuDNN convolutions (the reference's arithmetic under torch's defaults, TF32).
 2. ShapeNet part's network (2,048 points, batch 16) against ``benchmarks.baselines.ChannelFirstPCTPartSeg``, the
    authors' Jittor network in PyTorch with the suite's weights (PCT_Pytorch has no part segmentation): >= 1.3x,
    in the same three float32 forms, and with the 1x1 convolutions through cuDNN under torch's defaults.
@@ -168,11 +167,13 @@ def other_max(step: Callable[[], None], device: torch.device) -> tuple[str, Call
 def patched(step: Callable[[], None], module, name: str, value) -> Callable[[], None]:
     """``step`` with ``module.name`` set to ``value`` for its duration: a switch of the suite's forms, so that the
     other form of a choice that a GPU's host decides is timed beside the default, step by step. The switches:
-    ``attention.functional.OFFSET_PROJECTED = False``: PCT's offset mixers in plain ops (two ``nn.Linear`` and the
-    attention kernel, about a dozen C++ autograd nodes a block) instead of one Python autograd function
-    (:class:`attention.functional.OffsetProjected`: fewer products and nodes, one Python backward);
-    ``tasks.nets.pct.BATCH_NORM_CHANNELS_LAST = True``: the batch norms of a training forward on (1, C, R, 1)
-    channels-last views of their rows, which torch hands to cuDNN (its native kernels take the 2-D rows)."""
+    ``tasks.nets.pct.FUSED_NORM_ACT_MAX`` (:func:`other_max`); ``attention.functional.OFFSET_PROJECTED = False``:
+    PCT's offset mixers in plain ops (two ``nn.Linear`` and the attention kernel, about a dozen C++ autograd nodes a
+    block) instead of one Python autograd function (:class:`attention.functional.OffsetProjected`: fewer products
+    and nodes, one Python backward); ``tasks.nets.pct.BATCH_NORM_CHANNELS_LAST = True``: the batch norms of a
+    training forward on (1, C, R, 1) channels-last views of their rows, which torch hands to cuDNN (its native
+    kernels take the 2-D rows); ``tasks.nets.pct.CONVOLUTIONS = True``: the 1x1 convolutions as ``F.conv2d`` on such
+    views (cuDNN, TF32 under torch's defaults) instead of ``F.linear`` (cuBLAS, IEEE float32 there)."""
 
     def other():
         default = getattr(module, name)
