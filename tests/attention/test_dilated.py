@@ -501,3 +501,24 @@ def test_eager_calls_run_the_ops_autograd_without_their_dispatch():
         with FlopCounterMode(display=False) as flops:
             counted = call()
         assert "Function" not in type(counted.grad_fn).__name__ and flops.get_total_flops() > 0, name
+
+
+def test_autocast_off_switches_autocast_off_only_where_it_is_on():
+    """attention.eager.autocast_off, the written-out functions' guard: inside autocast it switches it off for the
+    block (a product then runs in its inputs' dtype) and on again after; outside autocast, and for a device type
+    without autocast ("meta", the FLOP counter's), it enters no autocast context at all."""
+    import contextlib
+
+    from attention.eager import autocast_off
+
+    a = torch.randn(4, 4)
+    assert isinstance(autocast_off("cpu"), contextlib.nullcontext)
+    assert isinstance(autocast_off("meta"), contextlib.nullcontext)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert (a @ a).dtype == torch.bfloat16
+        guard = autocast_off("cpu")
+        assert isinstance(guard, torch.autocast)
+        with guard:
+            assert not torch.is_autocast_enabled("cpu") and (a @ a).dtype == torch.float32
+        assert torch.is_autocast_enabled("cpu") and (a @ a).dtype == torch.bfloat16
+        assert isinstance(autocast_off("meta"), contextlib.nullcontext)
