@@ -300,7 +300,7 @@ class OffsetProjected(torch.autograd.Function):
             if half is not None:
                 qkv = qkv.float()
             if b_v is not None:
-                qkv[:, d_qk:] += b_v
+                qkv[:, d_qk:].add_(b_v)  # in place on the view (``qkv[...] += b_v`` copies it back into itself)
             qk, v = _heads(qkv[:, :d_qk], b, n, heads), _heads(qkv[:, d_qk:], b, n, heads)  # (B h, N, d | d_v)
             attn = torch.softmax(torch.bmm(qk, qk.transpose(1, 2)), dim=-1)  # (B h, N, N)
             denom = attn.sum(dim=1).add_(eps)  # (B h, N): eps + each column's sum over the queries
