@@ -34,6 +34,7 @@ import attention
 from attention.eager import below_autograd, skips_dispatch
 from attention.errors import UserError
 from attention.pointops import farthest_point_sample, gather, knn
+from attention.tensor_cache import tensor_cache
 
 from .weights import take
 
@@ -552,8 +553,15 @@ def group_rows(both: torch.Tensor, groups: torch.Tensor, centres: torch.Tensor, 
     matrix by indexing, a quarter faster, forward and backward, than ``torch.gather`` with an index expanded over
     the channels (``attention.pointops.gather``)."""
     b = groups.shape[0]
-    offset = torch.arange(b, device=groups.device) * n  # (B,): each sample's first row
+    offset = first_rows(b, n, groups.device)  # (B,): each sample's first row
     return GroupRows.apply(both, groups + offset.view(b, 1, 1), centres + offset.view(b, 1), bias)  # (B, S, K, C)
+
+
+@tensor_cache(maxsize=16)
+def first_rows(b: int, n: int, device: torch.device) -> torch.Tensor:
+    """(B,) int64: each of B samples' first row in a (B n, .) matrix, 0, n, 2n, ... Kept per (B, n, device): two
+    launches a grouping layer at every step, where a step is bound by its launches on a GPU."""
+    return torch.arange(0, b * n, n, device=device)
 
 
 class SampleAndGroup(nn.Module):
