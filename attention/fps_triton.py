@@ -53,6 +53,12 @@ CHUNK = 4096
 # than 4 in both); at 512, 1 warp took 0.21 ms against 0.26 with 4 in one lease and 0.27 against 0.26 in the
 # other.
 WARPS: int | None = None
+# Whether a step's argmax carries the picked point's coordinates with it (one reduction over (distance, index, x,
+# y, z), points held in registers only), instead of reading them from the planes after it: that read is a
+# dependent load on the chain of every step (argmax, load, distances, argmax), and at 512 points, where the kernel
+# took the same 0.26-0.28 ms at every warp count, that chain is its time (pointnet2_ops: 0.27 ms). The same picks.
+# Off until a GPU has timed it (``benchmarks.pct_cuda``'s FPS rows time both).
+CARRY = False
 
 
 def warps_for(block: int) -> int:
@@ -80,17 +86,27 @@ def _initial_distance(x, y, z, MIN_MAG: tl.constexpr):
 
 
 @triton.jit
+def _first_max(d1, i1, x1, y1, z1, d2, i2, x2, y2, z2):
+    """``tl.argmax(..., tie_break_left=True)``'s combine (the larger distance, on a tie the lower index; NaN as it
+    does) carrying the point's coordinates along."""
+    take = (d1 > d2) | ((d1 == d2) & (i1 < i2))
+    return (tl.where(take, d1, d2), tl.where(take, i1, i2), tl.where(take, x1, x2), tl.where(take, y1, y2),
+            tl.where(take, z1, z2))
+
+
+@triton.jit
 def _fps_kernel(xyz_ptr, order_ptr, planes_ptr, dist_ptr, start_ptr, out_ptr, n, m, start_index, stride_b, stride_n,
                 stride_c, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, FUSED: tl.constexpr, SKIP: tl.constexpr,
-                MIN_MAG: tl.constexpr, GIVEN: tl.constexpr, PERMUTED: tl.constexpr):
+                MIN_MAG: tl.constexpr, GIVEN: tl.constexpr, PERMUTED: tl.constexpr, CARRY: tl.constexpr):
     """Program b: out[b, :m] from xyz (B, N, 3) of any strides, dist (B, N) (initial distances, unless ``SKIP``
     makes them here; with ``ONE_BLOCK`` False also the scratch row, overwritten) and the first pick, start[b]
     (``GIVEN``) or ``start_index``. ``PERMUTED``: the kernel samples the points in the order ``order`` (N,) int64
     (dist in that order too; the first pick a position in it) and writes the picks back as indices of xyz.
 
     It first copies the sample's points (in that order) into its coordinate planes, a (B, 3, N) scratch tensor
-    whose rows every step's centre is read from: one launch where the torch ops around it took three (the
-    permuting gather and the planes' copy before, the indices mapped back after).
+    whose rows every step's centre is read from (with ``CARRY`` and ``ONE_BLOCK`` only the first: each argmax then
+    carries the next centre's coordinates): one launch where the torch ops around it took three (the permuting
+    gather and the planes' copy before, the indices mapped back after).
 
     The loops are ``while`` loops: Triton 3.6's interpreter cannot take a runtime scalar as a ``range`` bound
     (its scalars are 1-element arrays, which NumPy 2.4 no longer converts to an int). Compiled for sm_90, they
@@ -136,13 +152,21 @@ def _fps_kernel(xyz_ptr, order_ptr, planes_ptr, dist_ptr, start_ptr, out_ptr, n,
             dist = tl.where(mask, _initial_distance(x, y, z, MIN_MAG), float("-inf"))  # lanes past N: never picked
         else:
             dist = tl.load(dist_row + offs, mask=mask, other=float("-inf"))  # lanes past N: never the maximum
+        cx = tl.load(x_ptr + far)  # the first centre
+        cy = tl.load(y_ptr + far)
+        cz = tl.load(z_ptr + far)
         while i < m - 1:
             tl.store(out_row + i, far)
-            dx = x - tl.load(x_ptr + far)
-            dy = y - tl.load(y_ptr + far)
-            dz = z - tl.load(z_ptr + far)
-            dist = tl.minimum(dist, _squared_distance(dx, dy, dz, FUSED))  # -inf and -1 stay
-            far = tl.argmax(dist, 0, tie_break_left=True).to(tl.int64)  # the first maximum
+            if not CARRY:
+                cx = tl.load(x_ptr + far)
+                cy = tl.load(y_ptr + far)
+                cz = tl.load(z_ptr + far)
+            dist = tl.minimum(dist, _squared_distance(x - cx, y - cy, z - cz, FUSED))  # -inf and -1 stay
+            if CARRY:  # the first maximum and its coordinates, in one reduction
+                _, at, cx, cy, cz = tl.reduce((dist, offs, x, y, z), 0, _first_max)
+                far = at.to(tl.int64)
+            else:
+                far = tl.argmax(dist, 0, tie_break_left=True).to(tl.int64)  # the first maximum
             i += 1
     else:
         while i < m - 1:
@@ -229,5 +253,5 @@ def farthest_point_sample(xyz: torch.Tensor, m: int, start: torch.Tensor | int, 
         _fps_kernel[(b,)](xyz, order if permuted else out, planes, dist, start if given else out, out, n, m,
                           0 if given else int(start), *xyz.stride(), BLOCK=block, ONE_BLOCK=one_block,
                           FUSED=fused, SKIP=skip, MIN_MAG=min_mag if skip else 0.0, GIVEN=given,
-                          PERMUTED=permuted, num_warps=warps, enable_fp_fusion=False)
+                          PERMUTED=permuted, CARRY=CARRY and one_block, num_warps=warps, enable_fp_fusion=False)
     return out

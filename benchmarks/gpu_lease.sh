@@ -54,7 +54,8 @@
 #     its in-place products now counted (its fraction of the bound read 36%; 51% by the table's own time). Since the
 #     sixth: the Triton wrappers' cut host time (benchmarks.launch), the cuda test that the channels-last batch norms
 #     and the 1x1 convolutions reach cuDNN, and pct_cuda's rows for the three forms off by default (the offset mixer
-#     in plain ops, float32 and bf16; batch norms on channels-last views; 1x1 convolutions through cuDNN).
+#     in plain ops, float32 and bf16; batch norms on channels-last views; 1x1 convolutions through cuDNN), and FPS
+#     with each argmax carrying the next centre (fps_triton.CARRY: its cuda test and pct_cuda's FPS rows).
 # Writes OUTDIR/log.txt (each step's summary), OUTDIR/tests-cuda.txt, OUTDIR/tests-rest.txt and OUTDIR/tables.tar
 # (the benchmark tables).
 set -u

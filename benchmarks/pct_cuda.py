@@ -30,7 +30,8 @@ is queued after the GPU has drained, so host overhead counts as the user sees it
    in the same three float32 forms, and with the 1x1 convolutions through cuDNN under torch's defaults.
 3. Host synchronisations inside one training step of the suite's PCT (CUDA's sync debug mode): the goal is none.
 4. FPS: the suite's Triton kernel (``like_kernel``) against pointnet2_ops from 512 to 65,536 points, and whether
-   the two return the same indices (issue 27 §5): points uniform in [-1, 1]^3, one of them near the origin.
+   the two return the same indices (issue 27 §5): points uniform in [-1, 1]^3, one of them near the origin; the
+   kernel also at each warp count and with each step's argmax carrying the next centre (``fps_triton.CARRY``).
 5. kNN: ``attention.pointops.knn`` against the reference's matmul + ``topk``, time and peak memory, at PCT's sizes
    and at 65,536 points.
 6. Where the suite's float32 training step spends its GPU time (``torch.profiler``), the top kernels.
@@ -374,16 +375,17 @@ FPS_WARPS = (1, 2, 4, 8, 16)  # the kernel's warps a program, timed beside its d
 
 def fps_rows(op: Callable, rounds: int, device, sizes=FPS_SIZES) -> list[dict]:
     """The suite's FPS (Triton, ``like_kernel``) against pointnet2_ops' ``furthest_point_sample``; and the kernel
-    with each of ``FPS_WARPS`` warps a program, to choose its default from."""
+    with each of ``FPS_WARPS`` warps a program, and with ``fps_triton.CARRY`` (each argmax carrying the next
+    centre's coordinates, where the points fit in registers), to choose its defaults from."""
     from attention import fps_triton
     from attention.pointops import farthest_point_sample
 
-    def suite(xyz, m, warps=None):
-        fps_triton.WARPS = warps
+    def suite(xyz, m, warps=None, carry=False):
+        fps_triton.WARPS, fps_triton.CARRY = warps, carry
         try:
             return farthest_point_sample(xyz, m, like_kernel=True)
         finally:
-            fps_triton.WARPS = None
+            fps_triton.WARPS, fps_triton.CARRY = None, False
 
     rows = []
     for b, n, m in sizes:
@@ -394,6 +396,7 @@ def fps_rows(op: Callable, rounds: int, device, sizes=FPS_SIZES) -> list[dict]:
         theirs = op(xyz, m).long()
         ours = suite(xyz, m)
         steps = {"pointnet2_ops": lambda: op(xyz, m), "suite": lambda: suite(xyz, m),
+                 "carry": lambda: suite(xyz, m, carry=True),
                  **{f"warps_{w}": (lambda w=w: suite(xyz, m, w)) for w in FPS_WARPS}}
         times = {k: statistics.median(v) for k, v in alternate(steps, max(3, rounds // (4 if n > 8192 else 1)),
                                                                 device, warmup=1).items()}
@@ -402,7 +405,8 @@ def fps_rows(op: Callable, rounds: int, device, sizes=FPS_SIZES) -> list[dict]:
                      "suite_s": times["suite"], "ratio": times["pointnet2_ops"] / times["suite"],
                      "same_samples": int(same.sum()), "first_difference": _first_difference(theirs, ours),
                      "warps_s": {w: times[f"warps_{w}"] for w in FPS_WARPS},
-                     "same_with_warps": all(torch.equal(suite(xyz, m, w), ours) for w in FPS_WARPS)})
+                     "same_with_warps": all(torch.equal(suite(xyz, m, w), ours) for w in FPS_WARPS),
+                     "carry_s": times["carry"], "same_with_carry": torch.equal(suite(xyz, m, carry=True), ours)})
     return rows
 
 
@@ -528,13 +532,15 @@ def markdown(out: dict) -> str:
     lines += ["## FPS: the suite's Triton kernel (`like_kernel`) against pointnet2_ops", ""]
     if out["fps"]:
         lines += ["| B | N | M | pointnet2_ops ms | suite ms | ratio | samples with the op's indices | first differing "
-                  "pick | " + " | ".join(f"{w} warps ms" for w in FPS_WARPS) + " | same indices at every warp count |",
-                  "| --- " * (9 + len(FPS_WARPS)) + "|"]
+                  "pick | " + " | ".join(f"{w} warps ms" for w in FPS_WARPS) + " | same indices at every warp count | "
+                  "centre carried (`CARRY`) ms | same indices carried |",
+                  "| --- " * (11 + len(FPS_WARPS)) + "|"]
         lines += [f"| {r['batch']} | {r['points']} | {r['samples']} | {1e3 * r['reference_s']:.3f} | "
                   f"{1e3 * r['suite_s']:.3f} | **{r['ratio']:.2f}x** | {r['same_samples']} of {r['batch']} | "
                   f"{'' if r['first_difference'] is None else r['first_difference']} | "
                   + " | ".join(f"{1e3 * r['warps_s'][w]:.3f}" for w in FPS_WARPS)
-                  + f" | {'yes' if r['same_with_warps'] else '**no**'} |" for r in out["fps"]]
+                  + f" | {'yes' if r['same_with_warps'] else '**no**'} | {_ms(r.get('carry_s'))} | "
+                  + {True: "yes", False: "**no**", None: ""}[r.get("same_with_carry")] + " |" for r in out["fps"]]
     else:
         lines.append(f"Not measured: {out['why_no_reference']}.")
     lines += ["", "## kNN: `attention.pointops.knn` against matmul + `topk`", "",

@@ -322,11 +322,13 @@ def test_pct_cuda_fps_rows_compare_indices_and_warp_counts(one_thread):
     (row,) = pct_cuda.fps_rows(op, 1, torch.device("cpu"), [(2, 64, 8)])
     assert row["same_samples"] == 1 and row["first_difference"] == 3 and row["same_with_warps"]
     assert set(row["warps_s"]) == set(pct_cuda.FPS_WARPS) and min(row["warps_s"].values()) > 0
+    assert row["carry_s"] > 0 and row["same_with_carry"]
     out = {"argv": [], "date": "now", "device": "cpu", "libraries": "", "reference": "stub", "rounds": 1,
            "cuda": False, "why_no_reference": "", "pct": [], "fps": [row], "knn": [], "syncs": None, "profile": ""}
     table = pct_cuda.markdown(out).split("## FPS")[1].split("\n## ")[0]
     lines = [line for line in table.splitlines() if line.startswith("| 2 | 64 | 8 |")]
-    assert len(lines) == 1 and "| 1 of 2 | 3 |" in lines[0] and lines[0].endswith("| yes |")
+    assert len(lines) == 1 and "| 1 of 2 | 3 |" in lines[0]
+    assert lines[0].endswith(f"| yes | {1e3 * row['carry_s']:.3f} | yes |"), lines[0]  # every warp count, carried
 
 
 def test_backbones_benchmark_times_vit_s_against_timms_deit_s(tmp_path, one_thread):

@@ -53,6 +53,11 @@ defaults = fps_triton.MAX_ONE_BLOCK, fps_triton.CHUNK
 for name, case in cases.items():
     fps_triton.MAX_ONE_BLOCK, fps_triton.CHUNK = (0, case["chunk"]) if case["chunk"] else defaults
     out[name] = farthest_point_sample(case["xyz"], case["m"], case["start"], case["like_kernel"], backend="triton")
+    if not case["chunk"]:  # the points in registers: also with each argmax carrying the centre's coordinates
+        fps_triton.CARRY = True
+        out[name + "|carry"] = farthest_point_sample(case["xyz"], case["m"], case["start"], case["like_kernel"],
+                                                     backend="triton")
+        fps_triton.CARRY = False
 torch.save(out, sys.argv[2])
 """
 
@@ -175,6 +180,8 @@ def test_kernel_equals_the_torch_loop(interpreted, name):
     want = farthest_point_sample(case["xyz"], case["m"], case["start"], case["like_kernel"], backend="torch")
     assert interpreted[name].dtype == torch.long
     assert interpreted[name].tolist() == want.tolist()
+    if not case["chunk"]:  # fps_triton.CARRY: the same picks with the centre carried through each argmax
+        assert interpreted[name + "|carry"].tolist() == want.tolist()
     if "fused" in name:  # a kernel without the fused multiply-adds would fail here
         assert not torch.equal(want, unfused_like_kernel(case["xyz"], case["m"]))
     if not case["like_kernel"] and ("grid" in name or "f64" in name):  # exact distances: the float64 rule too
@@ -291,23 +298,29 @@ def run(*args, grid, warmup, **options):  # records the launch, returns indices 
 
 
 fps_triton._fps_kernel.run = run
-for dtype, n in [(torch.float32, 512), (torch.float32, 1024), (torch.float32, 2048), (torch.float32, 8192),
-                 (torch.float32, 65536), (torch.float64, 4096), (torch.float64, 8192)]:
+for carry, dtype, n in [(False, torch.float32, 512), (False, torch.float32, 1024), (False, torch.float32, 2048),
+                        (False, torch.float32, 8192), (False, torch.float32, 65536), (False, torch.float64, 4096),
+                        (False, torch.float64, 8192), (True, torch.float32, 512), (True, torch.float32, 8192),
+                        (True, torch.float64, 4096)]:
     del launches[:]
+    fps_triton.CARRY = carry
     farthest_point_sample(torch.rand(2, n, 3, dtype=dtype), 4, like_kernel=dtype == torch.float32, backend="triton")
     for kernel, args, options in launches:
-        print(json.dumps(dict(n=n, dtype=str(dtype), warps=options["num_warps"], **compile_sm90(kernel, args, options))))
+        print(json.dumps(dict(n=n, dtype=str(dtype), warps=options["num_warps"], carry=options["CARRY"],
+                              **compile_sm90(kernel, args, options))))
 """
 
 
 def test_default_warps_hold_the_points_in_registers_without_spills(tmp_path):
     """The warps the rule picks (1 at 512 points to 8 from 4,096, what two H200 leases measured fastest) leave the
-    compiled kernel within the register file: no stack, no local memory (1 warp at 2,048 or 4 at 8,192 would spill)."""
+    compiled kernel within the register file: no stack, no local memory (1 warp at 2,048 or 4 at 8,192 would spill);
+    so does fps_triton.CARRY's reduction over five values at the sizes it takes (the points in registers)."""
     from triton_sm90 import compiled_rows
 
     rows = compiled_rows(RESOURCES, tmp_path)
-    assert [(r["n"], r["warps"]) for r in rows] == [(512, 1), (1024, 2), (2048, 4), (8192, 8), (65536, 8),
-                                                    (4096, 8), (8192, 8)]
+    assert [(r["n"], r["warps"], r["carry"]) for r in rows] == [
+        (512, 1, False), (1024, 2, False), (2048, 4, False), (8192, 8, False), (65536, 8, False), (4096, 8, False),
+        (8192, 8, False), (512, 1, True), (8192, 8, True), (4096, 8, True)]
     for r in rows:
         assert r["STACK"] == 0 and r["LOCAL"] == 0 and r["REG"] <= 255, r
 
@@ -385,9 +398,14 @@ def gpu_cases() -> list:
 
 
 @pytest.mark.cuda
-def test_kernel_on_the_gpu_equals_the_torch_path():
+@pytest.mark.parametrize("carry", [False, True])
+def test_kernel_on_the_gpu_equals_the_torch_path(monkeypatch, carry):
     # the Triton kernel compiled for the GPU (tl.fma: fma.rn.f32) against the torch path's emulation, on the CPU
-    # (on the GPU above 8,192 points: 8,192 steps of the CPU loop over 65,536 points take minutes)
+    # (on the GPU above 8,192 points: 8,192 steps of the CPU loop over 65,536 points take minutes); also with each
+    # argmax carrying the next centre (fps_triton.CARRY, where the points fit in registers)
+    from attention import fps_triton
+
+    monkeypatch.setattr(fps_triton, "CARRY", carry)
     for name, xyz, m in gpu_cases():
         want = farthest_point_sample(xyz if xyz.shape[1] <= 8192 else xyz.cuda(), m, like_kernel=True,
                                      backend="torch").cpu()
