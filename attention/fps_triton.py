@@ -152,9 +152,10 @@ def _fps_kernel(xyz_ptr, order_ptr, planes_ptr, dist_ptr, start_ptr, out_ptr, n,
             dist = tl.where(mask, _initial_distance(x, y, z, MIN_MAG), float("-inf"))  # lanes past N: never picked
         else:
             dist = tl.load(dist_row + offs, mask=mask, other=float("-inf"))  # lanes past N: never the maximum
-        cx = tl.load(x_ptr + far)  # the first centre
-        cy = tl.load(y_ptr + far)
-        cz = tl.load(z_ptr + far)
+        if CARRY:  # the first centre; each argmax then gives the next
+            cx = tl.load(x_ptr + far)
+            cy = tl.load(y_ptr + far)
+            cz = tl.load(z_ptr + far)
         while i < m - 1:
             tl.store(out_row + i, far)
             if not CARRY:
