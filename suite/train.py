@@ -224,6 +224,7 @@ def build_trainer(config: dict, module, out_dir: Path, loggers: list, identity: 
     from suite.distributed import adjust_trainer_kwargs, check_launch
     from suite.guard import NonFiniteGuard
     from suite.resume import RandomState
+    from suite.sigterm import AgreedSigterm
     from suite.tf32 import apply as apply_tf32
     from suite.tf32 import describe as describe_tf32
     from suite.tf32 import install_hint_filter
@@ -240,7 +241,7 @@ def build_trainer(config: dict, module, out_dir: Path, loggers: list, identity: 
     if meter is None:
         meter = TrainThroughput(window=0)
         callbacks.append(meter)
-    callbacks += [best, last, run_identity, RandomState(), guard]
+    callbacks += [best, last, run_identity, RandomState(), guard, AgreedSigterm()]
     compiling = take_options(trainer_kwargs)
     tf32 = take_tf32(trainer_kwargs)
     install_hint_filter(tf32)  # Lightning's Tensor Cores hint names trainer.tf32

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from test_run import GAN_TINY, SEG_TINY, TINY, env, run, user_error  # noqa: F401  (env is a fixture)
+from test_run import GAN_TINY, ROOT, SEG_TINY, TINY, env, run, user_error  # noqa: F401  (env is a fixture)
 
 from suite.distributed import lr_scale, scale_learning_rates
 from suite.run_record import quality_metrics
@@ -93,3 +97,63 @@ def test_bad_scaling_rule_and_ddp_inside_a_local_multirun_are_refused(env, tmp_p
                "optim.scale_lr", "linear", "sqrt")
     user_error(["-m", *TINY, *DDP, "attn=self,external", f"hydra.sweep.dir={tmp_path / 'b'}"], env,
                "trainer=ddp", "multirun", "hydra/launcher=slurm")
+
+
+# A config callback, importable by every process (Lightning starts the others as `python run.py ...`, so it lives in
+# a module on PYTHONPATH), that sends SIGTERM after the training batch that reaches global step `step`: "all": to
+# every process of the job, as a scheduler does (the first process signals its process group), and the second
+# process once more, as Lightning's own handler in the first process forwarded it; "second": to the second process
+# only; "validating": to the second process during the validation after that step (the processes see different
+# numbers of evaluation batches: each sample is scored once).
+SIGTERM_AT = r"""
+import os, signal
+import lightning as L
+
+class SigtermAt(L.Callback):
+    def __init__(self, step, who):
+        self.step, self.who = step, who
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step != self.step or self.who == "validating":
+            return
+        if self.who == "all" and trainer.global_rank == 0:
+            os.killpg(os.getpgid(0), signal.SIGTERM)
+        if trainer.global_rank == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        if (self.who == "validating" and trainer.global_step == self.step and not trainer.sanity_checking
+                and trainer.global_rank == 1 and batch_idx == 0):
+            os.kill(os.getpid(), signal.SIGTERM)
+"""
+
+
+@pytest.mark.parametrize("who", ["all", "second", "validating"])
+def test_sigterm_stops_every_process_at_one_batch(env, tmp_path, who):
+    """A SIGTERM to some or all processes of a two-process run (twice to one of them) ends all of them at the same
+    batch with code 143 and one last.ckpt (suite/sigterm.py). Lightning's own handler, which broadcast from inside
+    the signal handler, left such runs hanging in mismatched collectives."""
+    (tmp_path / "sigterm_at.py").write_text(SIGTERM_AT)
+    env = {**env, "PYTHONPATH": os.pathsep.join([str(tmp_path), *filter(None, [env.get("PYTHONPATH")])])}
+    out = tmp_path / "run"
+    args = [*CASES["modelnet"], "trainer.max_epochs=3", *DDP, "logger=none", f"hydra.run.dir={out}",
+            "+callbacks.sigterm._target_=sigterm_at.SigtermAt", "+callbacks.sigterm.step=3",
+            f"+callbacks.sigterm.who={who}"]
+    # A session of its own: the signal to the process group must not reach pytest, and a hung run is killed whole.
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=env["HOME"], env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"the run hung after SIGTERM:\n{stdout[-2000:]}\n{stderr[-2000:]}") from None
+    assert proc.returncode == 143, stdout[-2000:] + stderr[-2000:]
+    last = out / "checkpoints" / "last.ckpt"
+    state = torch.load(last, map_location="cpu", weights_only=True)
+    assert state["global_step"] == 3  # both stopped at the end of the batch (or the validation) that got the signal
+    logs = "".join(p.read_text() for p in out.glob("*.log"))
+    assert logs.count("received SIGTERM: stopping with the other processes") == (2 if who == "all" else 1)
+    assert "interrupted by SIGTERM at step 3" in stdout + stderr
+    assert not (out / "metrics.json").exists()

@@ -1,0 +1,70 @@
+"""A SIGTERM under DDP: every process stops at the same batch boundary (:class:`AgreedSigterm`), writes
+``last.ckpt`` with the others and exits with code 143 (``suite/train.py``)."""
+
+from __future__ import annotations
+
+import logging
+
+import lightning as L
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class AgreedSigterm(L.pytorch.callbacks.Callback):
+    """A SIGTERM under DDP (a scheduler's pre-emption, ``scancel``, a time limit) ends every process at the same
+    batch boundary, so that all of them write ``last.ckpt`` together (``suite/checkpoints.py``) and exit with code
+    143, whichever processes got the signal and however many times.
+
+    Lightning's own SIGTERM handler (2.6) broadcasts from inside the signal handler, at whatever point each process
+    was interrupted. A collective there pairs with whatever collective the other processes are in: a scheduler
+    signals every process, Lightning's first process forwards the signal to the processes it started, so those run
+    the handler twice, and the run hung in mismatched collectives, found with ``timeout 300 python run.py
+    trainer.devices=4 ...`` on CPU: killed after 20 minutes with no exit. Here the handler only notes the signal,
+    and the processes agree where all of them are in step: after every training batch and at the end of each
+    validation and test loop, over a CPU process group (one 4-byte all-reduce, no wait for a GPU). Once one process
+    had the signal, all of them set Lightning's ``received_sigterm`` at the same point, and Lightning stops them
+    there together: at the end of that training batch, or at the end of the epoch or the next training batch after
+    a validation. A test loop runs to its end.
+    Single-process runs keep Lightning's handler."""
+
+    def __init__(self):
+        self.pending = False  # this process got SIGTERM since the last agreement
+        self._group = None  # the CPU (gloo) group the processes agree over; None: one process
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        import torch.distributed as dist
+
+        if trainer.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
+            return
+        if self._group is None:  # every process calls setup in the same order: new_group is a collective
+            self._group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        # Lightning registers its handlers after the setup hooks (Trainer._run), from this attribute.
+        trainer._signal_connector._sigterm_notifier_fn = self._note
+
+    def _note(self, signum, frame) -> None:
+        """The SIGTERM handler: only notes the signal (no collective, no I/O but a log line; safe to run twice)."""
+        if not self.pending:
+            log.info("received SIGTERM: stopping with the other processes at the next batch")
+        self.pending = True
+
+    def _agree(self, trainer) -> None:
+        import torch.distributed as dist
+
+        if self._group is None:
+            return
+        flag = torch.tensor([int(self.pending or trainer.received_sigterm)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        if flag.item():
+            trainer._signal_connector.received_sigterm = True
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._agree(trainer)
+
+    # Not at every evaluation batch: the processes may see different numbers of them (each sample scored once,
+    # no padding: datamodules/loaders.py), so they agree once an evaluation loop has ended.
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self._agree(trainer)
+
+    def on_test_end(self, trainer, pl_module) -> None:
+        self._agree(trainer)
