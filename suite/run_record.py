@@ -179,13 +179,18 @@ def count_cost(module) -> dict:
     state = random.getstate(), np.random.get_state()
     with torch.random.fork_rng(devices=[]):  # a count must not move any random stream
         for _, net, example in parts:
-            device = next(net.parameters()).device
-            example = tuple(x.to(device) for x in example) if isinstance(example, tuple) else example.to(device)
+            param = next(net.parameters())  # the example in the network's device and dtype (trainer.precision=*-true)
+            example = tuple(_like(x, param) for x in example) if isinstance(example, tuple) else _like(example, param)
             _, p, f = summarize(net, example)
             params, flops = params + p, flops + f
     random.setstate(state[0])
     np.random.set_state(state[1])
     return {"params": params, "flops": flops}
+
+
+def _like(x, param):
+    """x on ``param``'s device, and in its dtype where x is floating point (an index stays an index)."""
+    return x.to(param.device, param.dtype if x.is_floating_point() else None)
 
 
 def eager_networks(compiled: bool):

@@ -225,6 +225,7 @@ def build_trainer(config: dict, module, out_dir: Path, loggers: list, identity: 
     from suite.guard import NonFiniteGuard
     from suite.resume import RandomState
     from suite.sigterm import AgreedSigterm
+    from suite.true_precision import MetricDtypes
     from suite.tf32 import apply as apply_tf32
     from suite.tf32 import describe as describe_tf32
     from suite.tf32 import install_hint_filter
@@ -241,7 +242,7 @@ def build_trainer(config: dict, module, out_dir: Path, loggers: list, identity: 
     if meter is None:
         meter = TrainThroughput(window=0)
         callbacks.append(meter)
-    callbacks += [best, last, run_identity, RandomState(), guard, AgreedSigterm()]
+    callbacks += [best, last, run_identity, RandomState(), guard, AgreedSigterm(), MetricDtypes()]
     compiling = take_options(trainer_kwargs)
     tf32 = take_tf32(trainer_kwargs)
     install_hint_filter(tf32)  # Lightning's Tensor Cores hint names trainer.tf32

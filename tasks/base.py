@@ -102,6 +102,20 @@ class Task(L.LightningModule):
 
         return released_weights(cfg.task.name, cfg.model, option)
 
+    @property
+    def example_input_array(self):
+        """One sample for summaries (Lightning's at the start of fit), as the trainer's precision plugin gives the
+        network its batches: in ``trainer.precision=64-true`` float64, in ``bf16-true`` bfloat16 (Lightning passes
+        it as it was made, float32, to the converted network, and every task crashed at the start of fit)."""
+        example = self._example_input_array
+        if example is None or self._trainer is None:
+            return example
+        return self._trainer.precision_plugin.convert_input(example)
+
+    @example_input_array.setter
+    def example_input_array(self, example) -> None:
+        self._example_input_array = example
+
     def summaries(self) -> list[tuple[str, torch.nn.Module, torch.Tensor | tuple]]:
         """(name, network, example input for one sample) of each network counted by ``mode=summary``; a task
         with one network returns it unnamed."""

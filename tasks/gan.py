@@ -200,11 +200,13 @@ class GAN(Task):
         return self.G_ema.module if self.G_ema is not None else self.G
 
     def sample_inputs(self, n: int, generator: torch.Generator | None = None):
-        """n latents (n, z_dim) and uniformly drawn labels (n,), from ``generator`` (on the CPU) when given."""
+        """n latents (n, z_dim) and uniformly drawn labels (n,), from ``generator`` (on the CPU) when given. Drawn in
+        float32 and given in G's dtype: the same latents under every ``trainer.precision`` (``64-true`` runs the
+        steps with float64 as torch's default dtype, which drew other numbers)."""
         device = "cpu" if generator is not None else self.device
-        z = torch.randn(n, self.z_dim, generator=generator, device=device)
+        z = torch.randn(n, self.z_dim, generator=generator, device=device, dtype=torch.float32)
         y = torch.randint(max(self.num_classes, 1), (n,), generator=generator, device=device)
-        return z.to(self.device), y.to(self.device)
+        return z.to(self.device, next(self.generator.parameters()).dtype), y.to(self.device)
 
     def forward(self, z: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
         return self.generator(z, y)

@@ -125,7 +125,7 @@ class PartSegmentation(Task):
         self.test_loss(loss, len(batch["parts"]))
         self.log("test/loss", self.test_loss)
         for i in range(min(self.hparams.log_samples - len(self._samples), len(pred))):
-            self._samples.append((batch["points"][i].cpu(), batch["parts"][i].cpu(), pred[i].cpu(),
+            self._samples.append((batch["points"][i].float().cpu(), batch["parts"][i].cpu(), pred[i].cpu(),
                                   int(batch["category"][i])))
 
     def on_test_epoch_end(self):

@@ -1,12 +1,13 @@
-"""Mixed precision (`trainer.precision=bf16-mixed` and `16-mixed`): kernels normalise in float32, every task trains.
+"""Mixed precision (`trainer.precision=bf16-mixed` and `16-mixed`): kernels normalise in float32, every task trains;
+and every task trains at `bf16-true` and `64-true` (the whole network in that dtype), its metrics kept in theirs.
 
 - Kernels: inputs that half precision cannot normalise (eps = 1e-9 is 0 in float16, exp and sums over many tokens
   overflow float16's 65504, bfloat16's 8-bit mantissa ruins unscaled logits) give the float64 answer under autocast.
   Each case gave NaN or inf (float16), or a 19% error (bfloat16), before the kernels computed in float32.
 - Mixers: every registered variant on every layout it serves, forward and backward under bfloat16 and float16
   autocast, is finite and close to float32.
-- Tasks: `run.py` at 32-true, bf16-mixed and 16-mixed for each task (one process, Hydra multiruns), finite metrics
-  close to float32's; and the GAN's manual optimisation goes through the GradScaler once per optimizer step.
+- Tasks: `run.py` at 32-true, bf16-mixed, 16-mixed, bf16-true and 64-true for each task (one process, Hydra
+  multiruns), finite metrics close to float32's (every task crashed at the start of fit at `*-true` before); and the GAN's manual optimisation goes through the GradScaler once per optimizer step.
 
 Lightning turns `16-mixed` on a CPU into `bf16-mixed` (with a warning): the task runs below patch that choice, so
 that on CPU, as on a GPU, `16-mixed` is float16 autocast with a GradScaler.
@@ -267,7 +268,7 @@ for args in runs:
 # Per task: its smallest run, the precisions it runs at, and the metrics that must match float32's. Every job is
 # seeded alike, so the first batch meets the same weights: these metrics are computed before, or one step after,
 # the first update. The GAN runs without validation (one FID, at test) and is compared with float32 below.
-ALL = ["32-true", "bf16-mixed", "16-mixed"]
+ALL = ["32-true", "bf16-mixed", "16-mixed", "bf16-true", "64-true"]
 TASK_RUNS = {
     "modelnet": ([*TINY, "attn=offset", "trainer.fast_dev_run=true"], ALL, ("val/loss", "test/loss")),
     "shapenet": (["task=shapenet", "data=parts", "data.npoints=128", "data.train_per_category=2",
@@ -277,7 +278,7 @@ TASK_RUNS = {
     "segmentation": ([*SEG_TINY, "attn=linear_taylor", "trainer.fast_dev_run=true"], ALL,
                      ("train/loss_main", "train/loss_aux")),
     "gan": ([*GAN_TINY, "attn=external", "trainer.max_steps=1", "+trainer.limit_val_batches=0",
-             "eval.num_samples=2", "metrics.reference_samples=2"], ["bf16-mixed", "16-mixed"], ()),
+             "eval.num_samples=2", "metrics.reference_samples=2"], ALL[1:], ()),
 }
 
 
@@ -399,3 +400,49 @@ def test_gan_manual_optimisation_goes_through_the_grad_scaler(tmp_path):
         assert torch.isfinite(p).all()
     opt_g, opt_d = trainer.optimizers
     assert opt_d.state and opt_g.state  # some updates were taken, not all skipped for inf gradients
+
+
+# --------------------------------------------------------------------------------------------
+# trainer.precision=*-true: the whole module converted, the metrics kept
+# --------------------------------------------------------------------------------------------
+
+class _Metrics(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        from torchmetrics import MeanMetric
+        from torchmetrics.classification import MulticlassAccuracy
+
+        from tasks.metrics.part_iou import PartIoU
+
+        self.net = torch.nn.Linear(3, 2)
+        self.loss, self.acc, self.iou = MeanMetric(), MulticlassAccuracy(3), PartIoU([[0, 1], [2]], 3)
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "16-true", "64-true"])
+def test_true_precision_keeps_the_metrics_dtypes(precision):
+    """Lightning's half `*-true` precisions convert the whole LightningModule (`module.to(dtype)`), which converts
+    torchmetrics' floating states too; suite.true_precision.MetricDtypes puts them back after the conversion. In
+    bfloat16 a mean of 1,000 losses of 1.0 came out 0.256: the sum stopped at 256."""
+    from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision
+
+    from suite.true_precision import MetricDtypes
+
+    module, keep = _Metrics(), MetricDtypes()
+    keep.setup(None, module, "fit")
+    plugin = DoublePrecision() if precision == "64-true" else HalfPrecision(precision)
+    module = plugin.convert_module(module)
+    assert module.net.weight.dtype == (torch.float64 if precision == "64-true" else plugin._desired_input_dtype)
+    if precision != "64-true":  # converted (torchmetrics guards .double(), which DoublePrecision calls, not .to)
+        assert module.loss.mean_value.dtype == module.iou.iou_sum.dtype == plugin._desired_input_dtype
+    keep.on_fit_start(None, module)
+    assert module.loss.mean_value.dtype == module.loss.weight.dtype == torch.float32
+    assert module.iou.iou_sum.dtype == module.iou.shapes.dtype == torch.float64
+    assert module.acc.tp.dtype == torch.long  # integer counts: never converted
+    with plugin.forward_context():  # where Lightning runs the steps that update metrics
+        for _ in range(1000):
+            module.loss.update(torch.tensor(1.0))
+        module.iou.update(torch.tensor([[0, 1, 1]]), torch.tensor([[0, 1, 0]]), torch.tensor([0]))
+    assert module.loss.compute().item() == 1.0
+    assert module.iou.compute()["instance_miou"].item() == 0.5  # parts 0 and 1: 1 of 2 points each
+    module.loss.reset()  # a reset gives the kept dtype back, not the converted one
+    assert module.loss.mean_value.dtype == torch.float32
