@@ -126,11 +126,54 @@ def slurm_restart(run_dir: Path) -> bool:
     return any(run_dir.glob("hpc_ckpt_*.ckpt")) or (own and bool(results_in(run_dir)))
 
 
+def claim(folder: Path) -> Path:
+    """A new, empty folder for one run or sweep: ``folder``, or ``folder-1``, ``folder-2``, ... when another run
+    has it. Each try is one ``mkdir``, which fails when the folder exists, also on a shared file system: the one
+    check-and-create that two processes cannot both pass."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    candidate, n = folder, 0
+    while True:
+        try:
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:
+            n += 1
+            candidate = folder.with_name(f"{folder.name}-{n}")
+
+
+def claim_stamped_dir(config, kind: str) -> None:
+    """Give a run (``kind="run"``) or sweep (``"sweep"``) whose directory is named by its start time a directory
+    of its own (:func:`claim`), written into ``config`` as a plain path for Hydra, the run and Lightning's DDP
+    processes. Runs started within the same second with the same task and attention (W&B agents or a shell loop
+    started together, two sweeps) shared one directory, and overwrote each other's checkpoints and results.
+    A directory given on the command line, and a SLURM job's ``slurm-<job id>`` (shared by the job's tasks on
+    purpose), are left as they are."""
+    from omegaconf import OmegaConf, read_write
+
+    node = config.hydra[kind]
+    given = str(OmegaConf.to_container(node, resolve=False).get("dir"))
+    stamp = "${run_stamp:}" if kind == "run" else "${now:"
+    if stamp not in given or (kind == "run" and run_stamp().startswith("slurm-")):
+        return
+    folder = claim(Path(str(node.dir)))
+    with read_write(node):
+        node.dir = str(folder)
+    if kind == "sweep":  # each job's config is composed again from the sweep's overrides: add the directory to them
+        quoted = str(folder).replace("'", "\\'")  # Hydra's quoted string; backslashes stay as they are
+        with read_write(config.hydra.overrides):
+            config.hydra.overrides.hydra.append(f"hydra.sweep.dir='{quoted}'")
+
+
 class CheckRunDir(Callback):
-    """Hydra callback (``hydra.callbacks`` in configs/config.yaml): :func:`check_fresh_run` for a single training run
-    before Hydra writes anything into its directory; a refusal ends the run as every user error does."""
+    """Hydra callback (``hydra.callbacks`` in configs/config.yaml): a directory of its own for a run or sweep named
+    by its start time (:func:`claim_stamped_dir`); :func:`check_fresh_run` for a single training run before Hydra
+    writes anything into its directory, where a refusal ends the run as every user error does."""
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        claim_stamped_dir(config, "sweep")
 
     def on_run_start(self, config, **kwargs) -> None:
+        claim_stamped_dir(config, "run")
         if config.get("mode") != "train":
             return
         from attention.errors import UserError

@@ -6,13 +6,15 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from fixture_cache import once_per_worker
 from suite.report import read_folders
-from test_run import TINY, env, run, user_error  # noqa: F401 - env is a fixture
+from test_run import ROOT, TINY, env, run, user_error  # noqa: F401 - env is a fixture
 
 # Two epochs of 10 steps, logged to W&B (offline) with the CSV history beside it.
 ARGS = [*TINY, "trainer.max_epochs=2", "logger=wandb"]
@@ -89,3 +91,44 @@ def test_a_run_that_trains_nothing_is_refused(env, tmp_path):
     user_error([*TINY, "++trainer.limit_train_batches=0", "logger=none", f"hydra.run.dir={tmp_path / 'b'}"], env,
                "took no training step", "no checkpoint was written")
     assert not (tmp_path / "b" / "metrics.json").exists() and not (tmp_path / "b" / "checkpoints").exists()
+
+
+# run.py with its start time fixed (tests/test_run_dirs.py: every run "starts within the same second").
+FROZEN = ("import runpy, sys; import suite.run_dirs as r; r.run_stamp = lambda: '2026-01-01_00-00-00'; "
+          "sys.argv = [{run!r}, *sys.argv[1:]]; runpy.run_path({run!r}, run_name='__main__')")
+
+
+def seed(folder: Path) -> str:
+    """The seed= override of the run in ``folder``, from its .hydra/overrides.yaml."""
+    return (folder / ".hydra" / "overrides.yaml").read_text().split("seed=")[1].split()[0]
+
+
+def test_runs_and_sweeps_started_together_get_a_directory_each(env, tmp_path):
+    """Runs started within the same second with the same task and attention (W&B agents started together, a shell
+    loop of `run.py ... &`) were given one directory, outputs/<task>/<attn>/<time>, and wrote their checkpoints
+    and metrics over each other's; two sweeps started together shared multirun/<time> and its job folders. Each
+    now claims its own (`<time>`, `<time>-1`, ...) with one mkdir. Here three runs and two sweeps start at once,
+    with their start time fixed (runs) or a fixed sweep directory pattern (`${now:fixed}` is the text "fixed")."""
+    code = FROZEN.format(run=str(ROOT / "run.py"))
+    home = tmp_path  # the working directory of every run: outputs/ and sweeps/ are made here
+    common = ["task=modelnet", "mode=summary", "data=shapes"]
+    procs = [subprocess.Popen([sys.executable, "-c", code, *common, f"seed={seed}"], cwd=home, env=env,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for seed in range(3)]
+    procs += [subprocess.Popen([sys.executable, str(ROOT / "run.py"), "-m", *common, "attn=self,external",
+                                f"seed={seed}", "hydra.sweep.dir=sweeps/${now:fixed}"], cwd=home, env=env,
+                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for seed in (10, 11)]
+    for proc in procs:
+        out = proc.communicate(timeout=600)[0]
+        assert proc.returncode == 0, out[-3000:]
+    runs = home / "outputs" / "modelnet" / "offset"
+    names = sorted(p.name for p in runs.iterdir())
+    assert names == ["2026-01-01_00-00-00", "2026-01-01_00-00-00-1", "2026-01-01_00-00-00-2"]
+    assert sorted(seed(runs / name) for name in names) == ["0", "1", "2"]  # each its own record, none another's
+    for name in names:  # and its own log only
+        assert (runs / name / "run.log").read_text().count("Seed set to") == 1
+    sweeps = sorted(p.name for p in (home / "sweeps").iterdir())
+    assert sweeps == ["fixed", "fixed-1"]
+    for job in ("0_modelnet_self", "1_modelnet_external"):
+        assert sorted(seed(home / "sweeps" / s / job) for s in sweeps) == ["10", "11"]
