@@ -1,4 +1,5 @@
-"""Resuming a run in its own directory: which checkpoint, the same W&B run, the same random numbers.
+"""Resuming a run in its own directory: which checkpoint, the same W&B run, the same random numbers, the whole
+run's wall time.
 
 ``ckpt_path=last`` continues from ``<run dir>/checkpoints/last.ckpt`` and
 fails if there is none; ``resume=true`` does the same but starts afresh when
@@ -14,6 +15,9 @@ checkpoint and puts them back when training restarts, so a run resumed at an
 epoch boundary draws the same shuffles, augmentations and dropout masks as one
 that never stopped (exactly so with ``data.num_workers=0``; worker processes
 are seeded afresh when they are restarted).
+
+:class:`RunClock` keeps the seconds a run has spent in its checkpoints, so that ``metrics.json``'s ``wall_time_s``
+of a run resumed after a pre-emption is the time of all its parts, not of its last one.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import logging
 import secrets
 import string
+import time
 from pathlib import Path
 
 import lightning as L
@@ -112,3 +117,26 @@ class RandomState(L.pytorch.callbacks.Callback):
         np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
         version, internal, gauss_next = state["python"]
         random.setstate((version, tuple(internal), gauss_next))
+
+
+class RunClock(L.pytorch.callbacks.Callback):
+    """The run's wall time (``metrics.json``'s ``wall_time_s``) over all its parts.
+
+    Every checkpoint keeps the seconds the run had spent when it was written; a run resumed from one (``resume=true``,
+    a requeued SLURM job) continues from there. So a run pre-empted twice reports the time of its three parts, each
+    earlier one up to the checkpoint the next resumed from (the work after it was lost and done again), where it
+    reported its last part only and looked as cheap as a run that never stopped. Lightning restores callbacks only
+    when fitting: testing a checkpoint does not move the clock."""
+
+    def __init__(self, started: float):
+        self.started = started  # time.perf_counter() at this process's start of the run
+        self.before = 0.0  # seconds of the run's earlier parts
+
+    def seconds(self) -> float:
+        return self.before + time.perf_counter() - self.started
+
+    def state_dict(self):
+        return {"seconds": self.seconds()}
+
+    def load_state_dict(self, state_dict):
+        self.before = float(state_dict["seconds"])

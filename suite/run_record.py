@@ -3,6 +3,7 @@
 ``metrics.json`` keeps every final metric (``train/*``, ``val/*``, ``test/*``) and gains:
 
 - ``wall_time_s``: seconds from the start of the run (``suite/train.py``) to the end of testing (data set-up included);
+  a resumed run adds the time of its earlier parts (``suite.resume.RunClock``);
 - ``peak_memory_bytes`` with ``peak_memory_source``: CUDA's ``torch.cuda.max_memory_allocated`` when the run
   used a GPU, else the process's peak resident set size (``getrusage``), both reset when the run starts
   (:func:`reset_peak_memory`), so that each job of a local multirun, where the jobs share one process, has its own;
@@ -25,7 +26,6 @@ import contextlib
 import logging
 import random
 import resource
-import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -202,11 +202,11 @@ def eager_networks(compiled: bool):
     return eager()
 
 
-def record(module, config: dict, tested: str | None, device_type: str, started: float, meter=None,
+def record(module, config: dict, tested: str | None, device_type: str, wall_time: float, meter=None,
            compiler=None) -> dict:
-    """The fields above for ``metrics.json`` (``started``: ``time.perf_counter()`` at the run's start; ``compiler``:
+    """The fields above for ``metrics.json`` (``wall_time``: the run's seconds, ``wall_time_s``; ``compiler``:
     the run's ``suite.compile.CompileNetworks``, or None when it compiled nothing)."""
-    out: dict = {"wall_time_s": time.perf_counter() - started}
+    out: dict = {"wall_time_s": wall_time}
     try:
         out["peak_memory_bytes"], out["peak_memory_source"] = peak_memory(device_type)
     except Exception as err:  # noqa: BLE001 - a measurement never loses a run

@@ -136,7 +136,7 @@ def fit_and_test(cfg: DictConfig, composed, run_dir: Path, out_dir: Path, starte
         save_wandb_run_id(run_dir, run_id)
     loggers = build_loggers(cfg.logger, out_dir, config, run_id=run_id, resuming=resuming,
                             resume_step=checkpoint_step(ckpt) if resuming else None)
-    trainer, parts = build_trainer(config, module, run_dir, loggers, identity)
+    trainer, parts = build_trainer(config, module, run_dir, loggers, identity, started)
     if cfg.mode == "train":
         from suite.distributed import apply_lr_scaling
 
@@ -165,7 +165,7 @@ def fit_and_test(cfg: DictConfig, composed, run_dir: Path, out_dir: Path, starte
     metrics = finish_metrics(metrics, parts["guard"], datamodule)
     log.info("rank %d metrics: %s", trainer.global_rank, json.dumps(metrics))  # each process logs what it saw
     if trainer.is_global_zero:
-        write_metrics(metrics, module, config, tested, trainer, started,
+        write_metrics(metrics, module, config, tested, trainer, parts["clock"].seconds(),
                       parts["meter"] if cfg.mode == "train" else None, out_dir, loggers, parts["compiler"])
     close_loggers(loggers)
     return metrics
@@ -207,12 +207,13 @@ def trained_nothing(trainer) -> str:
             "ckpt_path=... or model.weights=....")
 
 
-def build_trainer(config: dict, module, out_dir: Path, loggers: list, identity: dict):
+def build_trainer(config: dict, module, out_dir: Path, loggers: list, identity: dict, started: float):
     """The Trainer of ``config["trainer"]`` with the suite's callbacks: the config's own (``callbacks``), the
-    checkpoints, random-state saving, the non-finite loss guard, the throughput meter, with ``trainer.compile`` the
-    networks' compilation (``suite/compile.py``) and, with a logger, the learning rate monitor. The suite's own
-    trainer options (``on_nan``, ``compile*``, ``tf32``) are taken out before the rest reaches Lightning's Trainer.
-    Returns the trainer and ``{"best", "guard", "meter", "compiler"}``, read after the run (``compiler`` None when not
+    checkpoints, random-state saving, the run's clock (from ``started``, ``time.perf_counter()`` at the run's start),
+    the non-finite loss guard, the throughput meter, with ``trainer.compile`` the networks' compilation
+    (``suite/compile.py``) and, with a logger, the learning rate monitor. The suite's own trainer options
+    (``on_nan``, ``compile*``, ``tf32``) are taken out before the rest reaches Lightning's Trainer. Returns the
+    trainer and ``{"best", "guard", "meter", "compiler", "clock"}``, read after the run (``compiler`` None when not
     compiling)."""
     import lightning as L
     from hydra.utils import instantiate
@@ -223,7 +224,7 @@ def build_trainer(config: dict, module, out_dir: Path, loggers: list, identity: 
     from suite.determinism import configure as configure_determinism
     from suite.distributed import adjust_trainer_kwargs, check_launch
     from suite.guard import NonFiniteGuard
-    from suite.resume import RandomState
+    from suite.resume import RandomState, RunClock
     from suite.sigterm import AgreedSigterm
     from suite.true_precision import MetricDtypes
     from suite.tf32 import apply as apply_tf32
@@ -242,7 +243,8 @@ def build_trainer(config: dict, module, out_dir: Path, loggers: list, identity: 
     if meter is None:
         meter = TrainThroughput(window=0)
         callbacks.append(meter)
-    callbacks += [best, last, run_identity, RandomState(), guard, AgreedSigterm(), MetricDtypes()]
+    clock = RunClock(started)
+    callbacks += [best, last, run_identity, RandomState(), clock, guard, AgreedSigterm(), MetricDtypes()]
     compiling = take_options(trainer_kwargs)
     tf32 = take_tf32(trainer_kwargs)
     install_hint_filter(tf32)  # Lightning's Tensor Cores hint names trainer.tf32
@@ -263,7 +265,7 @@ def build_trainer(config: dict, module, out_dir: Path, loggers: list, identity: 
     trainer = L.Trainer(**trainer_kwargs, callbacks=callbacks, logger=loggers or False, plugins=plugins,
                         default_root_dir=str(out_dir))
     check_launch(trainer)
-    return trainer, {"best": best, "guard": guard, "meter": meter, "compiler": compiler}
+    return trainer, {"best": best, "guard": guard, "meter": meter, "compiler": compiler, "clock": clock}
 
 
 def finish_metrics(metrics: dict[str, float], guard, datamodule) -> dict[str, float]:
@@ -279,14 +281,14 @@ def finish_metrics(metrics: dict[str, float], guard, datamodule) -> dict[str, fl
     return {k: v for k, v in sorted(metrics.items()) if not k.endswith("_step")}
 
 
-def write_metrics(metrics: dict, module, config: dict, tested: str | None, trainer, started: float, meter,
+def write_metrics(metrics: dict, module, config: dict, tested: str | None, trainer, wall_time: float, meter,
                   out_dir: Path, loggers: list, compiler=None) -> None:
     """``metrics.json`` (the metrics and, beside them, what mode=report needs: wall time, peak memory,
     params/FLOPs, throughput, protocol; with ``trainer.compile``, the compile time), printed too, and the run
     record sent to W&B."""
     from suite.run_record import record
 
-    extra = record(module, config, tested, trainer.strategy.root_device.type, started, meter, compiler)
+    extra = record(module, config, tested, trainer.strategy.root_device.type, wall_time, meter, compiler)
     (out_dir / "metrics.json").write_text(json.dumps({**metrics, **extra}, indent=2) + "\n")
     print("\n".join(f"{k:>24} {v:.4f}" for k, v in metrics.items()))
     print("\n".join(f"{k:>24} {v:.6g}" for k, v in extra.items() if isinstance(v, (int, float))))

@@ -66,8 +66,15 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(env, tmp_path):
     assert not (killed / "metrics.json").exists()
     first_id = (killed / "checkpoints" / "wandb_run_id").read_text().strip()
 
+    # The seconds the killed part had spent when it wrote the checkpoint it is resumed from (suite.resume.RunClock).
+    spent = torch.load(killed / "checkpoints" / "last.ckpt", weights_only=True)["callbacks"]["RunClock"]["seconds"]
+    started = time.monotonic()
     resumed = run([*ARGS, f"hydra.run.dir={killed}", "resume=true"], env)
+    took = time.monotonic() - started
     assert f"resuming from {killed / 'checkpoints' / 'last.ckpt'}" in resumed.stdout + resumed.stderr
+    # Its wall time is both parts': the resumed part alone made a run killed and resumed look cheaper than it was.
+    wall = json.loads((killed / "metrics.json").read_text())["wall_time_s"]
+    assert 0 < spent < wall < spent + took
 
     a = quality_metrics(json.loads((straight / "metrics.json").read_text()))
     b = quality_metrics(json.loads((killed / "metrics.json").read_text()))
