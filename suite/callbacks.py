@@ -83,6 +83,12 @@ class TrainThroughput(L.pytorch.callbacks.Callback):
     def on_validation_end(self, trainer, pl_module):
         self._start = time.perf_counter()
 
+    def state_dict(self):  # in checkpoints: a resumed run's whole-run rate counts its earlier parts' batches too
+        return {"samples": self.samples, "seconds": self.seconds}
+
+    def load_state_dict(self, state_dict):
+        self.samples, self.seconds = int(state_dict["samples"]), float(state_dict["seconds"])
+
     def rate(self) -> float | None:
         """The whole run's samples per second, or None before any batch was counted."""
         return self.samples / self.seconds if self.samples and self.seconds > 0 else None

@@ -16,8 +16,9 @@ epoch boundary draws the same shuffles, augmentations and dropout masks as one
 that never stopped (exactly so with ``data.num_workers=0``; worker processes
 are seeded afresh when they are restarted).
 
-:class:`RunClock` keeps the seconds a run has spent in its checkpoints, so that ``metrics.json``'s ``wall_time_s``
-of a run resumed after a pre-emption is the time of all its parts, not of its last one.
+:class:`FitRecord` keeps the seconds a run has spent and its fit's metrics in its checkpoints, so that
+``metrics.json`` of a resumed run has the time of all its parts, not of its last one, and the fit's metrics also when
+the checkpoint was written at the fit's end.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pathlib import Path
 import lightning as L
 
 from attention.errors import UserError
+from suite.run_record import floats
 
 log = logging.getLogger(__name__)
 WANDB_ID_FILE = "wandb_run_id"
@@ -119,24 +121,47 @@ class RandomState(L.pytorch.callbacks.Callback):
         random.setstate((version, tuple(internal), gauss_next))
 
 
-class RunClock(L.pytorch.callbacks.Callback):
-    """The run's wall time (``metrics.json``'s ``wall_time_s``) over all its parts.
+class FitRecord(L.pytorch.callbacks.Callback):
+    """What a run's checkpoints keep of its record: the seconds spent and the fit's latest metrics.
 
-    Every checkpoint keeps the seconds the run had spent when it was written; a run resumed from one (``resume=true``,
-    a requeued SLURM job) continues from there. So a run pre-empted twice reports the time of its three parts, each
-    earlier one up to the checkpoint the next resumed from (the work after it was lost and done again), where it
-    reported its last part only and looked as cheap as a run that never stopped. Lightning restores callbacks only
-    when fitting: testing a checkpoint does not move the clock."""
+    - **Wall time** (``metrics.json``'s ``wall_time_s``) over all the run's parts: a run resumed from a checkpoint
+      (``resume=true``, a requeued SLURM job) continues from the seconds it holds. So a run pre-empted twice reports
+      the time of its three parts, each earlier one up to the checkpoint the next resumed from (the work after it
+      was lost and done again), where it reported its last part only and looked as cheap as a run that never
+      stopped.
+    - **The fit's metrics** (``train/*``, ``val/*``, as Lightning's ``callback_metrics`` held them): a run resumed
+      from a checkpoint written at the end of its fit (killed while testing) trains nothing more, and its
+      ``metrics.json`` got the test metrics only; :meth:`fit_metrics` gives them back.
+    - ``steps``: the training steps taken in this process (0: the checkpoint was at the end of the fit already).
+
+    Lightning restores callbacks only when fitting: testing a checkpoint changes none of this."""
 
     def __init__(self, started: float):
         self.started = started  # time.perf_counter() at this process's start of the run
         self.before = 0.0  # seconds of the run's earlier parts
+        self.saved: dict[str, float] = {}  # the fit's metrics in the checkpoint resumed from
+        self.steps = 0
+        self._trainer = None
+
+    def setup(self, trainer, pl_module, stage):
+        self._trainer = trainer
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps += 1
 
     def seconds(self) -> float:
         return self.before + time.perf_counter() - self.started
 
+    def fit_metrics(self, trainer) -> dict[str, float]:
+        """The fit's final metrics: this process's, or when it trained nothing, those of the checkpoint."""
+        if self.steps == 0 and self.saved:
+            return dict(self.saved)
+        return floats(trainer.callback_metrics)
+
     def state_dict(self):
-        return {"seconds": self.seconds()}
+        metrics = floats(self._trainer.callback_metrics) if self._trainer is not None else {}
+        return {"seconds": self.seconds(), "metrics": metrics}
 
     def load_state_dict(self, state_dict):
         self.before = float(state_dict["seconds"])
+        self.saved = {str(k): float(v) for k, v in state_dict.get("metrics", {}).items()}

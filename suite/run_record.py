@@ -3,7 +3,7 @@
 ``metrics.json`` keeps every final metric (``train/*``, ``val/*``, ``test/*``) and gains:
 
 - ``wall_time_s``: seconds from the start of the run (``suite/train.py``) to the end of testing (data set-up included);
-  a resumed run adds the time of its earlier parts (``suite.resume.RunClock``);
+  a resumed run adds the time of its earlier parts (``suite.resume.FitRecord``);
 - ``peak_memory_bytes`` with ``peak_memory_source``: CUDA's ``torch.cuda.max_memory_allocated`` when the run
   used a GPU, else the process's peak resident set size (``getrusage``), both reset when the run starts
   (:func:`reset_peak_memory`), so that each job of a local multirun, where the jobs share one process, has its own;
@@ -33,6 +33,11 @@ log = logging.getLogger(__name__)
 # What :func:`record` adds to metrics.json beside the metrics (these differ between two runs of one seed).
 RECORD_KEYS = ("wall_time_s", "peak_memory_bytes", "peak_memory_source", "train_samples_per_sec", "params", "flops",
                "protocol", "compile_time_s", "compile_graphs")
+
+
+def floats(metrics) -> dict[str, float]:
+    """Logged metrics (Lightning's ``callback_metrics``, a test's results) as plain floats."""
+    return {str(k): float(v) for k, v in metrics.items()}
 
 
 def quality_metrics(metrics_json: dict) -> dict:

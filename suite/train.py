@@ -112,6 +112,7 @@ def fit_and_test(cfg: DictConfig, composed, run_dir: Path, out_dir: Path, starte
     from suite.loggers import build_loggers, close_loggers
     from suite.resume import resume_checkpoint, save_wandb_run_id, wandb_run_id
     from suite.run_dirs import slurm_restart
+    from suite.run_record import floats
 
     config, datamodule, module = composed.config, composed.datamodule, composed.module
     ckpt = cfg.get("ckpt_path")
@@ -149,7 +150,11 @@ def fit_and_test(cfg: DictConfig, composed, run_dir: Path, out_dir: Path, starte
             if trainer.global_step == 0:
                 close_loggers(loggers)
                 raise UserError(trained_nothing(trainer))
-            metrics.update(_floats(trainer.callback_metrics))
+            record = parts["record"]
+            if record.steps == 0 and (kept := finished_already(trainer, out_dir)) is not None:
+                close_loggers(loggers)  # resumed at its end, with its record written: nothing to do
+                return kept
+            metrics.update(record.fit_metrics(trainer))
             best = parts["best"].best_model_path or None
             results = trainer.test(module, datamodule=datamodule, ckpt_path=best, weights_only=True)
             if best:
@@ -161,11 +166,11 @@ def fit_and_test(cfg: DictConfig, composed, run_dir: Path, out_dir: Path, starte
     except SIGTERMException:  # Lightning stopped at the end of a batch; last.ckpt is written (suite/checkpoints.py)
         raise SystemExit(interrupted(trainer, run_dir, cfg.mode)) from None
     for result in results:
-        metrics.update(_floats(result))
+        metrics.update(floats(result))
     metrics = finish_metrics(metrics, parts["guard"], datamodule)
     log.info("rank %d metrics: %s", trainer.global_rank, json.dumps(metrics))  # each process logs what it saw
     if trainer.is_global_zero:
-        write_metrics(metrics, module, config, tested, trainer, parts["clock"].seconds(),
+        write_metrics(metrics, module, config, tested, trainer, parts["record"].seconds(),
                       parts["meter"] if cfg.mode == "train" else None, out_dir, loggers, parts["compiler"])
     close_loggers(loggers)
     return metrics
@@ -198,6 +203,26 @@ def interrupted(trainer, run_dir: Path, mode: str) -> int:
     return SIGTERM_EXIT
 
 
+def finished_already(trainer, out_dir: Path) -> dict | None:
+    """For a run resumed (``resume=true``, ``ckpt_path=last``, a requeued SLURM job) from a checkpoint at the end of
+    its fit: its recorded metrics when its ``metrics.json`` is written (it is finished, and its record stays as it
+    was: it was rewritten with the test metrics alone, so the job script of a sweep run again to finish its
+    unfinished runs lost the training and validation metrics of every finished one); None when there is none
+    to keep (killed while testing: the run tests and writes it)."""
+    metrics_file = out_dir / "metrics.json"
+    try:
+        recorded = json.loads(metrics_file.read_text())
+    except (OSError, ValueError):
+        return None
+    if trainer.is_global_zero:
+        log.info("this run had finished already (step %d, epoch %d; its checkpoint is at the end of the fit): "
+                 "%s is kept as it is, nothing was trained or tested. To train it longer, raise trainer.max_epochs "
+                 "(or trainer.max_steps) with resume=true; to test it again, `mode=test ckpt_path=last "
+                 "hydra.run.dir=%s` writes its own record.", trainer.global_step, trainer.current_epoch,
+                 metrics_file, out_dir)
+    return {k: v for k, v in recorded.items() if isinstance(v, (int, float))}
+
+
 def trained_nothing(trainer) -> str:
     """The message for a fit that ended without a single training step (nothing to test as a trained network)."""
     return (f"mode=train took no training step: the training loop got no batch (on {trainer.world_size} "
@@ -209,11 +234,11 @@ def trained_nothing(trainer) -> str:
 
 def build_trainer(config: dict, module, out_dir: Path, loggers: list, identity: dict, started: float):
     """The Trainer of ``config["trainer"]`` with the suite's callbacks: the config's own (``callbacks``), the
-    checkpoints, random-state saving, the run's clock (from ``started``, ``time.perf_counter()`` at the run's start),
+    checkpoints, random-state saving, the run's record (from ``started``, ``time.perf_counter()`` at the run's start),
     the non-finite loss guard, the throughput meter, with ``trainer.compile`` the networks' compilation
     (``suite/compile.py``) and, with a logger, the learning rate monitor. The suite's own trainer options
     (``on_nan``, ``compile*``, ``tf32``) are taken out before the rest reaches Lightning's Trainer. Returns the
-    trainer and ``{"best", "guard", "meter", "compiler", "clock"}``, read after the run (``compiler`` None when not
+    trainer and ``{"best", "guard", "meter", "compiler", "record"}``, read after the run (``compiler`` None when not
     compiling)."""
     import lightning as L
     from hydra.utils import instantiate
@@ -224,7 +249,7 @@ def build_trainer(config: dict, module, out_dir: Path, loggers: list, identity: 
     from suite.determinism import configure as configure_determinism
     from suite.distributed import adjust_trainer_kwargs, check_launch
     from suite.guard import NonFiniteGuard
-    from suite.resume import RandomState, RunClock
+    from suite.resume import FitRecord, RandomState
     from suite.sigterm import AgreedSigterm
     from suite.true_precision import MetricDtypes
     from suite.tf32 import apply as apply_tf32
@@ -243,8 +268,8 @@ def build_trainer(config: dict, module, out_dir: Path, loggers: list, identity: 
     if meter is None:
         meter = TrainThroughput(window=0)
         callbacks.append(meter)
-    clock = RunClock(started)
-    callbacks += [best, last, run_identity, RandomState(), clock, guard, AgreedSigterm(), MetricDtypes()]
+    record = FitRecord(started)
+    callbacks += [best, last, run_identity, RandomState(), record, guard, AgreedSigterm(), MetricDtypes()]
     compiling = take_options(trainer_kwargs)
     tf32 = take_tf32(trainer_kwargs)
     install_hint_filter(tf32)  # Lightning's Tensor Cores hint names trainer.tf32
@@ -265,7 +290,7 @@ def build_trainer(config: dict, module, out_dir: Path, loggers: list, identity: 
     trainer = L.Trainer(**trainer_kwargs, callbacks=callbacks, logger=loggers or False, plugins=plugins,
                         default_root_dir=str(out_dir))
     check_launch(trainer)
-    return trainer, {"best": best, "guard": guard, "meter": meter, "compiler": compiler, "clock": clock}
+    return trainer, {"best": best, "guard": guard, "meter": meter, "compiler": compiler, "record": record}
 
 
 def finish_metrics(metrics: dict[str, float], guard, datamodule) -> dict[str, float]:
@@ -313,5 +338,3 @@ def log_record(loggers, extra: dict) -> None:
             log.warning("could not log the run record to %s: %s", type(logger).__name__, err)
 
 
-def _floats(metrics) -> dict[str, float]:
-    return {k: float(v) for k, v in metrics.items()}

@@ -66,8 +66,8 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(env, tmp_path):
     assert not (killed / "metrics.json").exists()
     first_id = (killed / "checkpoints" / "wandb_run_id").read_text().strip()
 
-    # The seconds the killed part had spent when it wrote the checkpoint it is resumed from (suite.resume.RunClock).
-    spent = torch.load(killed / "checkpoints" / "last.ckpt", weights_only=True)["callbacks"]["RunClock"]["seconds"]
+    # The seconds the killed part had spent when it wrote the checkpoint it is resumed from (suite.resume.FitRecord).
+    spent = torch.load(killed / "checkpoints" / "last.ckpt", weights_only=True)["callbacks"]["FitRecord"]["seconds"]
     started = time.monotonic()
     resumed = run([*ARGS, f"hydra.run.dir={killed}", "resume=true"], env)
     took = time.monotonic() - started
@@ -104,6 +104,31 @@ def test_resume_true_starts_afresh_when_nothing_to_resume(env, tmp_path):
     proc = run([*TINY, "resume=true", "logger=none", f"hydra.run.dir={tmp_path}"], env)
     assert "no checkpoint" in proc.stdout + proc.stderr
     assert (tmp_path / "metrics.json").is_file()
+
+
+def test_resuming_a_finished_run_keeps_its_record(env, tmp_path):
+    """A job script run again with resume=true (a sweep's script re-run to finish its unfinished runs, a SLURM job
+    requeued after it had finished) resumed each finished run from its final checkpoint, trained nothing, tested
+    again and rewrote metrics.json with the test metrics alone: the training and validation metrics were lost. A
+    run killed while testing (after its final checkpoint) lost them the same way when resumed. Now the first
+    keeps metrics.json byte for byte, and the second writes every metric of the uninterrupted run."""
+    args = [*TINY, "logger=csv", f"hydra.run.dir={tmp_path}"]
+    run(args, env)
+    written = (tmp_path / "metrics.json").read_bytes()
+    first = json.loads(written)
+    assert {"train/loss", "val/oa", "val/oa_best", "test/oa", "train_samples_per_sec"} <= first.keys()
+
+    again = run([*args, "resume=true"], env)
+    assert "this run had finished already" in again.stdout + again.stderr
+    assert (tmp_path / "metrics.json").read_bytes() == written
+
+    (tmp_path / "metrics.json").unlink()  # as if killed while testing
+    run([*args, "resume=true"], env)
+    tested = json.loads((tmp_path / "metrics.json").read_text())
+    assert tested.keys() == first.keys()
+    assert quality_metrics(tested) == pytest.approx(quality_metrics(first), abs=1e-6)
+    # The whole-run training rate of the fit, kept in the checkpoint (nothing trained in the resumed part).
+    assert tested["train_samples_per_sec"] == pytest.approx(first["train_samples_per_sec"], rel=1e-9)
 
 
 @pytest.mark.xdist_group("resume")
