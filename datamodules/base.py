@@ -38,7 +38,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from attention.errors import UserError
-from datamodules.loaders import ResumableLoader, eval_loading, train_sampling
+from datamodules.loaders import ResumableLoader, WorkerInit, eval_loading, train_sampling
 
 log = logging.getLogger(__name__)
 
@@ -332,6 +332,7 @@ class DataModule(L.LightningDataModule):
             num_workers=workers,
             persistent_workers=workers > 0 and not train,  # training: new workers seeded per epoch
             pin_memory=torch.cuda.is_available(),
+            worker_init_fn=WorkerInit(self.trainer.global_rank if self.trainer is not None else None),
         )
 
     def _too_small(self, size: int, batch_size: int) -> str:

@@ -1,4 +1,4 @@
-"""Sampling that survives DDP and resumption.
+"""Sampling and worker processes that survive DDP, resumption and a scheduler's SIGTERM.
 
 Training: the shuffle of epoch ``e`` is a function of (seed, e), as
 ``DistributedSampler``'s is, and no loader draws from the global torch
@@ -16,10 +16,15 @@ samples twice. Our evaluation loaders use Lightning's own
 ``UnrepeatedDistributedSampler`` instead (ranks may differ by one sample;
 safe because evaluation does no per-batch collective), and metrics are
 torchmetrics states summed across ranks.
+
+Workers: every loader's worker processes start with :class:`WorkerInit`, which leaves a scheduler's signals to
+the main process.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -27,6 +32,40 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler
 
 from attention.errors import UserError
+
+
+# The signals a scheduler sends to every process of a job, which the run handles in its main process: SIGTERM (a
+# time limit, pre-emption, scancel), SIGUSR1 (sbatch --signal=USR1@<s>: Lightning's requeue, configs/hydra/launcher/
+# slurm.yaml) and SIGUSR2 (submitit's time-out warning).
+LEFT_TO_THE_RUN = ("SIGTERM", "SIGUSR1", "SIGUSR2")
+
+
+class WorkerInit:
+    """Every DataLoader worker's start (its ``worker_init_fn``): a scheduler's signals ignored, then Lightning's
+    seeding.
+
+    A scheduler signals every process of the job, the loaders' workers too (:data:`LEFT_TO_THE_RUN`). PyTorch's
+    workers die of a SIGTERM that their main process did not send (and of SIGUSR1 and SIGUSR2, whose default is to
+    end the process), and the main process then raised "DataLoader worker (pid ...) is killed by signal" wherever
+    it was: a traceback and exit code 1, with no checkpoint of the interrupted step, where a run stops at the end
+    of the batch, saves and exits 143 (``suite/sigterm.py``), or saves and requeues itself on SIGUSR1 under SLURM.
+    The workers now leave these signals to the main process, which ends them when it stops (a worker also exits
+    by itself once its main process is gone).
+
+    Lightning adds its own ``worker_init_fn`` (``seed_everything(workers=True)``: each worker's generators seeded
+    from the loader's base seed, the worker and the process's rank) only to loaders without one, so it is called
+    here as Lightning would call it."""
+
+    def __init__(self, rank: int | None = None):
+        self.rank = rank  # the process's global rank; None: Lightning's rank_zero_only.rank in the worker
+
+    def __call__(self, worker_id: int) -> None:
+        for name in LEFT_TO_THE_RUN:
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+        if int(os.environ.get("PL_SEED_WORKERS", 0)):
+            from lightning.fabric.utilities.seed import pl_worker_init_function
+
+            pl_worker_init_function(worker_id, rank=self.rank)
 
 
 def eval_loading(dataset: Dataset, what: str) -> dict:

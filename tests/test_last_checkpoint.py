@@ -18,7 +18,7 @@ from test_run import GAN_TINY, TINY, env, run  # noqa: F401 - env is a fixture
 # does (KeyboardInterrupt, which Lightning handles gracefully and ends with exit code 1) or with a SIGTERM to the
 # process (Lightning stops at the end of that batch).
 INTERRUPT = r"""
-import os, signal, sys, types
+import os, signal, subprocess, sys, types
 import lightning as L
 
 class InterruptAt(L.Callback):
@@ -29,6 +29,9 @@ class InterruptAt(L.Callback):
         if trainer.global_step == self.step:
             if self.how == "sigterm":
                 os.kill(os.getpid(), signal.SIGTERM)
+            elif self.how == "sigterm_all":  # as a scheduler signals a job: every process, data workers too, from
+                # another process (a worker exits quietly when the signal comes from its own main process)
+                subprocess.run(["kill", "-s", "TERM", "--", f"-{os.getpgid(0)}"])
             else:
                 raise KeyboardInterrupt
 
@@ -55,13 +58,18 @@ def test_run_that_never_validates_leaves_its_weights(env, tmp_path):
     assert not list(last.parent.glob(".last.ckpt.tmp-*"))  # written through the atomic checkpoint IO
 
 
-@pytest.mark.parametrize("how", ["ctrl_c", "sigterm"])
+@pytest.mark.parametrize("how", ["ctrl_c", "sigterm", "sigterm_all"])
 def test_interrupted_run_leaves_last_checkpoint_and_resumes_from_it(env, tmp_path, how):
     """Interrupted at step 3 of a 10-step epoch (no validation yet, so no checkpoint before): last.ckpt holds step
-    3, and `ckpt_path=last` continues from there to the end of the epoch."""
+    3, and `ckpt_path=last` continues from there to the end of the epoch. `sigterm_all` signals the run's whole
+    process group, two data-loading workers included, as a scheduler does: the workers died of it and the run
+    crashed ("DataLoader worker ... is killed by signal: Terminated", exit 1, no checkpoint)."""
     args = [*TINY, "logger=none", f"hydra.run.dir={tmp_path}"]
+    if how == "sigterm_all":
+        args.append("data.num_workers=2")
     proc = launch(INTERRUPT, [*args, "+callbacks.interrupt._target_=interrupt_at.InterruptAt",
-                              "+callbacks.interrupt.step=3", f"+callbacks.interrupt.how={how}"], env, check=False)
+                              "+callbacks.interrupt.step=3", f"+callbacks.interrupt.how={how}"], env, check=False,
+                  start_new_session=True)  # its own process group, which sigterm_all signals
     last = tmp_path / "checkpoints" / "last.ckpt"
     assert last.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
     assert saved_step(last) == 3

@@ -232,20 +232,22 @@ def test_lightning_detects_slurm_from_the_environment(env, tmp_path):
 
 
 def test_sigusr1_checkpoints_requeues_and_the_job_resumes(env, tmp_path):
-    """A run under SLURM gets the time-limit warning: Lightning saves hpc_ckpt_1.ckpt in the run directory and
-    calls `scontrol requeue <array job>_<element>`; SLURM then ends it (SIGTERM). Started again in the same
-    directory, as the requeued job is, training continues from that checkpoint."""
+    """A run under SLURM (two data-loading workers) gets the time-limit warning: Lightning saves hpc_ckpt_1.ckpt in
+    the run directory and calls `scontrol requeue <array job>_<element>`; SLURM then ends it (SIGTERM). Started again
+    in the same directory, as the requeued job is, training continues from that checkpoint."""
     out = tmp_path / "run"
     calls = tmp_path / "scontrol.log"
     bin_dir = stub_commands(tmp_path, scontrol=f'echo "$@" >> "{calls}"')
     slurm_env = {**{k: v for k, v in env.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}, **SLURM_VARS,
                  "PATH": f"{bin_dir}{os.pathsep}{env['PATH']}"}
     args = [*TINY, "task=modelnet", "attn=external", "data.num_classes=3", "data.train_per_class=2",
-            "data.val_per_class=1", "data.test_per_class=1", "logger=none", f"hydra.run.dir={out}"]
+            "data.val_per_class=1", "data.test_per_class=1", "data.num_workers=2", "logger=none",
+            f"hydra.run.dir={out}"]
     log1 = tmp_path / "first.log"
-    with log1.open("w") as f:
+    with log1.open("w") as f:  # a process group of its own: SLURM signals every process of the job, workers too
         first = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args, "trainer.max_epochs=200"],
-                                 cwd=env["HOME"], env=slurm_env, stdin=subprocess.DEVNULL, stdout=f, stderr=f)
+                                 cwd=env["HOME"], env=slurm_env, stdin=subprocess.DEVNULL, stdout=f, stderr=f,
+                                 start_new_session=True)
     try:
         def wait_for(path: Path, seconds: float):
             deadline = time.monotonic() + seconds
@@ -255,9 +257,11 @@ def test_sigusr1_checkpoints_requeues_and_the_job_resumes(env, tmp_path):
                 time.sleep(0.1)
 
         wait_for(out / "checkpoints" / "last.ckpt", 180)  # an epoch done: fit() is running, handlers are set
-        first.send_signal(signal.SIGUSR1)  # sbatch --signal=USR1@<delay>, sent to every srun task
+        # sbatch --signal=USR1@<delay>: to every process of the job. Its data-loading workers died of it (and of the
+        # SIGTERM below), and the run crashed with "DataLoader worker ... is killed by signal" before it requeued.
+        os.killpg(first.pid, signal.SIGUSR1)
         wait_for(calls, 60)  # the handler calls scontrol after the checkpoint is written
-        first.send_signal(signal.SIGTERM)  # scontrol requeue ends the running job
+        os.killpg(first.pid, signal.SIGTERM)  # scontrol requeue ends the running job
         first.wait(timeout=60)
     finally:
         if first.poll() is None:
