@@ -16,6 +16,8 @@ generation, image classification) is a :class:`DataModule`. What a family or dat
 - Bad data goes through ``self.bad`` (:class:`BadFiles`), which applies ``data.on_bad_file``:
   :meth:`BadFiles.file` for a bad file, :meth:`BadFiles.samples` for per-sample checks of one file,
   :meth:`BadFiles.problems` for a list of ``(file, what is wrong)``. Readers raise :class:`DataError`.
+  A sample found bad only where it is loaded (a DataLoader worker) is dropped by the collate function, which
+  lists its entry under :data:`SKIPPED` in the batch; :meth:`DataModule.on_before_batch_transfer` counts it.
 - Loaders: ``train_dataloader`` / ``val_dataloader`` / ``test_dataloader`` are built by
   :meth:`DataModule.build_loader` from the split's dataset; a family sets :meth:`DataModule.collate`
   (default: PyTorch's) and ``full_train_batches`` (see there), or calls ``build_loader`` itself for
@@ -56,6 +58,9 @@ MAX_NAMES = 5  # names listed in one message or warning
 SPLITS = {"train": 0, "val": 1, "test": 2}
 ON_BAD_FILE = ("error", "skip")
 SKIP_HINT = "Or set data.on_bad_file=skip to drop bad files and samples (they are counted and named)."
+# The key under which a collate function lists the samples of a batch that its worker dropped (data.on_bad_file=skip,
+# "<file>: <reason>" each): DataModule.on_before_batch_transfer takes them out and counts them in the run's process.
+SKIPPED = "skipped"
 
 
 def describe(names: Iterable) -> str:
@@ -171,6 +176,15 @@ class BadFiles:
         """Forget what was skipped (a fresh setup)."""
         self.skipped = []
         self._warned = 0
+
+    def loaded(self, entries: Iterable[str]) -> None:
+        """Record samples dropped where they were loaded (a DataLoader worker, which warned already), each once
+        however often it is met (every epoch): :data:`SKIPPED` of a batch."""
+        known = set(self.skipped)
+        for entry in entries:
+            if entry not in known:
+                known.add(entry)
+                self.skipped.append(entry)
 
     def file(self, err: DataError) -> None:
         """A bad file (or sample): raise ``err`` with the hint (error) or record its entry (skip)."""
@@ -343,6 +357,13 @@ class DataModule(L.LightningDataModule):
     def _loader(self, split: str) -> DataLoader:
         self.setup()
         return self.build_loader(getattr(self, f"{split}_set"), split)
+
+    def on_before_batch_transfer(self, batch, dataloader_idx: int):
+        """Count the samples a worker dropped from ``batch`` (:data:`SKIPPED`) with the other bad files: decoding
+        happens in the workers, whose own records never reach the run's ``data/skipped``."""
+        if isinstance(batch, dict) and SKIPPED in batch:
+            self.bad.loaded(batch.pop(SKIPPED))
+        return batch
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled by (seed, epoch), resumable mid-epoch."""

@@ -167,7 +167,7 @@ def fit_and_test(cfg: DictConfig, composed, run_dir: Path, out_dir: Path, starte
         raise SystemExit(interrupted(trainer, run_dir, cfg.mode)) from None
     for result in results:
         metrics.update(floats(result))
-    metrics = finish_metrics(metrics, parts["guard"], datamodule)
+    metrics = finish_metrics(metrics, parts["guard"], datamodule, trainer)
     log.info("rank %d metrics: %s", trainer.global_rank, json.dumps(metrics))  # each process logs what it saw
     if trainer.is_global_zero:
         write_metrics(metrics, module, config, tested, trainer, parts["record"].seconds(),
@@ -293,14 +293,22 @@ def build_trainer(config: dict, module, out_dir: Path, loggers: list, identity: 
     return trainer, {"best": best, "guard": guard, "meter": meter, "compiler": compiler, "record": record}
 
 
-def finish_metrics(metrics: dict[str, float], guard, datamodule) -> dict[str, float]:
+def finish_metrics(metrics: dict[str, float], guard, datamodule, trainer) -> dict[str, float]:
     """The run's final metrics: skipped batches and files counted (and the files named again at the end, where
-    they are seen); last-batch values (``*_step``), which differ per process and say little, left out."""
+    they are seen; under DDP those of every process: each loads its own share, and drops its own bad ones when it
+    loads them); last-batch values (``*_step``), which differ per process and say little, left out."""
     if guard.skipped:
         metrics["train/skipped_batches"] = float(len(guard.skipped))
     skipped = list(getattr(datamodule, "skipped", None) or [])
+    if trainer.world_size > 1:
+        import torch.distributed as dist
+
+        shares: list = [None] * trainer.world_size
+        dist.all_gather_object(shares, skipped)
+        skipped = list(dict.fromkeys(entry for share in shares for entry in share))
     if skipped:  # data.on_bad_file=skip: what was left out
         metrics["data/skipped"] = float(len(skipped))
+    if skipped and trainer.is_global_zero:
         log.warning("data.on_bad_file=skip left out %d bad file(s)/sample(s): %s%s", len(skipped),
                     "; ".join(skipped[:5]), " ..." if len(skipped) > 5 else "")
     return {k: v for k, v in sorted(metrics.items()) if not k.endswith("_step")}

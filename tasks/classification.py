@@ -185,7 +185,9 @@ class ImageClassification(Task):
     def training_step(self, batch, batch_idx):
         image, label = batch["image"], batch["label"]  # (B, 3, S, S), (B,)
         if self.mixup is not None:
-            if len(image) % 2:  # a batch shortened by skipped files (data.on_bad_file=skip)
+            if len(image) == 1:  # a batch shortened to one image by skipped files (data.on_bad_file=skip):
+                image, label = image.repeat(2, 1, 1, 1), label.repeat(2)  # mixed with itself, it is itself
+            elif len(image) % 2:  # shortened by skipped files: Mixup pairs the images
                 image, label = image[:-1], label[:-1]
             image, target = self.mixup(image, label)  # on this device; target (B, K) mixed and smoothed
         else:

@@ -31,7 +31,8 @@ sets fail before training; ``on_bad_file=skip`` drops them there with one
 warning and their count. A file that is found unreadable only when a worker
 decodes it (ImageNet is too large to check up front) raises a UserError naming
 it with ``on_bad_file=error``, and is dropped from its batch with a warning
-with ``skip``.
+with ``skip``; the batch lists it (``datamodules.base.SKIPPED``) for the data
+module, which counts it once in ``skipped`` (the run's ``data/skipped``).
 
 A new data set is a subclass that sets ``name``, ``num_classes`` and ``class_names`` and implements
 :meth:`ClassificationDataModule._sources`.
@@ -50,8 +51,8 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from attention.errors import UserError
-from datamodules.base import (DECODE_ERRORS, IMAGENET_MEAN, IMAGENET_STD, MAX_NAMES, DataError, DataModule,
-                             choice_option, float_option, int_option)
+from datamodules.base import (DECODE_ERRORS, IMAGENET_MEAN, IMAGENET_STD, MAX_NAMES, SKIPPED, DataError,
+                              DataModule, choice_option, float_option, int_option)
 from datamodules.formats.image_folder import check_image, open_rgb
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,8 @@ class ClassificationDataset(Dataset):
     """``{"image": transform(PIL image), "label": int64}`` per sample, decoded here (in the worker).
 
     An image that cannot be decoded raises a UserError naming it (``on_bad_file="error"``) or
-    yields ``None`` with a warning (``"skip"``), which :func:`collate` drops."""
+    yields ``{SKIPPED: "<file>: <reason>"}`` with a warning (``"skip"``), which :func:`collate` drops from
+    the batch and lists in it, for the run's count."""
 
     def __init__(self, source: FileSource | ArraySource, transform, on_bad_file: str = "error"):
         self.source, self.transform, self.on_bad_file = source, transform, on_bad_file
@@ -128,26 +130,30 @@ class ClassificationDataset(Dataset):
     def __len__(self) -> int:
         return len(self.source)
 
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor] | None:
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor | str]:
         try:
             image = self.source.image(index)
         except DECODE_ERRORS as err:
             if self.on_bad_file == "skip":
                 log.warning("Skipped unreadable image %s (data.on_bad_file=skip): %s", self.source.name(index), err)
-                return None
+                return {SKIPPED: f"{self.source.name(index)}: cannot be decoded as an image ({type(err).__name__})"}
             raise UserError(f"{self.source.name(index)} cannot be decoded as an image ({type(err).__name__}: "
                             f"{err}). Remove or replace it, or set data.on_bad_file=skip to skip unreadable "
                             "files.") from None
         return {"image": self.transform(image), "label": torch.tensor(int(self.source.labels[index]))}
 
 
-def collate(samples: list[dict | None]) -> dict[str, torch.Tensor]:
-    """Stack samples into ``{"image": (B, 3, S, S), "label": (B,)}``, dropping skipped (``None``) ones."""
-    kept = [s for s in samples if s is not None]
+def collate(samples: list[dict]) -> dict:
+    """Stack samples into ``{"image": (B, 3, S, S), "label": (B,)}``, dropping skipped ones (listed under
+    ``SKIPPED``, which the data module counts)."""
+    kept = [s for s in samples if SKIPPED not in s]
     if not kept:
         raise UserError(f"Every image of a batch of {len(samples)} was unreadable (data.on_bad_file=skip): check "
                         "the data set's files (see the warnings above).")
-    return {"image": torch.stack([s["image"] for s in kept]), "label": torch.stack([s["label"] for s in kept])}
+    batch = {"image": torch.stack([s["image"] for s in kept]), "label": torch.stack([s["label"] for s in kept])}
+    if len(kept) < len(samples):
+        batch[SKIPPED] = [s[SKIPPED] for s in samples if SKIPPED in s]
+    return batch
 
 
 # ---------------------------------------------------------------------------

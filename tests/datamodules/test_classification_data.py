@@ -17,6 +17,7 @@ from attention.errors import UserError
 from datamodules import CIFAR10, CIFAR100, CIFAR10Classification, Digits, FolderClassification, ImageNet, TinyDigits
 from datamodules.classification import CIFARClassification
 from datamodules.formats import cifar
+from datamodules.base import SKIPPED
 from datamodules.classification import IMAGENET_MEAN, IMAGENET_STD, ClassificationDataset, FileSource, collate
 from datamodules.formats.cifar import CIFAR10_CLASSES
 
@@ -142,8 +143,28 @@ def test_a_file_found_bad_in_a_worker_is_named_or_dropped(tmp_path):
     lenient = ClassificationDataset(source, lambda im: torch.zeros(3, 4, 4), "skip")
     batch = collate([lenient[0], lenient[1]])
     assert batch["label"].tolist() == [0] and batch["image"].shape == (1, 3, 4, 4)
+    # The dropped file travels with its batch to the run's process, which counts it (data/skipped).
+    assert batch[SKIPPED] == [f"{bad}: cannot be decoded as an image (UnidentifiedImageError)"]
+    assert SKIPPED not in collate([lenient[0], lenient[0]])
     with pytest.raises(UserError, match="unreadable"):
-        collate([None])
+        collate([lenient[1]])
+
+
+def test_files_dropped_in_the_workers_are_counted_once(tmp_path):
+    """verify_images=false with data.on_bad_file=skip: the workers drop the bad files as they decode them, and
+    their count never reached the run (no data/skipped in metrics.json). The data module now counts each
+    once from its batches, however many epochs meet it; two worker processes here."""
+    root = imagenet_tree(tmp_path / "w", train=2, val=1)
+    bad = next((root / "train").glob("*/*.JPEG"))
+    bad.write_bytes(b"not an image")
+    dm = FolderClassification(str(root), on_bad_file="skip", verify_images=False, **{**EVAL, "num_workers": 2})
+    dm.setup()
+    assert dm.skipped == []  # not checked in setup
+    for _epoch in range(2):
+        for batch in dm.train_dataloader():
+            batch = dm.on_before_batch_transfer(batch, 0)
+            assert SKIPPED not in batch  # taken out before the batch reaches the device and the task
+    assert dm.skipped == [f"{bad}: cannot be decoded as an image (UnidentifiedImageError)"]
 
 
 def test_bad_options_name_the_option(tmp_path):

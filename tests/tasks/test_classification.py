@@ -249,6 +249,34 @@ def test_run_fast_dev_run_and_bad_size(env, tmp_path):  # noqa: F811
     user_error(["task=classification", "model=resnet9000"], env, "resnet9000", "vit_s", "model=")
 
 
+def test_files_dropped_by_the_workers_are_counted_in_the_record(env, tmp_path):  # noqa: F811
+    """data.on_bad_file=skip on a data set too large to check up front (verify_images=false): two processes, two
+    workers each, a bad image in train/ and one in val/ (also the test split). The workers dropped them with a
+    warning, and metrics.json said nothing (no data/skipped); each process now counts what its workers dropped,
+    and the run records both, once, whatever process and epoch met them. A batch of two left with one image still
+    trains under Mixup (it was cut to no image at all, and its loss was NaN)."""
+    from PIL import Image
+
+    root = tmp_path / "images"
+    for split in ("train", "val"):
+        for name, colour in (("a", (200, 10, 10)), ("b", (10, 10, 200))):
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for i in range(3):
+                Image.new("RGB", (40, 40), colour).save(folder / f"{i}.png")
+        (root / split / "a" / "bad.png").write_bytes(b"not an image")
+    out = tmp_path / "run"
+    proc = run(["task=classification", "data=folder_cls", f"data.root={root}", "data.img_size=32", "model=vit_s",
+                "data.verify_images=false", "data.on_bad_file=skip", "data.num_workers=2", "data.batch_size=2",
+                "data.eval_batch_size=2", "trainer.max_epochs=2", "trainer.devices=2", "logger=none",
+                "trainer.enable_progress_bar=false", f"hydra.run.dir={out}"], env)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["data/skipped"] == 2.0 and math.isfinite(metrics["train/loss"])
+    (said,) = [line for line in (out / "run.log").read_text().splitlines() if "left out 2 bad file" in line]
+    assert str(root / "train" / "a" / "bad.png") in said and str(root / "val" / "a" / "bad.png") in said
+    assert "Traceback" not in proc.stderr
+
+
 @pytest.mark.parametrize("model", ["focal_t", "vit_s", "eamlp"])
 def test_dilated_is_one_override_away_on_every_model(model):
     """`task=classification model=X attn=dilated`: the task's preset gives DilateFormer's rates [1, 2, 3], which
