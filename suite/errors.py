@@ -5,6 +5,7 @@
 - a :class:`UserError` anywhere in the chain (Hydra's ``instantiate`` wraps what constructors raise): the suite's
   own message;
 - a full disk or quota, or a read-only file system, met while writing a file (:func:`disk_error`);
+- memory run out, a GPU's or the machine's (:func:`memory_error`): a run too large for the machine as configured;
 - an option that Lightning or torch refused, told apart by where it was raised, not by its type alone (a
   ``ValueError`` elsewhere is a bug and keeps its traceback):
   - Lightning's ``MisconfigurationException`` raised while the ``Trainer`` is built, or anywhere when its message
@@ -29,9 +30,12 @@ import re
 import sys
 import traceback
 from collections.abc import Iterator
+from pathlib import Path
 from types import FrameType
 
 from attention.errors import UserError
+
+PROJECT = Path(__file__).resolve().parents[1]  # the checkout: frames of the suite's own code, for messages
 
 UNEXPECTED = re.compile(r"^(\w+)\.__init__\(\) got an unexpected keyword argument '(\w+)'")
 # Trainer arguments that run.py fills itself: never a config option, so never the one to blame.
@@ -47,7 +51,8 @@ def as_user_error(err: BaseException) -> UserError | None:
     for cause in chain(err):
         if isinstance(cause, UserError):
             return cause
-        mapped = trainer_option_error(cause) or optimizer_option_error(cause) or disk_error(cause)
+        mapped = trainer_option_error(cause) or optimizer_option_error(cause) or disk_error(cause) \
+            or memory_error(cause)
         if mapped is not None:
             return mapped
     return None
@@ -77,6 +82,45 @@ def disk_error(err: BaseException) -> UserError | None:
         "and continue the run with the same command plus `resume=true hydra.run.dir=<its run directory>`, or start "
         "it on a disk with room, e.g. `hydra.run.dir=/scratch/$USER/my-run`."
     )
+
+
+def memory_error(err: BaseException) -> UserError | None:
+    """Out of memory: a GPU's (``torch.OutOfMemoryError``) or the machine's (torch's CPU allocator, Python's
+    ``MemoryError``). The run is too large for the machine as configured, and the message says which options make
+    it smaller, and where it ran out (the innermost frame of the suite's own code, for a run that should fit)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(err, torch.OutOfMemoryError):
+        device = "The GPU"
+    elif isinstance(err, MemoryError) or (isinstance(err, RuntimeError) and "DefaultCPUAllocator" in str(err)):
+        device = "This machine"
+    else:
+        return None
+    detail = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    detail = detail.split(" See documentation for Memory Management")[0].strip()  # torch's link: not the run's
+    detail = detail if detail.endswith(".") else detail + "."
+    ours = [(f, own_file(f)) for f in frames(err) if own_file(f) is not None]
+    place = f" in {ours[-1][1]}:{ours[-1][0].f_lineno} ({ours[-1][0].f_code.co_name})" if ours else ""
+    return UserError(
+        f"{device} ran out of memory{place}: {detail} The run is too large for it as configured: lower "
+        "data.batch_size (evaluation uses data.eval_batch_size), or keep the effective batch with a smaller "
+        "data.batch_size and ++trainer.accumulate_grad_batches=<n>; on a GPU, trainer.precision=bf16-mixed halves "
+        "activations; smaller inputs (data.npoints, data.img_size) or a smaller model also fit. Checkpoints written "
+        "so far are kept: after a change that keeps the network, the same command plus `resume=true "
+        "hydra.run.dir=<its run directory>` continues from the newest."
+    )
+
+
+def own_file(frame: FrameType) -> str | None:
+    """The frame's file relative to the checkout when it is the suite's own code (not an installed package in
+    the checkout's .venv, not generated code), else None."""
+    name = frame.f_code.co_filename
+    if name.startswith("<"):
+        return None
+    path = Path(name).resolve()
+    if not path.is_relative_to(PROJECT):
+        return None
+    relative = path.relative_to(PROJECT)
+    return None if relative.parts[0].startswith(".") or "site-packages" in relative.parts else str(relative)
 
 
 def chain(err: BaseException) -> Iterator[BaseException]:

@@ -50,6 +50,22 @@ def training_step(self, batch, batch_idx):
 PointCloudClassification.training_step = training_step
 """
 
+# Memory runs out at global step 12: the machine's (torch's CPU allocator refuses 128 TiB) or a GPU's (torch's
+# CUDA out-of-memory error, as a GPU raises it).
+OUT_OF_MEMORY_AT_STEP_12 = r"""
+import torch
+from tasks.modelnet import PointCloudClassification
+step = PointCloudClassification.training_step
+def training_step(self, batch, batch_idx):
+    if self.global_step == 12:
+        if os.environ["OUT_OF"] == "gpu":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total "
+                                         "capacity of 79.19 GiB of which 1.23 GiB is free.")
+        torch.empty(2**45)
+    return step(self, batch, batch_idx)
+PointCloudClassification.training_step = training_step
+"""
+
 # wandb's Run.log raises from its fourth call on, as when its service process is gone.
 WANDB_GONE = r"""
 import wandb.sdk.wandb_run as wr
@@ -88,6 +104,26 @@ def launch(patch: str, args: list[str], env: dict, check: bool = True, **popen) 
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
+
+
+@pytest.mark.parametrize("out_of", ["cpu", "gpu"])
+def test_running_out_of_memory_says_which_options_make_the_run_smaller(env, tmp_path, out_of):
+    """A batch too large for the machine ended the run with torch's traceback; it is the run's size, not a bug:
+    one paragraph, exit code 2, naming where it ran out (the suite's innermost frame), torch's own account and the
+    options that make the run smaller. The checkpoint of the first epoch is kept."""
+    proc = launch(OUT_OF_MEMORY_AT_STEP_12, [*TWO_EPOCHS, "logger=none", f"hydra.run.dir={tmp_path}"],
+                  {**env, "OUT_OF": out_of}, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    (said,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    if out_of == "gpu":
+        assert "The GPU ran out of memory in suite/guard.py:" in said and "Tried to allocate 20.00 GiB." in said
+    else:
+        assert "This machine ran out of memory in suite/guard.py:" in said and "DefaultCPUAllocator" in said
+    for option in ("data.batch_size", "data.eval_batch_size", "++trainer.accumulate_grad_batches",
+                   "trainer.precision=bf16-mixed", "resume=true"):
+        assert option in said, option
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
 
 
 def finite_weights(path: Path) -> bool:
