@@ -5,8 +5,9 @@
   (:func:`check_fresh_run`; for a single run by :class:`CheckRunDir` as soon as Hydra has composed it, before
   Hydra writes its ``.hydra/`` files over the old run's) unless this run continues that one (``resume=true``,
   ``ckpt_path=last`` or a checkpoint of that directory, a requeued SLURM job: :func:`slurm_restart`) or
-  is told to replace it (``overwrite=true``, which deletes the old run's checkpoints, ``metrics.json`` and logged
-  history first, so that no old best checkpoint is left beside the new ones).
+  is told to replace it (``overwrite=true``, which deletes the old run's checkpoints, ``metrics.json``, logged
+  history and the ``test-<time>`` records of tests of its checkpoints first, so that no old best checkpoint or
+  result is left beside the new ones).
 - A **test** (``mode=test``/``eval``) in a directory that holds a run already, as
   ``mode=test ckpt_path=last hydra.run.dir=<a training run>`` does, writes its own record into
   ``<run dir>/test-<time>/`` (:func:`record_dir`): ``metrics.json``, ``resolved_config.yaml``, Hydra's ``.hydra/``
@@ -108,7 +109,8 @@ def check_fresh_run(run_dir: Path, *, resume: bool, ckpt_path: str | None, overw
     log.warning("overwrite=true: deleting the previous run's results in %s (%s)", run_dir, ", ".join(found))
     for path in [*run_dir.glob("hpc_ckpt_*.ckpt"), run_dir / "metrics.json"]:
         path.unlink(missing_ok=True)
-    for folder in ("checkpoints", "csv", "wandb_fallback"):
+    tests = [p.name for p in run_dir.glob("test-*") if p.is_dir()]  # the records of tests of its checkpoints
+    for folder in ("checkpoints", "csv", "wandb_fallback", *tests):
         shutil.rmtree(run_dir / folder, ignore_errors=True)
 
 
