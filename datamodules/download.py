@@ -28,6 +28,12 @@ URL or file:
 * every member stays inside ``root``: absolute names, ``..`` components, and
   tar links, devices or other special members are refused before anything is
   written.
+
+One process at a time downloads and extracts into a ``root``
+(:func:`one_at_a_time`, a lock file ``<root>/.download.lock``): the runs of a
+sweep started together on a fresh machine or a shared file system appended to
+one ``.part`` file and extracted over each other's files; the others now wait,
+then find the release in place (:func:`ensure_release` checks again).
 """
 
 from __future__ import annotations
@@ -42,10 +48,12 @@ import urllib.error
 import urllib.request
 import zipfile
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
+from filelock import FileLock, Timeout
 from tqdm.auto import tqdm
 
 from attention.errors import UserError
@@ -75,7 +83,11 @@ def download_and_extract(
             unsafe archive member.
     """
     root = Path(root).expanduser()
-    root.mkdir(parents=True, exist_ok=True)
+    with one_at_a_time(root, url):
+        return _download_and_extract(url, root, md5, filename)
+
+
+def _download_and_extract(url: str, root: Path, md5: str | None, filename: str | None) -> Path:
     name = filename or posixpath.basename(url.split("?", 1)[0]) or "download"
     archive = root / name
     pin = root / (name + ".md5")
@@ -106,12 +118,33 @@ def ensure_release(check: Callable[[], T], download: bool, url: str, root: str |
     except UserError:
         if not download:
             raise
-    download_and_extract(url, root, md5=md5)
+    with one_at_a_time(Path(root).expanduser(), url):
+        try:
+            return check()  # another run put it in place while this one waited
+        except UserError:
+            download_and_extract(url, root, md5=md5)
     try:
         return check()
     except UserError as err:
         raise UserError(f"The archive downloaded from data.url={url} was unpacked into {root}, yet the release is "
                         f"still incomplete: {err}") from None
+
+
+@contextmanager
+def one_at_a_time(root: Path, url: str) -> Iterator[None]:
+    """Hold ``<root>/.download.lock`` (one lock per folder and process, re-entrant: :func:`ensure_release` holds it
+    around :func:`download_and_extract`), saying so while another process holds it."""
+    root.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(root / ".download.lock", is_singleton=True)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.info("Another run is downloading %s into %s: waiting for it to finish.", url, root)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def check_file_lists(folder: Path, lists: Iterable[str], release: str, archive: str, root, url: str) -> None:

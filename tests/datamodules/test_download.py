@@ -4,8 +4,10 @@ their file lists, against a local HTTP server."""
 import hashlib
 import inspect
 import io
+import multiprocessing
 import socket
 import tarfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -20,6 +22,11 @@ from datamodules.points.modelnet40 import HDF5_FOLDER
 
 def md5(path):
     return hashlib.md5(path.read_bytes()).hexdigest()
+
+
+def contents(root: Path) -> list[str]:
+    """The names in ``root``, but the lock file that one download at a time holds (datamodules/download.py)."""
+    return sorted(p.name for p in root.iterdir() if p.name != ".download.lock")
 
 
 @pytest.fixture
@@ -66,7 +73,7 @@ def test_wrong_md5_deletes_the_file(tmp_path, release_zip):
         dm.prepare_data()
     message = str(err.value)
     assert url in message and "0" * 32 in message and digest in message
-    assert list(root.iterdir()) == []  # neither the zip nor anything extracted
+    assert contents(root) == []  # neither the zip nor anything extracted
 
 
 def test_not_an_archive_is_deleted(tmp_path, http_folder):
@@ -76,7 +83,7 @@ def test_not_an_archive_is_deleted(tmp_path, http_folder):
     with pytest.raises(UserError, match="not a zip or tar archive") as err:
         download_and_extract(f"{base}/page.zip", root)
     assert f"{base}/page.zip" in str(err.value)
-    assert list(root.iterdir()) == []
+    assert contents(root) == []
 
 
 def test_truncated_zip_is_deleted(tmp_path, http_folder, release_zip):
@@ -86,7 +93,7 @@ def test_truncated_zip_is_deleted(tmp_path, http_folder, release_zip):
     root = tmp_path / "data"
     with pytest.raises(UserError):
         download_and_extract(f"{base}/cut.zip", root)
-    assert list(root.iterdir()) == []
+    assert contents(root) == []
 
 
 def test_404_and_unreachable_urls(tmp_path, http_folder):
@@ -153,7 +160,7 @@ def test_unsafe_members_are_refused(tmp_path, http_folder, case):
     with pytest.raises(UserError, match="Refusing to extract") as err:
         download_and_extract(f"{base}/{name}", root)
     assert f"'{member}'" in str(err.value)
-    assert sorted(p.name for p in root.iterdir()) == [name]  # nothing extracted, not even the safe member
+    assert contents(root) == [name]  # nothing extracted, not even the safe member
     assert not (tmp_path / "deep" / "evil").exists() and not (tmp_path / "evil").exists()
 
 
@@ -176,6 +183,7 @@ class _RangeServer:
         import threading
 
         self.payload, self.cut, self.ranges = payload, None, []
+        self.gets, self.seconds = 0, 0.0  # requests served; seconds spent sending each response (in 16 pieces)
         server = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -195,7 +203,12 @@ class _RangeServer:
                 self.end_headers()
                 if server.cut is not None:
                     body, server.cut = body[:server.cut], None
-                self.wfile.write(body)
+                server.gets += 1
+                step = -(-len(body) // 16) or 1
+                for i in range(0, len(body), step):
+                    self.wfile.write(body[i:i + step])
+                    self.wfile.flush()
+                    time.sleep(server.seconds / 16)
 
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
@@ -242,6 +255,42 @@ def test_md5_is_pinned_at_first_use_when_none_is_configured(tmp_path, range_serv
         download_and_extract(server.url, tmp_path)
     assert hashlib.md5(server.payload).hexdigest() in str(err.value)
     assert not (tmp_path / "release.zip").exists()
+
+
+def _prepare(root: str, url: str, md5: str, start) -> None:
+    start.wait()
+    ModelNet40(root=root, npoints=32, download=True, url=url, md5=md5).prepare_data()
+
+
+def test_runs_downloading_at_once_download_once(tmp_path, range_server, modelnet_release):
+    """Three runs of a sweep started together on a fresh machine, each with data.download=true: they appended to
+    one .part file and extracted over each other's files (a checksum mismatch, or a corrupt release). One now
+    downloads and extracts; the others wait for it and find the release in place."""
+    source = tmp_path / "source" / HDF5_FOLDER
+    written = modelnet_release(source)
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as zf:
+        for path in sorted(source.iterdir()):
+            zf.write(path, f"{HDF5_FOLDER}/{path.name}")
+    payload = buffer.getvalue()
+    server = range_server(payload)
+    server.seconds = 1.0  # long enough for every process to start while the first one downloads
+    root = tmp_path / "data"
+    context = multiprocessing.get_context("fork")
+    start = context.Event()
+    procs = [context.Process(target=_prepare, args=(str(root), server.url, hashlib.md5(payload).hexdigest(), start))
+             for _ in range(3)]
+    for proc in procs:
+        proc.start()
+    start.set()
+    for proc in procs:
+        proc.join(timeout=120)
+    assert [proc.exitcode for proc in procs] == [0, 0, 0]
+    assert server.gets == 1 and server.ranges == []
+    dm = ModelNet40(root=str(root), npoints=32)
+    dm.setup()
+    np.testing.assert_array_equal(dm.test_set[0]["points"].numpy(), written["test"][0][0, :32])
+    assert (root / "release.zip").read_bytes() == payload and not list(root.glob("*.part"))
 
 
 # --- data.download=true on the run's own path (suite.compose), for every data set that offers it ---------------------
@@ -383,7 +432,7 @@ def test_only_the_preparing_process_downloads_and_the_others_are_told_why(name, 
     message = str(err.value)
     assert "data.download=true is set" in message and "Set data.download=true" not in message
     assert "trainer.devices=1" in message
-    assert not root.exists() or not list(root.iterdir())
+    assert not root.exists() or not contents(root)
 
 
 def test_release_that_stays_incomplete_after_the_download_names_the_url(tmp_path, http_folder):
