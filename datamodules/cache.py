@@ -1,13 +1,16 @@
-"""Processed-data caches: ``.npz`` files tagged with a fingerprint of their sources, written atomically."""
+"""Processed-data caches: ``.npz`` files tagged with a fingerprint of their sources, written atomically; and
+:func:`one_at_a_time`, the lock under which one run downloads or processes a data folder while the others wait."""
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+from filelock import FileLock, Timeout
 
 log = logging.getLogger(__name__)
 
@@ -37,3 +40,21 @@ def write_cache(path: Path, fingerprint: str, arrays: dict[str, np.ndarray]) -> 
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@contextmanager
+def one_at_a_time(folder: Path, lock_name: str, doing: str) -> Iterator[None]:
+    """Hold the lock file ``<folder>/<lock_name>`` (one lock per file and process, re-entrant), saying what the
+    other run is ``doing`` while it holds it. Runs of a sweep started together (on one machine, or on several
+    sharing a file system) download or process the same data: one does, the others wait and then find it done."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(folder / lock_name, is_singleton=True)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.info("Another run is %s: waiting for it to finish.", doing)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()

@@ -30,7 +30,7 @@ URL or file:
   written.
 
 One process at a time downloads and extracts into a ``root``
-(:func:`one_at_a_time`, a lock file ``<root>/.download.lock``): the runs of a
+(:func:`one_download_at_a_time`, a lock file ``<root>/.download.lock``): the runs of a
 sweep started together on a fresh machine or a shared file system appended to
 one ``.part`` file and extracted over each other's files; the others now wait,
 then find the release in place (:func:`ensure_release` checks again).
@@ -48,15 +48,14 @@ import urllib.error
 import urllib.request
 import zipfile
 import zlib
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
-from filelock import FileLock, Timeout
 from tqdm.auto import tqdm
 
 from attention.errors import UserError
+from datamodules.cache import one_at_a_time
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +82,7 @@ def download_and_extract(
             unsafe archive member.
     """
     root = Path(root).expanduser()
-    with one_at_a_time(root, url):
+    with one_download_at_a_time(root, url):
         return _download_and_extract(url, root, md5, filename)
 
 
@@ -118,7 +117,7 @@ def ensure_release(check: Callable[[], T], download: bool, url: str, root: str |
     except UserError:
         if not download:
             raise
-    with one_at_a_time(Path(root).expanduser(), url):
+    with one_download_at_a_time(Path(root).expanduser(), url):
         try:
             return check()  # another run put it in place while this one waited
         except UserError:
@@ -130,21 +129,9 @@ def ensure_release(check: Callable[[], T], download: bool, url: str, root: str |
                         f"still incomplete: {err}") from None
 
 
-@contextmanager
-def one_at_a_time(root: Path, url: str) -> Iterator[None]:
-    """Hold ``<root>/.download.lock`` (one lock per folder and process, re-entrant: :func:`ensure_release` holds it
-    around :func:`download_and_extract`), saying so while another process holds it."""
-    root.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(root / ".download.lock", is_singleton=True)
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        log.info("Another run is downloading %s into %s: waiting for it to finish.", url, root)
-        lock.acquire()
-    try:
-        yield
-    finally:
-        lock.release()
+def one_download_at_a_time(root: Path, url: str):
+    """The lock ``<root>/.download.lock`` (:func:`datamodules.cache.one_at_a_time`)."""
+    return one_at_a_time(root, ".download.lock", f"downloading {url} into {root}")
 
 
 def check_file_lists(folder: Path, lists: Iterable[str], release: str, archive: str, root, url: str) -> None:

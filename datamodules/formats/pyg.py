@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from attention.errors import UserError
+from datamodules.cache import one_at_a_time
 
 # What a torch-geometric dataset raises while processing a raw file it cannot parse (a malformed mesh, split
 # list or shape file; json.JSONDecodeError is a ValueError).
@@ -52,7 +53,9 @@ class PyGRaw:
         PyG cannot parse is a UserError naming it as far as PyG does, and how to reprocess."""
         raw = self._check_raw()
         try:
-            return make(str(raw.parent))
+            # One run processes (PyG writes processed/ with plain torch.save); the others wait, then load it.
+            with one_at_a_time(raw.parent, ".process.lock", f"processing {raw} into {raw.parent / 'processed'}"):
+                return make(str(raw.parent))
         except PROCESS_ERRORS as err:
             raise UserError(
                 f"torch-geometric could not process the {self.raw_what} under {raw} ({type(err).__name__}: "
