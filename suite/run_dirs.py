@@ -69,10 +69,9 @@ def record_dir(run_dir: Path, mode: str) -> Path:
     if str(run_dir) not in _RECORDS:
         record = run_dir
         if results_in(run_dir) or (run_dir / "resolved_config.yaml").is_file():
-            stamp = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
-            record, n = run_dir / f"test-{stamp}", 1
-            while record.exists():  # two tests started within a second
-                record, n = run_dir / f"test-{stamp}-{n}", n + 1
+            # claimed with one mkdir: tests started within the same second (eval options tried side by side) get
+            # test-<time>, test-<time>-1, ...
+            record = claim(run_dir / f"test-{datetime.now().strftime('%Y-%m-%d_%H-%M-%S')}")
         _RECORDS[str(run_dir)] = record
     return _RECORDS[str(run_dir)]
 

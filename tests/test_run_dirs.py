@@ -135,3 +135,27 @@ def test_runs_and_sweeps_started_together_get_a_directory_each(env, tmp_path):
     assert sweeps == ["fixed", "fixed-1"]
     for job in ("0_modelnet_self", "1_modelnet_external"):
         assert sorted(seed(home / "sweeps" / s / job) for s in sweeps) == ["10", "11"]
+
+
+
+def test_tests_of_one_run_started_together_get_a_record_each(tmp_path, monkeypatch):
+    """Two tests of one training run's checkpoint started within the same second (eval options tried side by
+    side) were both given test-<time>/: the name was only checked, and made later, by Hydra. Each process now
+    claims its own with one mkdir. (Each process decides once; two processes are two fresh decisions here.)"""
+    import datetime
+
+    import suite.run_dirs as run_dirs
+
+    class Frozen(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime.datetime(2026, 1, 1)
+
+    monkeypatch.setattr(run_dirs, "datetime", Frozen)
+    (tmp_path / "metrics.json").write_text("{}")  # a finished training run
+    records = []
+    for _process in range(2):
+        monkeypatch.setattr(run_dirs, "_RECORDS", {})
+        records.append(run_dirs.record_dir(tmp_path, "test"))
+    assert [r.name for r in records] == ["test-2026-01-01_00-00-00", "test-2026-01-01_00-00-00-1"]
+    assert all(r.is_dir() for r in records)
