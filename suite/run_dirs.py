@@ -18,9 +18,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
+import sys
 from datetime import datetime
 from pathlib import Path
 
@@ -42,12 +44,24 @@ def register_resolvers() -> None:
 
 def run_stamp() -> str:
     """The last part of a run's directory (``${run_stamp:}`` in configs/config.yaml): the start time, or
-    ``slurm-<job id>`` inside a SLURM batch job (interactive ``bash`` / ``interactive`` allocations, which host
-    many runs, keep the time, as Lightning's SLURM detection does)."""
+    ``slurm-<job id>-<command digest>`` inside a SLURM batch job (interactive ``bash`` / ``interactive``
+    allocations, which host many runs, keep the time, as Lightning's SLURM detection does).
+
+    Every task of a job (``srun``: one process per GPU) and the job requeued after a pre-emption run the same
+    command, so they find the same directory, and a requeued job resumes there. The digest of the command's
+    overrides (:func:`command_digest`) keeps apart the runs of one job that are not the same run: a W&B agent's
+    runs, or a script's loop over seeds, one after the other in one job, or several side by side. With the job id
+    alone they shared ``slurm-<job id>``: the second run took the first one's results for its own requeued job,
+    "resumed" them and reported the first run's network under its own seed."""
     job = os.environ.get("SLURM_JOB_ID")
     if job and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
-        return f"slurm-{job}"
+        return f"slurm-{job}-{command_digest()}"
     return datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+
+
+def command_digest() -> str:
+    """Eight hex digits of the command line's arguments (the same for every task of a job and its requeue)."""
+    return hashlib.sha1("\0".join(sys.argv[1:]).encode()).hexdigest()[:8]
 
 
 def results_in(run_dir: Path) -> list[str]:
@@ -116,14 +130,14 @@ def check_fresh_run(run_dir: Path, *, resume: bool, ckpt_path: str | None, overw
 def slurm_restart(run_dir: Path) -> bool:
     """Whether this is a SLURM job started again (requeued) in its run directory, which then resumes as with
     resume=true: under SLURM (as Lightning detects it), with Lightning's ``hpc_ckpt_*.ckpt`` in the directory, or in
-    the job's own ``slurm-<job id>`` directory (:func:`run_stamp`) holding its checkpoints (a job requeued
-    without the SIGUSR1 warning, e.g. on pre-emption or a node failure)."""
+    the job's own ``slurm-<job id>-<command digest>`` directory (:func:`run_stamp`) holding its checkpoints (a job
+    requeued without the SIGUSR1 warning, e.g. on pre-emption or a node failure)."""
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
     if not SLURMEnvironment.detect():
         return False
     run_dir = Path(run_dir)
-    own = run_dir.name == f"slurm-{os.environ.get('SLURM_JOB_ID')}"
+    own = run_dir.name == run_stamp()
     return any(run_dir.glob("hpc_ckpt_*.ckpt")) or (own and bool(results_in(run_dir)))
 
 
@@ -147,8 +161,8 @@ def claim_stamped_dir(config, kind: str) -> None:
     of its own (:func:`claim`), written into ``config`` as a plain path for Hydra, the run and Lightning's DDP
     processes. Runs started within the same second with the same task and attention (W&B agents or a shell loop
     started together, two sweeps) shared one directory, and overwrote each other's checkpoints and results.
-    A directory given on the command line, and a SLURM job's ``slurm-<job id>`` (shared by the job's tasks on
-    purpose), are left as they are."""
+    A directory given on the command line, and a SLURM job's ``slurm-<job id>-<digest>`` (shared by the job's
+    tasks and its requeue on purpose), are left as they are."""
     from omegaconf import OmegaConf, read_write
 
     node = config.hydra[kind]

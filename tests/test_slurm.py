@@ -281,3 +281,30 @@ def test_sigusr1_checkpoints_requeues_and_the_job_resumes(env, tmp_path):
     assert [s["T_max"] for s in final["lr_schedulers"]] == [200]  # from the first run, not max_epochs=epoch+2
     assert final["global_step"] > saved["global_step"]
     assert 0.0 <= json.loads((out / "metrics.json").read_text())["test/oa"] <= 1.0
+
+
+def test_runs_of_one_job_get_a_directory_each_and_its_requeue_finds_its_own(env, tmp_path):
+    """A W&B agent, or a script's loop over seeds, runs several runs one after the other inside one SLURM job. With
+    the job id alone they shared outputs/<task>/<attn>/slurm-<job id>: the second run took the first one's results
+    for its own requeued job and "resumed" them, reporting the first run's network under its own seed. Each run of
+    the job now has slurm-<job id>-<command digest>; the same command started again (the job requeued) finds its own
+    and resumes it."""
+    slurm_env = {**{k: v for k, v in env.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}, **SLURM_VARS}
+    args = [*TINY, "logger=none"]
+
+    def job_run(seed: int) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(ROOT / "run.py"), *args, f"seed={seed}"], cwd=tmp_path,
+                              env=slurm_env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
+
+    first, second = job_run(1), job_run(2)
+    assert first.returncode == 0 and second.returncode == 0, second.stderr[-3000:]
+    runs = sorted((tmp_path / "outputs" / "modelnet" / "external").iterdir())
+    assert len(runs) == 2 and all(r.name.startswith("slurm-4243-") for r in runs)
+    seeds = {yaml.safe_load((r / "resolved_config.yaml").read_text())["seed"]: r for r in runs}
+    assert sorted(seeds) == [1, 2] and all((r / "metrics.json").is_file() for r in runs)
+    assert "finished already" not in second.stdout + second.stderr
+    kept = (seeds[1] / "metrics.json").read_bytes()
+    again = job_run(1)  # the first run's job requeued: same job id, same command
+    assert again.returncode == 0 and "this run had finished already" in again.stdout + again.stderr
+    assert (seeds[1] / "metrics.json").read_bytes() == kept
+    assert len(list((tmp_path / "outputs" / "modelnet" / "external").iterdir())) == 2
