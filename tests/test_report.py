@@ -489,6 +489,21 @@ def test_protocol_per_task():
         assert p["split"] == split and p["selected_on"] == ("test" if split == "val" else "val"), target
 
 
+def test_a_test_of_part_of_the_split_says_so_in_its_protocol():
+    """Test metrics over part of the test split (`++trainer.limit_test_batches`, `trainer.fast_dev_run`) were
+    recorded as the whole split's, and mode=report averaged them with whole-split runs: the protocol differs now."""
+    base = {"task": {"name": "modelnet"}, "data": {"_target_": "datamodules.points.shapes.Shapes"}}
+    for trainer, part in (({}, None), ({"limit_test_batches": 1.0}, None), ({"limit_test_batches": None}, None),
+                          ({"limit_test_batches": 0.25}, "first 25% of the batches (trainer.limit_test_batches=0.25)"),
+                          ({"limit_test_batches": 3}, "first 3 batches (trainer.limit_test_batches=3)"),
+                          ({"fast_dev_run": True}, "1 batch (trainer.fast_dev_run)"),
+                          ({"fast_dev_run": 2}, "2 batches (trainer.fast_dev_run)"),
+                          ({"fast_dev_run": False, "limit_test_batches": 1.0}, None)):
+        assert protocol({**base, "trainer": trainer}).get("tested_part") == part, trainer
+    gan = {"task": {"name": "gan"}, "trainer": {"limit_test_batches": 2}, "metrics": {}, "eval": {}}
+    assert protocol(gan)["tested_part"] == "first 2 batches (trainer.limit_test_batches=2)"
+
+
 def test_report_runs_with_commas_become_a_list():
     from suite.cli import quote_report_runs
 
