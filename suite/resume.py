@@ -153,10 +153,11 @@ class FitRecord(L.pytorch.callbacks.Callback):
         return self.before + time.perf_counter() - self.started
 
     def fit_metrics(self, trainer) -> dict[str, float]:
-        """The fit's final metrics: this process's, or when it trained nothing, those of the checkpoint."""
-        if self.steps == 0 and self.saved:
-            return dict(self.saved)
-        return floats(trainer.callback_metrics)
+        """The fit's final metrics: this process's; when it trained nothing, those of the checkpoint, updated by
+        whatever this process still logged (the last epoch's validation, when the checkpoint was written after
+        the epoch's last batch)."""
+        current = floats(trainer.callback_metrics)
+        return {**self.saved, **current} if self.steps == 0 else current
 
     def state_dict(self):
         metrics = floats(self._trainer.callback_metrics) if self._trainer is not None else {}
