@@ -96,10 +96,11 @@ def hydra_subdir(output_dir: str, mode: str) -> str:
 
 
 def check_fresh_run(run_dir: Path, *, resume: bool, ckpt_path: str | None, overwrite: bool,
-                    slurm_restart: bool, delete: bool = True) -> None:
+                    slurm_restart: bool, delete: bool = True, identity: dict | None = None) -> None:
     """Refuse a fresh training run in a directory holding another run's results, unless told (module docstring);
-    with ``overwrite=true`` delete those results first (when ``delete``: rank zero of a multi-process run).
-    Called before this run writes anything."""
+    with ``overwrite=true`` delete those results first (when ``delete``: rank zero of a multi-process run). A run
+    that continues the one there must be that run (:func:`check_same_run`, ``identity``). Called before this run
+    writes anything."""
     from attention.errors import UserError  # here, not at the top: run.py imports this module before every
     # check, and the attention package brings torch (3 s a start, for a refusal that needs none of it)
 
@@ -109,6 +110,8 @@ def check_fresh_run(run_dir: Path, *, resume: bool, ckpt_path: str | None, overw
                         "of them.")
     continuing = resume or ckpt_path == "last" or slurm_restart or (
         ckpt_path is not None and Path(ckpt_path).absolute().is_relative_to(run_dir.absolute()))
+    if found and continuing and identity:
+        check_same_run(run_dir, identity)
     if not found or continuing:
         return
     if not overwrite:
@@ -125,6 +128,44 @@ def check_fresh_run(run_dir: Path, *, resume: bool, ckpt_path: str | None, overw
     tests = [p.name for p in run_dir.glob("test-*") if p.is_dir()]  # the records of tests of its checkpoints
     for folder in ("checkpoints", "csv", "wandb_fallback", *tests):
         shutil.rmtree(run_dir / folder, ignore_errors=True)
+
+
+# What makes a run the run it is, beyond the task and attention its checkpoints name (suite.checkpoints): a run
+# continued under another seed or on another data set would report that run's network under this one's name.
+IDENTITY = ("seed", "data._target_")
+
+
+def identity_of(config) -> dict:
+    """The :data:`IDENTITY` values of a (composed, or saved and loaded) config."""
+    from omegaconf import OmegaConf
+
+    return {key: OmegaConf.select(config, key, default=None) for key in IDENTITY}
+
+
+def check_same_run(run_dir: Path, identity: dict) -> None:
+    """Refuse to continue the run in ``run_dir`` (``resume=true``, ``ckpt_path=last``, a requeued job) under another
+    seed or data set than it was started with (its ``resolved_config.yaml``): a job script that keeps one
+    hydra.run.dir for a loop over seeds continued the first seed's run for every other seed, and recorded its
+    network under their seeds. Nothing to compare (no saved config): nothing refused."""
+    from omegaconf import OmegaConf
+
+    from attention.errors import UserError
+
+    saved = run_dir / "resolved_config.yaml"
+    try:
+        before = identity_of(OmegaConf.load(saved))
+    except Exception:  # noqa: BLE001 - missing or unreadable: the checkpoint checks still apply
+        return
+    differ = {k: (before[k], identity.get(k)) for k in IDENTITY
+              if before[k] is not None and identity.get(k) is not None and before[k] != identity.get(k)}
+    if differ:
+        said = ", ".join(f"{k}={was} (this command: {k}={now})" for k, (was, now) in differ.items())
+        raise UserError(
+            f"hydra.run.dir={run_dir} holds a run started with {said}, and this command would continue it: its "
+            "results would be that run's, recorded under this command's values. Give this run a directory of its "
+            "own (leave hydra.run.dir out, or one per seed), or pass the values the run was started with to "
+            "continue it, or overwrite=true (without resume=true) to replace it."
+        )
 
 
 def slurm_restart(run_dir: Path) -> bool:
@@ -199,6 +240,6 @@ class CheckRunDir(Callback):
         try:
             check_fresh_run(run_dir, resume=bool(config.get("resume")), ckpt_path=config.get("ckpt_path"),
                             overwrite=bool(config.get("overwrite")), slurm_restart=slurm_restart(run_dir),
-                            delete=is_rank_zero())
+                            delete=is_rank_zero(), identity=identity_of(config))
         except UserError as err:
             exit_with_message(str(err))

@@ -52,7 +52,7 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> dict:
     quiet_libraries()
     from suite.compose import compose
     from suite.distributed import is_rank_zero
-    from suite.run_dirs import check_fresh_run, record_dir, slurm_restart
+    from suite.run_dirs import check_fresh_run, identity_of, record_dir, slurm_restart
 
     # Where this run's record goes (a test of a finished run's directory: a test-<time>/ folder in it), and for a
     # training run, that it does not overwrite another run's results (checked by Hydra's callback already for a
@@ -62,7 +62,7 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> dict:
         check_training_length(cfg.trainer)
         check_fresh_run(run_dir, resume=bool(cfg.get("resume")), ckpt_path=cfg.get("ckpt_path"),
                         overwrite=bool(cfg.get("overwrite")), slurm_restart=slurm_restart(run_dir),
-                        delete=is_rank_zero())
+                        delete=is_rank_zero(), identity=identity_of(cfg))
     composed = compose(cfg, overrides, out_dir)
     if cfg.mode == "summary":
         from suite.summary import print_summaries

@@ -159,3 +159,18 @@ def test_tests_of_one_run_started_together_get_a_record_each(tmp_path, monkeypat
         records.append(run_dirs.record_dir(tmp_path, "test"))
     assert [r.name for r in records] == ["test-2026-01-01_00-00-00", "test-2026-01-01_00-00-00-1"]
     assert all(r.is_dir() for r in records)
+
+
+def test_a_run_is_not_continued_under_another_seed(trained, env, tmp_path):
+    """A job script looping over seeds with one hydra.run.dir and resume=true continued the first seed's run for
+    every other seed, and recorded that network under their seeds. Refused, before anything is written; the
+    seed it was started with continues it."""
+    folder = copy_run(trained, tmp_path)
+    before = digests(folder)
+    err = user_error([*ARGS, "seed=7", "resume=true", f"hydra.run.dir={folder}"], env,
+                     f"hydra.run.dir={folder} holds a run started with seed=42 (this command: seed=7)",
+                     "overwrite=true")
+    assert "Traceback" not in err
+    assert digests(folder) == before
+    again = run([*ARGS, "seed=42", "resume=true", f"hydra.run.dir={folder}"], env)
+    assert "this run had finished already" in again.stdout + again.stderr
