@@ -209,8 +209,9 @@ def claim_stamped_dir(config, kind: str) -> None:
     node = config.hydra[kind]
     given = str(OmegaConf.to_container(node, resolve=False).get("dir"))
     stamp = "${run_stamp:}" if kind == "run" else "${now:"
-    if stamp not in given or (kind == "run" and run_stamp().startswith("slurm-")):
-        return
+    named = any(o.lstrip("+").startswith(f"hydra.{kind}.dir=") for o in config.hydra.overrides.hydra)
+    if named or stamp not in given or (kind == "run" and run_stamp().startswith("slurm-")):
+        return  # a folder named on the command line (a pattern too, e.g. a sweep to be resumed) is used as given
     folder = claim(Path(str(node.dir)))
     with read_write(node):
         node.dir = str(folder)

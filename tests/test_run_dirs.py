@@ -96,8 +96,12 @@ def test_a_run_that_trains_nothing_is_refused(env, tmp_path):
     assert not (tmp_path / "b" / "metrics.json").exists() and not (tmp_path / "b" / "checkpoints").exists()
 
 
-# run.py with its start time fixed (tests/test_run_dirs.py: every run "starts within the same second").
-FROZEN = ("import runpy, sys; import suite.run_dirs as r; r.run_stamp = lambda: '2026-01-01_00-00-00'; "
+# run.py with its start time fixed (tests/test_run_dirs.py: every run "starts within the same second"): the run
+# directory's stamp, and the clock of Hydra's ${now:} (a sweep's directory).
+FROZEN = ("import datetime, runpy, sys; import hydra.core.utils as h; import suite.run_dirs as r; "
+          "r.run_stamp = lambda: '2026-01-01_00-00-00'; "
+          "h.datetime = type('Frozen', (datetime.datetime,), "
+          "{{'now': classmethod(lambda cls, tz=None: datetime.datetime(2026, 1, 1))}}); "
           "sys.argv = [{run!r}, *sys.argv[1:]]; runpy.run_path({run!r}, run_name='__main__')")
 
 
@@ -111,16 +115,16 @@ def test_runs_and_sweeps_started_together_get_a_directory_each(env, tmp_path):
     loop of `run.py ... &`) were given one directory, outputs/<task>/<attn>/<time>, and wrote their checkpoints
     and metrics over each other's; two sweeps started together shared multirun/<time> and its job folders. Each
     now claims its own (`<time>`, `<time>-1`, ...) with one mkdir. Here three runs and two sweeps start at once,
-    with their start time fixed (runs) or a fixed sweep directory pattern (`${now:fixed}` is the text "fixed")."""
+    with their start time fixed."""
     code = FROZEN.format(run=str(ROOT / "run.py"))
     home = tmp_path  # the working directory of every run: outputs/ and sweeps/ are made here
     common = ["task=modelnet", "mode=summary", "data=shapes"]
     procs = [subprocess.Popen([sys.executable, "-c", code, *common, f"seed={seed}"], cwd=home, env=env,
                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for seed in range(3)]
-    procs += [subprocess.Popen([sys.executable, str(ROOT / "run.py"), "-m", *common, "attn=self,external",
-                                f"seed={seed}", "hydra.sweep.dir=sweeps/${now:fixed}"], cwd=home, env=env,
-                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs += [subprocess.Popen([sys.executable, "-c", code, "-m", *common, "attn=self,external", f"seed={seed}"],
+                               cwd=home, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
               for seed in (10, 11)]
     for proc in procs:
         out = proc.communicate(timeout=600)[0]
@@ -131,10 +135,17 @@ def test_runs_and_sweeps_started_together_get_a_directory_each(env, tmp_path):
     assert sorted(seed(runs / name) for name in names) == ["0", "1", "2"]  # each its own record, none another's
     for name in names:  # and its own log only
         assert (runs / name / "run.log").read_text().count("Seed set to") == 1
-    sweeps = sorted(p.name for p in (home / "sweeps").iterdir())
-    assert sweeps == ["fixed", "fixed-1"]
+    sweeps = sorted(p.name for p in (home / "multirun").iterdir())
+    assert sweeps == ["2026-01-01_00-00-00", "2026-01-01_00-00-00-1"]
     for job in ("0_modelnet_self", "1_modelnet_external"):
-        assert sorted(seed(home / "sweeps" / s / job) for s in sweeps) == ["10", "11"]
+        assert sorted(seed(home / "multirun" / s / job) for s in sweeps) == ["10", "11"]
+    # A folder named on the command line is used as given, a pattern too: the way to finish a sweep with resume=true.
+    named = subprocess.run([sys.executable, "-c", code, "-m", *common, "attn=self", "seed=12",
+                            "hydra.sweep.dir=multirun/${now:%Y-%m-%d_%H-%M-%S}"], cwd=home, env=env,
+                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
+    assert named.returncode == 0, named.stderr[-3000:]
+    assert sorted(p.name for p in (home / "multirun").iterdir()) == sweeps
+    assert seed(home / "multirun" / sweeps[0] / "0_modelnet_self") == "12"
 
 
 
