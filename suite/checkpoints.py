@@ -91,8 +91,9 @@ def checkpoint_step(path: str | Path) -> int | None:
     return int(step) if step is not None else None
 
 
-def check_checkpoint(path: str, identity: dict) -> None:
-    """Refuse a checkpoint written by another task or attention variant, naming what it was trained with."""
+def check_checkpoint(path: str, identity: dict, module=None, config: dict | None = None) -> None:
+    """Refuse a checkpoint written by another task or attention variant, naming what it was trained with; given
+    the run's ``module`` (and composed ``config``), one whose weights do not fit it (:func:`check_fit`)."""
     from suite.checkpoint_io import safe_torch_load
 
     state = safe_torch_load(path, f"ckpt_path={path}", mmap=True)
@@ -118,3 +119,63 @@ def check_checkpoint(path: str, identity: dict) -> None:
         diff = ", ".join(f"attn.{k}={value(want, k)!r} (here {value(have, k)!r})" for k in keys)
         raise UserError(f"ckpt_path={path} was trained with attn={want.get('name')} and options differing from this "
                         f"run's: {diff}. Pass attn={want.get('name')} with the same options to load it.")
+    if module is not None:
+        check_fit(path, state["state_dict"], module, config or {})
+
+
+# Options that do not shape a network: left out when a checkpoint's run config is compared with this run's.
+OPERATIONAL = {"root", "download", "url", "md5", "num_workers", "batch_size", "eval_batch_size", "on_bad_file",
+               "seed", "verify_images", "verify_limit", "weights", "g_weights", "cache_dir"}
+
+
+def check_fit(path: str, saved: dict, module, config: dict) -> None:
+    """Refuse a checkpoint whose weights do not fit ``module`` (the same task and attention with other model,
+    task or data options: a layer width, the number of classes), which Lightning reported as a traceback of
+    every mismatched tensor. The message names the first mismatches and, from the run folder the checkpoint is
+    in (its ``resolved_config.yaml``), the options that differ from this run's."""
+    own = module.state_dict()
+    best = getattr(module, "_is_best_key", lambda key: False)  # best-so-far states: reconciled on load (tasks/base)
+    wrong = [f"{k}: {tuple(v.shape)} in the checkpoint, {tuple(own[k].shape)} here" for k, v in saved.items()
+             if k in own and hasattr(v, "shape") and tuple(v.shape) != tuple(own[k].shape)]
+    wrong += [f"{k}: not in the checkpoint" for k in own if k not in saved and not best(k)]
+    wrong += [f"{k}: not in this run's network" for k in saved if k not in own and not best(k)]
+    if not wrong:
+        return
+    shown = "; ".join(wrong[:3]) + (f"; {len(wrong) - 3} more" if len(wrong) > 3 else "")
+    differ = options_differing(path, config)
+    said = (f" Its run ({differ[0]}) had " + ", ".join(differ[1:]) + ": pass those options to load it.") \
+        if differ else (" Pass the model, task and data options it was trained with (its run folder's "
+                         "resolved_config.yaml has them).")
+    raise UserError(f"ckpt_path={path} does not fit this run's network ({shown}).{said}")
+
+
+def options_differing(path: str, config: dict) -> list[str]:
+    """[the run config beside checkpoint ``path``, then ``key=<its value> (here <this run's>)`` for each model,
+    task or data option that differs], or [] when there is no such config or nothing differs."""
+    from omegaconf import OmegaConf
+
+    ckpt = Path(path)
+    for saved in (ckpt.parent.parent / "resolved_config.yaml", ckpt.parent / "resolved_config.yaml"):
+        if saved.is_file():
+            break
+    else:
+        return []
+    try:
+        before = OmegaConf.to_container(OmegaConf.load(saved), resolve=False)
+    except Exception:  # noqa: BLE001 - unreadable: the tensors' message stands alone
+        return []
+
+    def leaves(tree, prefix=""):
+        if isinstance(tree, dict):
+            for key, value in tree.items():
+                yield from leaves(value, f"{prefix}{key}.")
+        else:
+            yield prefix[:-1], tree
+
+    out = []
+    for section in ("model", "task", "data"):
+        was, now = dict(leaves(before.get(section) or {}, f"{section}.")), dict(leaves(config.get(section) or {},
+                                                                                       f"{section}."))
+        out += [f"{k}={was[k]!r} (here {now[k]!r})" for k in sorted(was.keys() & now.keys())
+                if was[k] != now[k] and k.rsplit(".", 1)[-1] not in OPERATIONAL]
+    return [str(saved), *out[:6]] if out else []

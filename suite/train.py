@@ -128,7 +128,7 @@ def fit_and_test(cfg: DictConfig, composed, run_dir: Path, out_dir: Path, starte
                         "`model.weights=PATH` (the GAN: model.g_weights=PATH).")
     identity = {"task": cfg.task.name, "attn": config["attn"]}
     if ckpt:
-        check_checkpoint(ckpt, identity)
+        check_checkpoint(ckpt, identity, module, config)
     # A resumed run (ckpt_path=last, resume=true, a requeued SLURM job) logs into the W&B run it started, whose id
     # is kept beside its checkpoints, and keeps its CSV history up to the step it resumes from.
     resuming = cfg.mode == "train" and ckpt is not None

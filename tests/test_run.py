@@ -239,6 +239,21 @@ def test_test_mode_reproduces_the_tested_checkpoint(wandb_run, env, tmp_path):
     assert tested["test/loss"] == pytest.approx(trained["test/loss"], rel=1e-5)
 
 
+@pytest.mark.xdist_group("runs")
+def test_a_checkpoint_that_does_not_fit_the_network_names_the_options(wandb_run, env, tmp_path):
+    """Same task and attention, other model or data options (PCT's point embedding, the number of classes): the
+    weights do not fit, and Lightning's traceback listed every tensor. One paragraph names the first mismatches
+    and, from the checkpoint's run folder, the options it was trained with."""
+    last = wandb_run[0] / "checkpoints" / "last.ckpt"
+    for option, said in (("model.embedding=point", "model.embedding='neighbor' (here 'point')"),
+                         ("data.num_classes=5", "data.num_classes=10 (here 5)")):
+        err = user_error([*TINY, option, "mode=test", f"ckpt_path={last}", "logger=none",
+                          f"hydra.run.dir={tmp_path / option.split('=')[0]}"], env,
+                         f"ckpt_path={last} does not fit this run's network (", "in the checkpoint",
+                         f"Its run ({wandb_run[0] / 'resolved_config.yaml'}) had", said)
+        assert "size mismatch" not in err  # Lightning's own list
+
+
 def test_seed_makes_cpu_runs_reproducible(env, tmp_path):
     """On the CPU (pinned: with a GPU, accelerator=auto would take it; GPU runs repeat with trainer.deterministic=true,
     tests/gpu/test_cuda_tasks.py)."""
