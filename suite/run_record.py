@@ -93,8 +93,11 @@ def protocol(config: dict, tested: str | None = None) -> dict:
     task = (config.get("task") or {}).get("name")
     data = config.get("data") or {}
     p = {"checkpoint": checkpoint_choice(config, tested)}
-    if (part := tested_part(config.get("trainer") or {})) is not None:
+    trainer = config.get("trainer") or {}
+    if (part := tested_part(trainer)) is not None:
         p["tested_part"] = part
+    elif (part := tested_part(trainer, "limit_val_batches")) is not None:
+        p["selected_on_part"] = part  # the checkpoint chosen on part of the validation split
     on_val = test_split_is_val(config)
     val_is_test = (on_val or data.get("val_fraction") == 0 or bool(data.get("trainval"))
                    or ("val_size" in data and not data.get("val_size")))
@@ -150,19 +153,22 @@ def protocol(config: dict, tested: str | None = None) -> dict:
     return p
 
 
-def tested_part(trainer: dict) -> str | None:
+def tested_part(trainer: dict, key: str = "limit_test_batches") -> str | None:
     """What part of the test split a run's test metrics cover, when not all of it (``trainer.limit_test_batches``,
-    ``trainer.fast_dev_run``), else None. Such metrics were recorded as the whole split's, and ``mode=report``
-    averaged them with whole-split runs; a protocol key keeps them apart and says so."""
+    ``trainer.fast_dev_run``), else None; with ``key="limit_val_batches"``, of the validation split its checkpoint
+    was chosen on. Such metrics were recorded as the whole split's, and ``mode=report`` averaged them with
+    whole-split runs; a protocol key keeps them apart and says so."""
     fast = trainer.get("fast_dev_run")
     if fast:
         return "1 batch (trainer.fast_dev_run)" if fast is True else f"{int(fast)} batches (trainer.fast_dev_run)"
-    limit = trainer.get("limit_test_batches")
+    limit = trainer.get(key)
     if limit is None or (isinstance(limit, float) and limit >= 1.0):
         return None
+    if not limit:
+        return f"no batches (trainer.{key}=0)"
     if isinstance(limit, float):
-        return f"first {limit:.0%} of the batches (trainer.limit_test_batches={limit:g})"
-    return f"first {int(limit)} batches (trainer.limit_test_batches={int(limit)})"
+        return f"first {limit:.0%} of the batches (trainer.{key}={limit:g})"
+    return f"first {int(limit)} batches (trainer.{key}={int(limit)})"
 
 
 def reset_peak_memory() -> None:

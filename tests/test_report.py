@@ -502,6 +502,10 @@ def test_a_test_of_part_of_the_split_says_so_in_its_protocol():
         assert protocol({**base, "trainer": trainer}).get("tested_part") == part, trainer
     gan = {"task": {"name": "gan"}, "trainer": {"limit_test_batches": 2}, "metrics": {}, "eval": {}}
     assert protocol(gan)["tested_part"] == "first 2 batches (trainer.limit_test_batches=2)"
+    # The checkpoint chosen on part of the validation split says so too.
+    p = protocol({**base, "trainer": {"limit_val_batches": 0.5}})
+    assert p["selected_on_part"] == "first 50% of the batches (trainer.limit_val_batches=0.5)"
+    assert "tested_part" not in p and "selected_on_part" not in protocol({**base, "trainer": {}})
 
 
 def test_report_runs_with_commas_become_a_list():
