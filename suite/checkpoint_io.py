@@ -10,7 +10,8 @@
   save in that folder removes. Lightning's own writer goes through fsspec's
   transaction (a temporary file moved into place) without the ``fsync``, so a
   machine crash right after a save could leave an empty file behind; this one
-  is written by hand for that guarantee and for the refusal below.
+  is written by hand for that guarantee and for the refusal below. A run's
+  ``metrics.json`` is written the same way (:func:`atomic_write_text`).
 - **Safe reads.** Every load is ``torch.load(..., weights_only=True)``, whatever
   the caller asks for: a checkpoint that needs arbitrary code to unpickle (a
   pickled callable, a whole ``nn.Module``) is refused with a UserError naming
@@ -25,8 +26,9 @@ from __future__ import annotations
 
 import os
 import pickle
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
@@ -40,6 +42,18 @@ PICKLE_MAGIC = b"\x80"      # the legacy format (torch < 1.6): a pickle, protoco
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     """``torch.save(obj, path)`` through a synced temporary file renamed over ``path``."""
+    atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """``text`` (UTF-8) into ``path`` as :func:`atomic_write` writes: a run's ``metrics.json``, which a kill while it
+    was written left cut short (mode=report then set the finished run aside as corrupt)."""
+    atomic_write(path, lambda f: f.write(text.encode()))
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> None:
+    """``write(file)`` into a synced temporary file beside ``path``, then renamed over it: ``path`` is the old file
+    or the new one, never a part of either."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     for stray in path.parent.glob(f".{path.name}{TMP_MARK}*"):  # left by a process killed mid-write
@@ -48,7 +62,7 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     tmp = path.parent / f".{path.name}{TMP_MARK}{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
-            torch.save(obj, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

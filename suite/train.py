@@ -319,10 +319,11 @@ def write_metrics(metrics: dict, module, config: dict, tested: str | None, train
     """``metrics.json`` (the metrics and, beside them, what mode=report needs: wall time, peak memory,
     params/FLOPs, throughput, protocol; with ``trainer.compile``, the compile time), printed too, and the run
     record sent to W&B."""
+    from suite.checkpoint_io import atomic_write_text
     from suite.run_record import record
 
     extra = record(module, config, tested, trainer.strategy.root_device.type, wall_time, meter, compiler)
-    (out_dir / "metrics.json").write_text(json.dumps({**metrics, **extra}, indent=2) + "\n")
+    atomic_write_text(out_dir / "metrics.json", json.dumps({**metrics, **extra}, indent=2) + "\n")
     print("\n".join(f"{k:>24} {v:.4f}" for k, v in metrics.items()))
     print("\n".join(f"{k:>24} {v:.6g}" for k, v in extra.items() if isinstance(v, (int, float))))
     print(f"{'protocol':>24} {json.dumps(extra['protocol'])}")

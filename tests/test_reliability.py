@@ -236,6 +236,24 @@ def test_atomic_save_replaces_only_when_complete(tmp_path):
     assert not stray.exists() and list(path.parent.iterdir()) == [path]  # stray and failed temp both gone
 
 
+def test_metrics_json_is_the_old_file_or_the_new_one(tmp_path, monkeypatch):
+    """metrics.json was written in place: a kill while it was written left it cut short, and mode=report set the
+    finished run aside as corrupt. Now it is the old file until the new one is whole."""
+    from suite import checkpoint_io
+
+    path = tmp_path / "metrics.json"
+    checkpoint_io.atomic_write_text(path, '{"test/oa": 0.5}\n')
+    assert json.loads(path.read_text()) == {"test/oa": 0.5}
+
+    def killed(src, dst):  # the process dies between writing the temporary file and renaming it
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint_io.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint_io.atomic_write_text(path, '{"test/oa": 0.75}\n')
+    assert json.loads(path.read_text()) == {"test/oa": 0.5} and list(tmp_path.iterdir()) == [path]
+
+
 # --- credentials -----------------------------------------------------------------------------------------------------
 def test_redaction_rules(tmp_path):
     secrets = {"verysecretvalue": "HF_TOKEN"}
