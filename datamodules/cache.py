@@ -48,12 +48,19 @@ def one_at_a_time(folder: Path, lock_name: str, doing: str) -> Iterator[None]:
     other run is ``doing`` while it holds it. Runs of a sweep started together (on one machine, or on several
     sharing a file system) download or process the same data: one does, the others wait and then find it done."""
     folder.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(folder / lock_name, is_singleton=True)
+    # No soft (file-exists) fallback where the file system has no flock: a run killed while holding such a lock
+    # would leave every later run waiting for ever. There the work goes on unlocked, as it always did.
+    lock = FileLock(folder / lock_name, is_singleton=True, fallback_to_soft=False)
     try:
         lock.acquire(timeout=0)
     except Timeout:
         log.info("Another run is %s: waiting for it to finish.", doing)
         lock.acquire()
+    except OSError as err:
+        log.warning("No lock while %s (%s: the file system of %s cannot lock files); runs started together may "
+                    "do the same work at once.", doing, err, folder)
+        yield
+        return
     try:
         yield
     finally:

@@ -293,6 +293,25 @@ def test_runs_downloading_at_once_download_once(tmp_path, range_server, modelnet
     assert (root / "release.zip").read_bytes() == payload and not list(root.glob("*.part"))
 
 
+def test_a_file_system_without_locks_downloads_unlocked(tmp_path, range_server, monkeypatch, caplog):
+    """Where flock is missing (some network file systems), filelock would fall back to a lock file that a killed
+    run leaves behind, and every later run would wait for ever: the download goes on unlocked, with a warning."""
+    import errno
+    import fcntl
+    import logging
+
+    def missing(fd, operation):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", missing)
+    payload = zip_with("ok/a.txt")
+    server = range_server(payload)
+    (tmp_path / ".download.lock").write_text("")  # as a killed run's soft lock would be left
+    with caplog.at_level(logging.WARNING):
+        download_and_extract(server.url, tmp_path, md5=hashlib.md5(payload).hexdigest())
+    assert (tmp_path / "ok" / "a.txt").is_file() and "cannot lock files" in caplog.text
+
+
 # --- data.download=true on the run's own path (suite.compose), for every data set that offers it ---------------------
 def zip_folder(folder, archive, prefix):
     with zipfile.ZipFile(archive, "w") as zf:
