@@ -1,6 +1,7 @@
 """Run directories: no run overwrites another run's results.
 
-- A **training run** (``mode=train``) writes into its run directory. A directory that already holds a run's
+- A **training run** (``mode=train``) writes into its run directory, and holds it while it trains (:func:`hold`: no
+  second training run there at the same time). A directory that already holds a run's
   checkpoints or results (``checkpoints/*.ckpt``, ``hpc_ckpt_*.ckpt``, ``metrics.json``) is refused
   (:func:`check_fresh_run`; for a single run by :class:`CheckRunDir` as soon as Hydra has composed it, before
   Hydra writes its ``.hydra/`` files over the old run's) unless this run continues that one (``resume=true``,
@@ -130,6 +131,43 @@ def check_fresh_run(run_dir: Path, *, resume: bool, ckpt_path: str | None, overw
         shutil.rmtree(run_dir / folder, ignore_errors=True)
 
 
+RUN_LOCK = ".run.lock"  # held by a training run's first process for as long as it trains in its directory
+_HELD: dict = {}  # lock file -> this process's FileLock: a lock object let go of unlocks (filelock frees on __del__)
+
+
+def hold(run_dir: Path) -> None:
+    """Hold ``<run dir>/.run.lock`` (re-entrant in a process; the operating system lets go when the process ends,
+    however it ends), or refuse the run when another process holds it: two training runs in one directory (a
+    job submitted twice with one hydra.run.dir and resume=true, overwrite=true on a run still training) wrote their
+    checkpoints and metrics.json over each other's, or deleted the running one's. Where the file system cannot
+    lock files, nothing is held, as before."""
+    from filelock import FileLock, Timeout
+
+    from attention.errors import UserError
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = _HELD.setdefault(str(run_dir / RUN_LOCK), FileLock(run_dir / RUN_LOCK, fallback_to_soft=False))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise UserError(
+            f"hydra.run.dir={run_dir} is in use: another run is training there now (it holds {run_dir / RUN_LOCK}). "
+            "Two runs in one directory write their checkpoints and metrics.json over each other's. Wait for it to "
+            "end, or stop it, and run this again (resume=true continues it); or leave hydra.run.dir out to start "
+            "in a new directory."
+        ) from None
+    except OSError as err:
+        log.warning("%s cannot be locked (%s): nothing stops a second run from using this directory at once.",
+                    run_dir / RUN_LOCK, err)
+
+
+def release(run_dir: Path) -> None:
+    """Let go of :func:`hold` once (the Hydra callback's hold lasts until the process ends)."""
+    lock = _HELD.get(str(run_dir / RUN_LOCK))
+    if lock is not None and lock.is_locked:
+        lock.release()
+
+
 # What makes a run the run it is, beyond the task and attention its checkpoints name (suite.checkpoints): a run
 # continued under another seed or on another data set would report that run's network under this one's name.
 IDENTITY = ("seed", "data._target_")
@@ -239,6 +277,8 @@ class CheckRunDir(Callback):
 
         run_dir = Path(str(config.hydra.run.dir)).absolute()
         try:
+            if is_rank_zero():  # the other processes of a DDP run share the directory with it
+                hold(run_dir)
             check_fresh_run(run_dir, resume=bool(config.get("resume")), ckpt_path=config.get("ckpt_path"),
                             overwrite=bool(config.get("overwrite")), slurm_restart=slurm_restart(run_dir),
                             delete=is_rank_zero(), identity=identity_of(config))

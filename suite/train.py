@@ -52,23 +52,30 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> dict:
     quiet_libraries()
     from suite.compose import compose
     from suite.distributed import is_rank_zero
-    from suite.run_dirs import check_fresh_run, identity_of, record_dir, slurm_restart
+    from suite.run_dirs import check_fresh_run, hold, identity_of, record_dir, release, slurm_restart
 
     # Where this run's record goes (a test of a finished run's directory: a test-<time>/ folder in it), and for a
     # training run, that it does not overwrite another run's results (checked by Hydra's callback already for a
     # single run; here for the jobs of a multirun): both before anything of the run is written.
     run_dir, out_dir = out_dir, record_dir(out_dir, cfg.mode)
-    if cfg.mode == "train":
-        check_training_length(cfg.trainer)
-        check_fresh_run(run_dir, resume=bool(cfg.get("resume")), ckpt_path=cfg.get("ckpt_path"),
-                        overwrite=bool(cfg.get("overwrite")), slurm_restart=slurm_restart(run_dir),
-                        delete=is_rank_zero(), identity=identity_of(cfg))
-    composed = compose(cfg, overrides, out_dir)
-    if cfg.mode == "summary":
-        from suite.summary import print_summaries
+    held = cfg.mode == "train" and is_rank_zero()
+    if held:  # a training run's directory is its own while it trains (for a single run, Hydra's callback holds it)
+        hold(run_dir)
+    try:
+        if cfg.mode == "train":
+            check_training_length(cfg.trainer)
+            check_fresh_run(run_dir, resume=bool(cfg.get("resume")), ckpt_path=cfg.get("ckpt_path"),
+                            overwrite=bool(cfg.get("overwrite")), slurm_restart=slurm_restart(run_dir),
+                            delete=is_rank_zero(), identity=identity_of(cfg))
+        composed = compose(cfg, overrides, out_dir)
+        if cfg.mode == "summary":
+            from suite.summary import print_summaries
 
-        return print_summaries(composed.module)
-    return fit_and_test(cfg, composed, run_dir, out_dir, started)
+            return print_summaries(composed.module)
+        return fit_and_test(cfg, composed, run_dir, out_dir, started)
+    finally:
+        if held:
+            release(run_dir)
 
 
 def check_training_length(trainer: DictConfig) -> None:

@@ -185,3 +185,34 @@ def test_a_run_is_not_continued_under_another_seed(trained, env, tmp_path):
     assert digests(folder) == before
     again = run([*ARGS, "seed=42", "resume=true", f"hydra.run.dir={folder}"], env)
     assert "this run had finished already" in again.stdout + again.stderr
+
+
+def test_a_directory_is_not_used_by_two_training_runs_at_once(env, tmp_path):
+    """A job submitted twice with one hydra.run.dir and resume=true, or overwrite=true on a run still training: two
+    processes wrote their checkpoints and metrics.json over each other's, or deleted the running one's. While a run
+    trains, its directory is refused to another; once it has ended (even killed), it is free."""
+    import signal
+    import time
+
+    folder = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *TINY, "trainer.max_epochs=50", "logger=none",
+                              f"hydra.run.dir={folder}"], cwd=env["HOME"], env=env, stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        last, deadline = folder / "checkpoints" / "last.ckpt", time.monotonic() + 300
+        while not last.is_file():
+            assert first.poll() is None and time.monotonic() < deadline, "the first run did not start training"
+            time.sleep(0.1)
+        for option in ("resume=true", "overwrite=true"):
+            user_error([*TINY, "logger=none", option, f"hydra.run.dir={folder}"], env,
+                       f"hydra.run.dir={folder} is in use: another run is training there now")
+        assert first.poll() is None and last.is_file()  # untouched: not deleted by overwrite=true
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    import torch
+
+    epoch = torch.load(last, map_location="cpu", weights_only=True)["epoch"]  # how far it got before the kill
+    resumed = run([*TINY, "logger=none", "resume=true", f"trainer.max_epochs={epoch + 2}",
+                   f"hydra.run.dir={folder}"], env)
+    assert f"resuming from {last}" in resumed.stdout + resumed.stderr
