@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -34,23 +35,19 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler
 from attention.errors import UserError
 
 
-# The signals a scheduler sends to every process of a job, which the run handles in its main process: SIGTERM (a
-# time limit, pre-emption, scancel), SIGUSR1 (sbatch --signal=USR1@<s>: Lightning's requeue, configs/hydra/launcher/
-# slurm.yaml) and SIGUSR2 (submitit's time-out warning).
-LEFT_TO_THE_RUN = ("SIGTERM", "SIGUSR1", "SIGUSR2")
-
-
 class WorkerInit:
-    """Every DataLoader worker's start (its ``worker_init_fn``): a scheduler's signals ignored, then Lightning's
-    seeding.
+    """Every DataLoader worker's start (its ``worker_init_fn``): a scheduler's signals left to the run's main
+    process, then Lightning's seeding.
 
-    A scheduler signals every process of the job, the loaders' workers too (:data:`LEFT_TO_THE_RUN`). PyTorch's
-    workers die of a SIGTERM that their main process did not send (and of SIGUSR1 and SIGUSR2, whose default is to
-    end the process), and the main process then raised "DataLoader worker (pid ...) is killed by signal" wherever
-    it was: a traceback and exit code 1, with no checkpoint of the interrupted step, where a run stops at the end
-    of the batch, saves and exits 143 (``suite/sigterm.py``), or saves and requeues itself on SIGUSR1 under SLURM.
-    The workers now leave these signals to the main process, which ends them when it stops (a worker also exits
-    by itself once its main process is gone).
+    A scheduler signals every process of the job, the loaders' workers too: SIGTERM (a time limit, pre-emption,
+    ``scancel``), SIGUSR1 (``sbatch --signal=USR1@<s>``: Lightning's requeue, configs/hydra/launcher/slurm.yaml) and
+    SIGUSR2 (submitit's time-out warning). PyTorch's workers die of a SIGTERM that their main process did not send
+    (and of SIGUSR1 and SIGUSR2, whose default is to end the process), and the main process then raised
+    "DataLoader worker (pid ...) is killed by signal" wherever it was: a traceback and exit code 1, with no
+    checkpoint of the interrupted step, where a run stops at the end of the batch, saves and exits 143
+    (``suite/sigterm.py``), or saves and requeues itself on SIGUSR1 under SLURM. The workers now ignore SIGUSR1 and
+    SIGUSR2 and take SIGTERM from their own main process only (:func:`_sigterm_from_the_run_only`), which ends
+    them when it stops (a worker also exits by itself once its main process is gone).
 
     Lightning adds its own ``worker_init_fn`` (``seed_everything(workers=True)``: each worker's generators seeded
     from the loader's base seed, the worker and the process's rank) only to loaders without one, so it is called
@@ -60,12 +57,27 @@ class WorkerInit:
         self.rank = rank  # the process's global rank; None: Lightning's rank_zero_only.rank in the worker
 
     def __call__(self, worker_id: int) -> None:
-        for name in LEFT_TO_THE_RUN:
-            signal.signal(getattr(signal, name), signal.SIG_IGN)
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+        if hasattr(signal, "sigwaitinfo"):  # Linux: SIGTERM waited for by a thread that knows who sent it
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+            threading.Thread(target=_sigterm_from_the_run_only, name="sigterm", daemon=True).start()
         if int(os.environ.get("PL_SEED_WORKERS", 0)):
             from lightning.fabric.utilities.seed import pl_worker_init_function
 
             pl_worker_init_function(worker_id, rank=self.rank)
+
+
+def _sigterm_from_the_run_only() -> None:
+    """A worker's SIGTERM, taken by this thread (every thread blocks it): sent by the worker's own main process (its
+    ``terminate()`` when the loader shuts down, and at exit), the worker ends at once, as PyTorch's own handler does;
+    sent by anyone else (a scheduler signalling the whole job), it is left to the main process. Ignoring it outright
+    left a worker that the main process never shut down (an evaluation loader's persistent workers at interpreter
+    exit) waiting for ever, and the run with it."""
+    while True:
+        info = signal.sigwaitinfo({signal.SIGTERM})
+        if info.si_pid == os.getppid():
+            os._exit(0)
 
 
 def eval_loading(dataset: Dataset, what: str) -> dict:
