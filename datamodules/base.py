@@ -40,7 +40,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from attention.errors import UserError
-from datamodules.loaders import ResumableLoader, WorkerInit, eval_loading, train_sampling
+from datamodules.loaders import Loader, ResumableLoader, WorkerInit, eval_loading, train_sampling
 
 log = logging.getLogger(__name__)
 
@@ -337,7 +337,7 @@ class DataModule(L.LightningDataModule):
         workers = self.num_workers if num_workers is None else num_workers
         if train and self.full_train_batches and len(dataset) < batch_size:
             raise UserError(self._too_small(len(dataset), batch_size))
-        return (ResumableLoader if train else DataLoader)(
+        return (ResumableLoader if train else Loader)(
             dataset,
             batch_size=batch_size,
             **(train_sampling(dataset) if train else eval_loading(dataset, what or f"{self.title} {split} split")),

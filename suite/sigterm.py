@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 import lightning as L
 import torch
@@ -29,7 +30,8 @@ class AgreedSigterm(L.pytorch.callbacks.Callback):
     Single-process runs keep Lightning's handler."""
 
     def __init__(self):
-        self.pending = False  # this process got SIGTERM since the last agreement
+        self.pending = False  # this process got SIGTERM
+        self._first = threading.Lock()  # taken by the first SIGTERM: its handler alone logs
         self._group = None  # the CPU (gloo) group the processes agree over; None: one process
 
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -43,10 +45,14 @@ class AgreedSigterm(L.pytorch.callbacks.Callback):
         trainer._signal_connector._sigterm_notifier_fn = self._note
 
     def _note(self, signum, frame) -> None:
-        """The SIGTERM handler: only notes the signal (no collective, no I/O but a log line; safe to run twice)."""
-        if not self.pending:
-            log.info("received SIGTERM: stopping with the other processes at the next batch")
+        """The SIGTERM handler: only notes the signal (no collective, no I/O but a log line; safe to run twice).
+
+        A second SIGTERM can interrupt the first one's handler between any two bytecodes (Python runs handlers
+        there, inside a handler too): a test of ``pending`` followed by the log line logged twice. A lock's
+        non-blocking acquire is one atomic step."""
         self.pending = True
+        if self._first.acquire(blocking=False):
+            log.info("received SIGTERM: stopping with the other processes at the next batch")
 
     def _agree(self, trainer) -> None:
         import torch.distributed as dist

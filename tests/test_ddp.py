@@ -9,6 +9,7 @@ sample (Lightning's default) would change them.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -126,6 +127,33 @@ class SigtermAt(L.Callback):
                 and trainer.global_rank == 1 and batch_idx == 0):
             os.kill(os.getpid(), signal.SIGTERM)
 """
+
+
+def test_a_second_sigterm_inside_the_first_ones_handler_logs_nothing_more(caplog):
+    """The handler notes the signal and logs once. A second SIGTERM (a scheduler's, then Lightning's forwarded one)
+    can land while the first handler is still logging: Python runs the second handler between two bytecodes of the
+    first. A check of ``pending`` before the log line logged twice then (the run above, once in CI)."""
+    from suite.sigterm import AgreedSigterm
+
+    callback = AgreedSigterm()
+
+    class SecondSignalWhileLogging(logging.Handler):
+        def emit(self, record):  # the second signal, arriving while the first handler's line is written
+            if not getattr(self, "fired", False):
+                self.fired = True
+                callback._note(signal.SIGTERM, None)
+
+    handler = SecondSignalWhileLogging()
+    logging.getLogger("suite.sigterm").addHandler(handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="suite.sigterm"):
+            callback._note(signal.SIGTERM, None)
+            callback._note(signal.SIGTERM, None)
+    finally:
+        logging.getLogger("suite.sigterm").removeHandler(handler)
+    assert handler.fired and callback.pending
+    assert [r.getMessage() for r in caplog.records].count(
+        "received SIGTERM: stopping with the other processes at the next batch") == 1
 
 
 @pytest.mark.parametrize("who", ["all", "second", "validating"])

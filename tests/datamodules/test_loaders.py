@@ -149,3 +149,50 @@ def test_bad_files_error_names_the_file_and_skip_counts_and_warns_once(caplog):
     bad.warn("Pairs", "bad sample(s)")  # nothing new: no second warning
     assert caplog.text.count("Skipped 2 bad sample(s) of Pairs") == 1
     assert bad.skipped == ["a.png: no mask", "b.png: no mask"]
+
+
+# A run's main process, with the loaders the data modules build (new training workers each epoch, persistent
+# evaluation ones), signalled every 5 ms for 3 s by another process, as a scheduler signals every process of a job.
+SIGNALLED = r"""
+import os, signal, subprocess, sys, time
+import torch
+from torch.utils.data import TensorDataset
+from datamodules.loaders import Loader, ResumableLoader, WorkerInit
+
+got = []
+for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+    signal.signal(s, lambda signum, frame: got.append(signum))  # the run's handlers: note it, go on
+data = TensorDataset(torch.arange(16))
+train = ResumableLoader(data, batch_size=4, num_workers=2, worker_init_fn=WorkerInit())
+evaluate = Loader(data, batch_size=4, num_workers=2, persistent_workers=True, worker_init_fn=WorkerInit())
+sender = subprocess.Popen([sys.executable, "-c", "import os, signal, sys, time\n"
+                           "for i in range(600):\n"
+                           "    os.killpg(int(sys.argv[1]), (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)[i % 3])\n"
+                           "    time.sleep(0.005)", str(os.getpgid(0))], start_new_session=True)
+epochs = 0
+while sender.poll() is None:
+    for loader in (train, evaluate):
+        assert sum(len(b) for (b,) in loader) == 16
+    epochs += 1
+print("epochs", epochs, "signals", len(got))
+"""
+
+
+def test_workers_started_while_the_job_is_signalled_live_on(tmp_path):
+    """SLURM signals every process of a job. A loader worker that got SIGTERM, SIGUSR1 or SIGUSR2 before its
+    ``worker_init_fn`` had run died of it ("DataLoader worker ... is killed by signal", the run's exit code 1: once
+    in CI, in the SLURM requeue test). Workers now start with those signals blocked (``Loader``); the main process
+    gets every one of them."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    (tmp_path / "signalled.py").write_text(SIGNALLED)
+    run = subprocess.run([sys.executable, str(tmp_path / "signalled.py")], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120, start_new_session=True,  # the signals stay inside its session
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    epochs, signals = (int(w) for w in run.stdout.split()[1::2])
+    assert epochs >= 10 and signals >= 100, run.stdout
