@@ -31,6 +31,7 @@ import numpy as np
 import yaml
 
 from attention.errors import UserError
+from suite.run_dirs import in_use
 from suite.run_record import RECORD_KEYS, data_name, protocol as derive_protocol
 
 log = logging.getLogger(__name__)
@@ -219,7 +220,9 @@ def read_run_dir(folder: Path) -> Run | LeftOut | None:
     if isinstance(config, dict) and config.get("mode") in NOT_TRAINING:
         return None
     if not metrics_file.is_file():
-        return LeftOut(str(folder), "no metrics.json (the run crashed, was stopped, or is still running)")
+        if in_use(folder):
+            return LeftOut(str(folder), "still running (no metrics.json yet; its process holds .run.lock)")
+        return LeftOut(str(folder), "no metrics.json (the run crashed or was stopped: no process holds its .run.lock)")
     try:
         data = json.loads(metrics_file.read_text())
         if not isinstance(data, dict):

@@ -168,6 +168,29 @@ def release(run_dir: Path) -> None:
         lock.release()
 
 
+def in_use(run_dir: Path) -> bool:
+    """Whether a run holds ``run_dir``'s lock now (:func:`hold`: while it trains and tests). Read-only (a shared
+    lock tried on the file opened for reading: it works on a read-only copy of results too); False where it cannot
+    be told (no lock file, no ``flock``)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        return False
+    try:
+        fd = os.open(run_dir / RUN_LOCK, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # filelock's lock is an exclusive flock on this file
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # and with it the shared lock, if taken
+    return False
+
+
 # What makes a run the run it is, beyond the task and attention its checkpoints name (suite.checkpoints): a run
 # continued under another seed or on another data set would report that run's network under this one's name.
 IDENTITY = ("seed", "data._target_")

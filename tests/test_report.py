@@ -271,6 +271,27 @@ def test_report_lists_runs_left_out_and_writes_plots(sweep):
     assert (folder / "metrics.csv").is_file()
 
 
+
+def test_a_run_still_running_is_told_from_a_crashed_one(tmp_path):
+    """A folder without metrics.json: its run still running (its process holds the run folder's lock, as
+    suite.run_dirs.hold does while a run trains and tests) is listed as such; once that process is gone (here
+    killed), as crashed or stopped."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "resolved_config.yaml").write_text("mode: train\nseed: 0\n")
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path; "
+                               "from suite.run_dirs import hold; hold(Path(sys.argv[1])); print('held', flush=True); "
+                               "sys.stdin.read()", str(run)], cwd=ROOT, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert rep.read_run_dir(run).reason == "still running (no metrics.json yet; its process holds .run.lock)"
+    finally:
+        holder.kill()
+        holder.wait()
+    assert rep.read_run_dir(run).reason == ("no metrics.json (the run crashed or was stopped: no process holds its "
+                                           ".run.lock)")
+
 # --- more of the same runs, in the process ----------------------------------------------------------------------------
 def copy_runs(out: Path, dest: Path) -> dict:
     jobs = {}
