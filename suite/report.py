@@ -258,7 +258,13 @@ def read_folders(roots: list[Path]) -> tuple[list[Run], list[LeftOut], int]:
         if not root.is_dir():
             raise UserError(f"report.runs: {root} is not a folder. Pass the Hydra run or multirun folders of "
                             "finished runs, e.g. `report.runs=multirun/2026-11-23_10-00-00,outputs/modelnet`.")
-    folders = [d for root in roots for d in find_run_dirs(root)]
+    # Each folder once: roots that overlap (`report.runs=multirun,multirun/<time>`) read its runs twice, and each
+    # then counted as two seeds.
+    folders, seen = [], set()
+    for folder in (d for root in roots for d in find_run_dirs(root)):
+        if folder.resolve() not in seen:
+            seen.add(folder.resolve())
+            folders.append(folder)
     for folder in progress(folders, "reading runs"):
         result = read_run_dir(folder)
         if result is None:
@@ -429,6 +435,30 @@ def group_runs(runs: list[Run]) -> list[Group]:
                                            str(r.seed), r.path))
         groups += sorted(by_key.values(), key=lambda g: (g.label, json.dumps(g.protocol, sort_keys=True)))
     return groups
+
+
+def one_run_per_seed(groups: list[Group], runs: list[Run]) -> list[LeftOut]:
+    """Keep one run per seed in each group; the others are returned, left out, each naming the run kept.
+
+    A seed twice in one row is one experiment counted twice (a run repeated in another folder, the same runs read
+    from their folders and from W&B): n, the spread, the interval and the test would all be wrong, and a
+    deterministic run's copy narrows the interval to nothing. The first run read is kept, in the order of
+    ``report.runs``, then W&B, so the order chooses."""
+    read_at = {id(run): i for i, run in enumerate(runs)}
+    left_out = []
+    for group in groups:
+        kept: dict[str, Run] = {}
+        repeated = set()
+        for run in sorted(group.runs, key=lambda r: read_at[id(r)]):
+            seed = json.dumps(run.seed, default=str)
+            if run.seed is None or seed not in kept:  # a run without a seed: nothing to tell a repeat by
+                kept.setdefault(seed, run)
+                continue
+            repeated.add(id(run))
+            left_out.append(LeftOut(run.path, f"seed {run.seed} again in the row {group.label} (one run per seed: "
+                                              f"{kept[seed].path}, read first, is counted)"))
+        group.runs = [r for r in group.runs if id(r) not in repeated]
+    return left_out
 
 
 def find_baseline(group: Group, groups: list[Group], baseline: str) -> Group | None:
@@ -814,6 +844,7 @@ def report(cfg, api=None) -> dict:
     metric = rc.get("metric")
     runs = check_metric(runs, left_out, metric)
     groups = group_runs(runs)
+    left_out += one_run_per_seed(groups, runs)
     baseline = rc.get("baseline")
     check_baseline(baseline, groups)
     rows = build_rows(groups, baseline, metric, confidence)

@@ -301,6 +301,23 @@ def copy_runs(out: Path, dest: Path) -> dict:
     return jobs
 
 
+
+def test_each_run_is_counted_once(sweep, tmp_path):
+    """A folder under two report.runs roots is read once; a run repeated in another folder (same row, same seed) is
+    left out, naming the one counted: before, both counted as seeds, which made n 3 and the spread a repeat's."""
+    out, _ = sweep
+    jobs = copy_runs(out, tmp_path / "runs")
+    repeat = tmp_path / "again" / "self-0"
+    shutil.copytree(jobs[("self", 0)], repeat)
+    document = rep.report(cfg(runs=[str(tmp_path / "runs"), str(jobs[("offset", 0)]), str(tmp_path / "again")],
+                              out=str(tmp_path / "rep"), baseline="offset"))
+    rows = {row["attn"]: row for row in document["rows"]}
+    assert rows["offset"]["seeds"] == [0, 1] and rows["self"]["seeds"] == [0, 1]
+    scores = [json.loads((jobs[("self", s)] / "metrics.json").read_text())["test/oa"] for s in SEEDS]
+    assert close(rows["self"]["mean"], np.mean(scores))
+    assert document["left_out"] == [{"path": str(repeat), "reason": (
+        f"seed 0 again in the row attn=self (one run per seed: {jobs[('self', 0)]}, read first, is counted)")}]
+
 def test_default_metric_and_welch_when_the_seeds_differ(sweep, tmp_path, capsys):
     out, _ = sweep
     jobs = copy_runs(out, tmp_path / "runs")
