@@ -17,6 +17,8 @@ import time
 import lightning as L
 import torch
 
+from suite.resume import FitState
+
 HISTORY_KEY = "train/samples_per_sec"
 
 
@@ -35,7 +37,7 @@ def compile_clock() -> float:
     return compile_seconds()
 
 
-class TrainThroughput(L.pytorch.callbacks.Callback):
+class TrainThroughput(FitState):
     """Training samples per second of this process: the time from each training batch's start to the next one's
     (data loading included); validation, each epoch's first batch and batches during which ``torch.compile``
     compiled are left out.
@@ -86,7 +88,7 @@ class TrainThroughput(L.pytorch.callbacks.Callback):
     def state_dict(self):  # in checkpoints: a resumed run's whole-run rate counts its earlier parts' batches too
         return {"samples": self.samples, "seconds": self.seconds}
 
-    def load_state_dict(self, state_dict):
+    def load_fit_state(self, state_dict):  # not when a checkpoint is tested (FitState)
         self.samples, self.seconds = int(state_dict["samples"]), float(state_dict["seconds"])
 
     def rate(self) -> float | None:

@@ -149,6 +149,7 @@ class Run:
     protocol: dict
     protocol_recorded: bool = True  # False: derived from the config (runs from before protocols were recorded)
     history: object = None          # a metrics.csv path, or a W&B run (scan_history)
+    provenance: dict | None = None  # code, torch, device (suite.run_record.provenance); None: not recorded
 
     @property
     def seed(self):
@@ -204,6 +205,14 @@ def split_record(values: dict[str, float]) -> tuple[dict, dict]:
             {k: v for k, v in values.items() if k in COST_KEYS})
 
 
+def recorded_provenance(record: dict) -> dict | None:
+    """A run's ``provenance`` (metrics.json, or the W&B config), None where it was not recorded or is malformed."""
+    value = record.get("provenance")
+    if not isinstance(value, dict) or not isinstance(value.get("code"), list):
+        return None
+    return value
+
+
 def read_run_dir(folder: Path) -> Run | LeftOut | None:
     """One run folder as a :class:`Run`, a :class:`LeftOut` saying why it cannot be used, or None for the folder
     of a ``mode=summary|bench|report`` run (no results by design)."""
@@ -242,7 +251,7 @@ def read_run_dir(folder: Path) -> Run | LeftOut | None:
         proto = derive_protocol(config, str(best[-1]) if best else None)
     history = next((p for p in (folder / "csv" / "metrics.csv", folder / "wandb_fallback" / "metrics.csv")
                     if p.is_file()), None)
-    return Run(str(folder), config, metrics, cost, proto, recorded, history)
+    return Run(str(folder), config, metrics, cost, proto, recorded, history, recorded_provenance(data))
 
 
 def progress(items, desc: str):
@@ -318,7 +327,7 @@ def read_wandb(path: str, api=None) -> tuple[list[Run], list[LeftOut], int]:
             continue
         recorded = isinstance(config.get("protocol"), dict)
         proto = config["protocol"] if recorded else derive_protocol(config, "best")
-        runs.append(Run(where, config, metrics, cost, proto, recorded, wrun))
+        runs.append(Run(where, config, metrics, cost, proto, recorded, wrun, recorded_provenance(config)))
     if not runs and not left_out:
         raise UserError(f"no runs in W&B {'sweep' if len(parts) == 3 else 'project'} {path}.")
     return runs, left_out, skipped
@@ -541,8 +550,24 @@ def build_rows(groups: list[Group], baseline: str | None, metric: str | None, co
         row["protocol"] = group.protocol
         row["protocol_recorded"] = all(r.protocol_recorded for r in group.runs)
         row["runs"] = [r.path for r in group.runs]
+        row.update(versions_of(group))
         rows.append(row)
     return rows
+
+
+def versions_of(group: Group) -> dict:
+    """What produced a row's runs: ``code``, ``torch`` and ``device``, each ``{version: runs}`` (``unknown``: not
+    recorded; a run resumed under other code counts as ``<first> -> <next>``); ``mixed``: the keys on which the
+    runs differ (such a row averages as seeds runs that differ by more than the seed); ``uncommitted``: whether
+    some ran uncommitted changes (``+dirty``: the commit does not name their code)."""
+    counts: dict[str, dict[str, int]] = {"code": {}, "torch": {}, "device": {}}
+    for run in group.runs:
+        found = run.provenance or {}
+        code = " -> ".join(str(v) if v else "unknown" for v in found.get("code") or [None])
+        for key, value in (("code", code), ("torch", found.get("torch")), ("device", found.get("device"))):
+            counts[key][str(value or "unknown")] = counts[key].get(str(value or "unknown"), 0) + 1
+    return {**counts, "mixed": [k for k, seen in counts.items() if len(seen) > 1],
+            "uncommitted": any("+dirty" in version for version in counts["code"])}
 
 
 def all_metrics(groups: list[Group], confidence: float) -> list[dict]:
@@ -596,6 +621,23 @@ def protocol_text(protocol: dict) -> str:
     return "; ".join(f"{k} {v}" for k, v in protocol.items())
 
 
+def versions_text(rows: list[dict]) -> list[str]:
+    """A table's provenance: one line when all its runs share the code, torch and device (committed code);
+    otherwise a line per row, with a warning in bold where its runs differ or ran uncommitted changes."""
+    def text(row: dict) -> str:
+        return "; ".join(f"{key} " + ", ".join(f"`{v}`" + (f" ({n} runs)" if len(row[key]) > 1 else "")
+                                               for v, n in row[key].items()) for key in ("code", "torch", "device"))
+
+    def warnings(row: dict) -> list[str]:
+        return ([f"its runs differ in {', '.join(row['mixed'])}"] if row["mixed"] else []) + (
+            ["uncommitted changes: the commit does not name the code"] if row["uncommitted"] else [])
+
+    if not any(warnings(r) for r in rows) and len({text(r) for r in rows}) == 1:
+        return [f"All runs: {text(rows[0])}."]
+    return [f"- `{r['variant']}`: {text(r)}" + (f" (**{'; '.join(w)}**)" if (w := warnings(r)) else "")
+            for r in rows]
+
+
 def markdown(rows: list[dict], left_out: list[LeftOut], sources: list[str], plots: dict, confidence: float) -> str:
     pct = f"{confidence:.0%}"
     lines = ["# Report", "", f"Sources: {', '.join(sources)}. {sum(len(r['runs']) for r in rows)} runs in "
@@ -629,7 +671,7 @@ def markdown(rows: list[dict], left_out: list[LeftOut], sources: list[str], plot
                 f"{fmt_count(r['params'])} | {fmt_count(r['flops'])} | {fmt(r['train_samples_per_sec'], 1)} | "
                 f"{fmt_bytes(r['peak_memory_bytes'])} | {fmt_seconds(r['wall_time_s'])} | "
                 f"{protocol_text(r['protocol'])}{'' if r['protocol_recorded'] else ' (from config)'} |")
-        lines.append("")
+        lines += ["", *versions_text(members), ""]
         for title, path in plots.get((task, data), []):
             lines += [f"![{title}]({path})", ""]
     lines += ["## Runs left out", ""]

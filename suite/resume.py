@@ -121,7 +121,29 @@ class RandomState(L.pytorch.callbacks.Callback):
         random.setstate((version, tuple(internal), gauss_next))
 
 
-class FitRecord(L.pytorch.callbacks.Callback):
+class FitState(L.pytorch.callbacks.Callback):
+    """A callback whose checkpointed state is the fit's record: restored when a fit resumes from a checkpoint,
+    left alone when a checkpoint is tested. Subclasses load it in :meth:`load_fit_state`.
+
+    Lightning restores every callback's ``state_dict`` from the checkpoint that ``trainer.test(ckpt_path=...)``
+    loads too. The best checkpoint, tested after the fit, then put its older counts in place of the whole run's:
+    ``metrics.json``'s wall time counted the seconds up to the best epoch twice, and the throughput was the best
+    epoch's, in every run whose best checkpoint was not its last."""
+
+    stage: str | None = None  # the trainer's current stage ("fit", "test", ...), from setup, before any restore
+
+    def setup(self, trainer, pl_module, stage):
+        self.stage = stage
+
+    def load_state_dict(self, state_dict):
+        if self.stage in (None, "fit"):
+            self.load_fit_state(state_dict)
+
+    def load_fit_state(self, state_dict) -> None:
+        raise NotImplementedError
+
+
+class FitRecord(FitState):
     """What a run's checkpoints keep of its record: the seconds spent and the fit's latest metrics.
 
     - **Wall time** (``metrics.json``'s ``wall_time_s``) over all the run's parts: a run resumed from a checkpoint
@@ -133,6 +155,8 @@ class FitRecord(L.pytorch.callbacks.Callback):
       from a checkpoint written at the end of its fit (killed while testing) trains nothing more, and its
       ``metrics.json`` got the test metrics only; :meth:`fit_metrics` gives them back.
     - ``steps``: the training steps taken in this process (0: the checkpoint was at the end of the fit already).
+    - **The code** each part ran (``suite.run_record.code_version``): a run requeued after a commit continued under
+      other code, and its ``metrics.json`` says so (:meth:`code`).
 
     Lightning restores callbacks only when fitting: testing a checkpoint changes none of this."""
 
@@ -141,9 +165,11 @@ class FitRecord(L.pytorch.callbacks.Callback):
         self.before = 0.0  # seconds of the run's earlier parts
         self.saved: dict[str, float] = {}  # the fit's metrics in the checkpoint resumed from
         self.steps = 0
+        self.earlier_code: list = []  # the code versions of the run's earlier parts (None: not recorded)
         self._trainer = None
 
     def setup(self, trainer, pl_module, stage):
+        super().setup(trainer, pl_module, stage)
         self._trainer = trainer
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -159,10 +185,18 @@ class FitRecord(L.pytorch.callbacks.Callback):
         current = floats(trainer.callback_metrics)
         return {**self.saved, **current} if self.steps == 0 else current
 
+    def code(self) -> list:
+        """The code version of each of the run's parts, in order, a repeat of the previous one left out."""
+        from suite.run_record import code_version
+
+        parts = [*self.earlier_code, code_version()]
+        return [v for i, v in enumerate(parts) if i == 0 or v != parts[i - 1]]
+
     def state_dict(self):
         metrics = floats(self._trainer.callback_metrics) if self._trainer is not None else {}
-        return {"seconds": self.seconds(), "metrics": metrics}
+        return {"seconds": self.seconds(), "metrics": metrics, "code": self.code()}
 
-    def load_state_dict(self, state_dict):
+    def load_fit_state(self, state_dict):
         self.before = float(state_dict["seconds"])
+        self.earlier_code = list(state_dict.get("code", [None]))  # a checkpoint from before this was recorded
         self.saved = {str(k): float(v) for k, v in state_dict.get("metrics", {}).items()}

@@ -15,7 +15,9 @@
 - ``protocol``: how the test metrics were obtained (:func:`protocol`);
 - ``compile_time_s`` and ``compile_graphs``, with ``trainer.compile=true``: seconds spent compiling the networks
   (torch.compile's tracing and code generation, forward and backward, evaluation and test included) and the graphs
-  compiled (``suite/compile.py``).
+  compiled (``suite/compile.py``);
+- ``provenance``: what produced the numbers (:func:`provenance`): the code's git commit for each part of the run
+  (a resumed run may have continued under other code), torch's version and the device.
 
 Nothing here may lose a run: a count or measurement that fails is left out with a warning.
 """
@@ -23,16 +25,18 @@ Nothing here may lose a run: a count or measurement that fails is left out with 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import random
 import resource
+import subprocess
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 # What :func:`record` adds to metrics.json beside the metrics (these differ between two runs of one seed).
 RECORD_KEYS = ("wall_time_s", "peak_memory_bytes", "peak_memory_source", "train_samples_per_sec", "params", "flops",
-               "protocol", "compile_time_s", "compile_graphs")
+               "protocol", "compile_time_s", "compile_graphs", "provenance")
 
 
 def floats(metrics) -> dict[str, float]:
@@ -186,6 +190,44 @@ def reset_peak_memory() -> None:
         pass
 
 
+CHECKOUT = Path(__file__).resolve().parents[1]
+
+
+@functools.cache
+def code_version() -> str | None:
+    """The checkout's git commit (12 hex digits), with ``+dirty`` when tracked files differ from it; None where
+    that cannot be told (no git, not a git checkout, a copy of the files). Called first at a run's start
+    (``suite/train.py``) and kept: what ran, whatever is edited while it trains.
+
+    Only the checkout itself counts: an installed copy inside some other repository (a virtual environment in a
+    project folder) would otherwise report that repository's commit."""
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", str(CHECKOUT), *args], capture_output=True, text=True, timeout=30,
+                                  stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    top, commit = git("rev-parse", "--show-toplevel"), git("rev-parse", "--short=12", "HEAD")
+    if top is None or commit is None or Path(top).resolve() != CHECKOUT:
+        return None
+    changes = git("status", "--porcelain", "--untracked-files=no")
+    return commit + ("+dirty" if changes is None or changes else "")
+
+
+def provenance(device_type: str, code: list | None = None) -> dict:
+    """``metrics.json``'s ``provenance``: ``code``, the :func:`code_version` of each part of the run in order
+    (``suite.resume.FitRecord`` keeps the earlier parts'; default: this process's), ``torch``'s version, and
+    ``device``: the GPU's name, or ``cpu``. ``mode=report`` shows them per row and flags rows whose runs differ."""
+    import torch
+
+    device = torch.cuda.get_device_name() if device_type == "cuda" and torch.cuda.is_available() else device_type
+    return {"code": list(code) if code is not None else [code_version()], "torch": torch.__version__,
+            "device": device}
+
+
 def peak_memory(device_type: str) -> tuple[int, str]:
     """(bytes, source): CUDA's max_memory_allocated on a GPU, else this process's peak RSS."""
     import torch
@@ -231,9 +273,10 @@ def eager_networks(compiled: bool):
 
 
 def record(module, config: dict, tested: str | None, device_type: str, wall_time: float, meter=None,
-           compiler=None) -> dict:
+           compiler=None, code: list | None = None) -> dict:
     """The fields above for ``metrics.json`` (``wall_time``: the run's seconds, ``wall_time_s``; ``compiler``:
-    the run's ``suite.compile.CompileNetworks``, or None when it compiled nothing)."""
+    the run's ``suite.compile.CompileNetworks``, or None when it compiled nothing; ``code``: the code version of
+    each of the run's parts, :func:`provenance`)."""
     out: dict = {"wall_time_s": wall_time}
     try:
         out["peak_memory_bytes"], out["peak_memory_source"] = peak_memory(device_type)
@@ -248,6 +291,10 @@ def record(module, config: dict, tested: str | None, device_type: str, wall_time
     except Exception as err:  # noqa: BLE001
         log.warning("params/FLOPs not recorded in metrics.json: %s", err)
     out["protocol"] = protocol(config, tested)
+    try:
+        out["provenance"] = provenance(device_type, code)
+    except Exception as err:  # noqa: BLE001
+        log.warning("provenance not recorded in metrics.json: %s", err)
     if compiler is not None:
         out.update(compiler.record())
     return out

@@ -49,6 +49,9 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> dict:
     from suite.run_record import reset_peak_memory
 
     reset_peak_memory()  # before the data is read: a run's peak includes its data and network
+    from suite.run_record import code_version
+
+    code_version()  # the code as it starts (kept): what ran, whatever is edited while it trains
     quiet_libraries()
     from suite.compose import compose
     from suite.distributed import is_rank_zero
@@ -178,7 +181,8 @@ def fit_and_test(cfg: DictConfig, composed, run_dir: Path, out_dir: Path, starte
     log.info("rank %d metrics: %s", trainer.global_rank, json.dumps(metrics))  # each process logs what it saw
     if trainer.is_global_zero:
         write_metrics(metrics, module, config, tested, trainer, parts["record"].seconds(),
-                      parts["meter"] if cfg.mode == "train" else None, out_dir, loggers, parts["compiler"])
+                      parts["meter"] if cfg.mode == "train" else None, out_dir, loggers, parts["compiler"],
+                      parts["record"].code())
     close_loggers(loggers)
     return metrics
 
@@ -322,24 +326,26 @@ def finish_metrics(metrics: dict[str, float], guard, datamodule, trainer) -> dic
 
 
 def write_metrics(metrics: dict, module, config: dict, tested: str | None, trainer, wall_time: float, meter,
-                  out_dir: Path, loggers: list, compiler=None) -> None:
+                  out_dir: Path, loggers: list, compiler=None, code: list | None = None) -> None:
     """``metrics.json`` (the metrics and, beside them, what mode=report needs: wall time, peak memory,
     params/FLOPs, throughput, protocol; with ``trainer.compile``, the compile time), printed too, and the run
     record sent to W&B."""
     from suite.checkpoint_io import atomic_write_text
     from suite.run_record import record
 
-    extra = record(module, config, tested, trainer.strategy.root_device.type, wall_time, meter, compiler)
+    extra = record(module, config, tested, trainer.strategy.root_device.type, wall_time, meter, compiler, code)
     atomic_write_text(out_dir / "metrics.json", json.dumps({**metrics, **extra}, indent=2) + "\n")
     print("\n".join(f"{k:>24} {v:.4f}" for k, v in metrics.items()))
     print("\n".join(f"{k:>24} {v:.6g}" for k, v in extra.items() if isinstance(v, (int, float))))
     print(f"{'protocol':>24} {json.dumps(extra['protocol'])}")
+    if "provenance" in extra:
+        print(f"{'provenance':>24} {json.dumps(extra['provenance'])}")
     print(f"metrics written to {out_dir / 'metrics.json'}")
     log_record(loggers, extra)
 
 
 def log_record(loggers, extra: dict) -> None:
-    """The run's cost (as metrics: in the run's summary) and protocol (as config) to W&B, so that
+    """The run's cost (as metrics: in the run's summary), protocol and provenance (as config) to W&B, so that
     ``report.wandb=`` finds there what metrics.json holds."""
     from lightning.pytorch.loggers import WandbLogger
 
@@ -349,7 +355,7 @@ def log_record(loggers, extra: dict) -> None:
             continue
         try:
             logger.log_metrics(numbers)
-            logger.log_hyperparams({"protocol": extra["protocol"]})
+            logger.log_hyperparams({k: extra[k] for k in ("protocol", "provenance") if k in extra})
         except Exception as err:  # noqa: BLE001 - a logger never loses a run
             log.warning("could not log the run record to %s: %s", type(logger).__name__, err)
 

@@ -25,7 +25,7 @@ from scipy.stats import t as student_t
 from attention.errors import UserError
 from fixture_cache import once_per_worker
 from suite import report as rep
-from suite.run_record import protocol
+from suite.run_record import code_version, protocol
 
 ROOT = Path(__file__).resolve().parents[1]
 # Two epochs of three generated classes at 128 points: about 5 s a run on 2 CPU cores.
@@ -134,6 +134,8 @@ def test_runs_record_cost_and_protocol(sweep):
         assert m["params"] > 0 and m["flops"] > 0 and m["train_samples_per_sec"] > 0
         assert m["protocol"] == {"checkpoint": "best val/oa (max)", "split": "test", "selected_on": "val",
                                  "tta": "none", "points": 128}
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        assert m["provenance"] == {"code": [code_version()], "torch": torch.__version__, "device": device}
     jobs = job_dirs(out / "multirun")
     a, b = (json.loads((jobs[(v, 0)] / "metrics.json").read_text()) for v in VARIANTS)
     assert a["params"] != b["params"]  # offset and self attention differ in size
@@ -318,6 +320,87 @@ def test_each_run_is_counted_once(sweep, tmp_path):
     assert document["left_out"] == [{"path": str(repeat), "reason": (
         f"seed 0 again in the row attn=self (one run per seed: {jobs[('self', 0)]}, read first, is counted)")}]
 
+
+def test_rows_say_what_code_produced_them_and_flag_mixed_code(sweep, tmp_path):
+    """Each table says which code, torch and device produced its runs (metrics.json's provenance). A row whose
+    seeds ran different code (half the seeds before a fix, a run resumed after a commit) or uncommitted changes is
+    flagged in bold: its runs are averaged as seeds, yet differ by more than the seed."""
+    out, _ = sweep
+    jobs = copy_runs(out, tmp_path / "runs")
+    ran = json.loads((jobs[("self", 0)] / "metrics.json").read_text())["provenance"]
+    clean = {**ran, "code": ["0123456789ab"]}
+    for job in jobs.values():
+        path = job / "metrics.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "provenance": clean}))
+    document = rep.report(cfg(runs=[str(tmp_path / "runs")], out=str(tmp_path / "same"), baseline="offset"))
+    text = (tmp_path / "same" / "report.md").read_text()
+    assert f"All runs: code `0123456789ab`; torch `{ran['torch']}`; device `{ran['device']}`." in text
+    assert all(row["mixed"] == [] and not row["uncommitted"] for row in document["rows"])
+
+    path = jobs[("self", 1)] / "metrics.json"  # its second seed resumed under a later commit, with local changes
+    path.write_text(json.dumps({**json.loads(path.read_text()),
+                                "provenance": {**clean, "code": ["0123456789ab", "fedcba987654+dirty"]}}))
+    (jobs[("offset", 1)] / "metrics.json").write_text(json.dumps(  # a run from before provenance was recorded
+        {k: v for k, v in json.loads((jobs[("offset", 1)] / "metrics.json").read_text()).items()
+         if k != "provenance"}))
+    document = rep.report(cfg(runs=[str(tmp_path / "runs")], out=str(tmp_path / "mixed"), baseline="offset"))
+    rows = {row["attn"]: row for row in document["rows"]}
+    assert rows["self"]["code"] == {"0123456789ab": 1, "0123456789ab -> fedcba987654+dirty": 1}
+    assert rows["self"]["mixed"] == ["code"] and rows["self"]["uncommitted"]
+    assert rows["offset"]["code"] == {"0123456789ab": 1, "unknown": 1} and rows["offset"]["torch"] == {
+        ran["torch"]: 1, "unknown": 1} and rows["offset"]["mixed"] == ["code", "torch", "device"]
+    text = (tmp_path / "mixed" / "report.md").read_text()
+    assert ("- `attn=self`: code `0123456789ab` (1 runs), `0123456789ab -> fedcba987654+dirty` (1 runs); "
+            f"torch `{ran['torch']}`; device `{ran['device']}` (**its runs differ in code; uncommitted changes: the "
+            "commit does not name the code**)") in text
+    assert "- `attn=offset`: code `0123456789ab` (1 runs), `unknown` (1 runs); " in text
+
+
+def test_code_version_is_the_checkouts_commit_and_says_when_it_was_changed(tmp_path, monkeypatch):
+    from suite import run_record
+
+    def version_of(folder: Path):
+        monkeypatch.setattr(run_record, "CHECKOUT", folder.resolve())
+        run_record.code_version.cache_clear()
+        try:
+            return run_record.code_version()
+        finally:
+            run_record.code_version.cache_clear()
+
+    repo = tmp_path / "repo"
+    (repo / "suite").mkdir(parents=True)
+    (repo / "suite" / "code.py").write_text("x = 1\n")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run([*git[:3], "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "first"], check=True)
+    commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    assert version_of(repo) == commit[:12]
+    (repo / "notes.txt").write_text("untracked files are not the code")
+    assert version_of(repo) == commit[:12]
+    (repo / "suite" / "code.py").write_text("x = 2\n")
+    assert version_of(repo) == commit[:12] + "+dirty"
+    assert version_of(repo / "suite") is None  # a copy inside another repository: not its commit
+    assert version_of(tmp_path) is None  # no repository at all
+
+
+def test_a_resumed_run_keeps_the_code_of_each_part(monkeypatch):
+    from suite import run_record
+    from suite.resume import FitRecord
+
+    monkeypatch.setattr(run_record, "code_version", lambda: "bbbbbbbbbbbb")
+    first = FitRecord(started=0.0)
+    assert first.code() == ["bbbbbbbbbbbb"]
+    resumed = FitRecord(started=0.0)
+    resumed.load_state_dict({"seconds": 1.0, "metrics": {}, "code": ["aaaaaaaaaaaa"]})
+    assert resumed.code() == ["aaaaaaaaaaaa", "bbbbbbbbbbbb"]
+    again = FitRecord(started=0.0)  # requeued once more under the same code: one entry per version change
+    again.load_state_dict({"seconds": 2.0, "metrics": {}, "code": resumed.code()})
+    assert again.code() == ["aaaaaaaaaaaa", "bbbbbbbbbbbb"]
+    old = FitRecord(started=0.0)  # a checkpoint from before the code was recorded
+    old.load_state_dict({"seconds": 1.0, "metrics": {}})
+    assert old.code() == [None, "bbbbbbbbbbbb"]
+
 def test_default_metric_and_welch_when_the_seeds_differ(sweep, tmp_path, capsys):
     out, _ = sweep
     jobs = copy_runs(out, tmp_path / "runs")
@@ -443,7 +526,8 @@ class FakeWandbRun:
         self.id, self.state = job.name, state
         self.config = yaml.safe_load((job / "resolved_config.yaml").read_text())
         data = json.loads((job / "metrics.json").read_text())
-        self.config["protocol"] = data.pop("protocol")  # run.py logs it as config
+        self.config["protocol"] = data.pop("protocol")  # run.py logs these as config
+        self.config["provenance"] = data.pop("provenance")
         self.summary = {**data, "_runtime": 3.0, "media": {"_type": "image-file"}}
         with (job / "csv" / "metrics.csv").open() as f:
             self._rows = [{"trainer/global_step": float(r["step"]), **{k: float(v) for k, v in r.items()
@@ -480,7 +564,7 @@ def test_report_from_wandb_matches_the_folders(sweep, tmp_path, monkeypatch):
     folders = json.loads((out / "multirun" / "report" / "report.json").read_text())
     for mine, theirs in zip(document["rows"], folders["rows"]):
         for key in ("variant", "n", "mean", "std", "ci_low", "ci_high", "diff", "p_value", "test", "params",
-                    "flops", "protocol"):
+                    "flops", "protocol", "code", "torch", "device", "mixed"):
             assert close(mine[key], theirs[key]) if isinstance(theirs[key], float) else mine[key] == theirs[key]
     assert [x["reason"] for x in document["left_out"]] == ["W&B state running (crashed, stopped or still running)"]
     assert (tmp_path / "modelnet-shapes-curves.png").read_bytes().startswith(PNG)  # from W&B's history

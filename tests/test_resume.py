@@ -60,7 +60,18 @@ def kill_after_a_checkpoint(args: list[str], env: dict, run_dir: Path) -> int:
 @pytest.mark.xdist_group("resume")
 def test_sigkill_then_resume_matches_an_uninterrupted_run(env, tmp_path):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
+    started = time.monotonic()
     run([*ARGS, f"hydra.run.dir={straight}"], env)
+    took = time.monotonic() - started
+    # The record is the whole fit's, not that of the best checkpoint, which is tested after the fit (Lightning
+    # restores callbacks from it: its older wall time was added to the run's, and its throughput replaced the run's).
+    record = json.loads((straight / "metrics.json").read_text())
+    best = torch.load(next((straight / "checkpoints").glob("best-*.ckpt")), weights_only=True)
+    last = torch.load(straight / "checkpoints" / "last.ckpt", weights_only=True)
+    assert best["epoch"] < last["epoch"]  # else there is nothing to tell apart
+    assert last["callbacks"]["FitRecord"]["seconds"] < record["wall_time_s"] < took
+    fit = last["callbacks"]["TrainThroughput"]  # last.ckpt: written after the fit's last batch
+    assert record["train_samples_per_sec"] == pytest.approx(fit["samples"] / fit["seconds"], rel=1e-9)
 
     kill_after_a_checkpoint(ARGS, env, killed)
     assert not (killed / "metrics.json").exists()

@@ -208,6 +208,9 @@ def test_wandb_offline_without_credentials_and_readable(wandb_run):
             config.update({i.key: json.loads(i.value_json) for i in r.config.update})
     assert config["attn"]["name"] == "external" and config["model"]["neighbours"] == 16
     assert config["optim"]["optimizer"]["lr"] == 0.01  # the whole resolved config
+    recorded = json.loads((out / "metrics.json").read_text())
+    for key in ("protocol", "provenance"):  # the run record, where report.wandb= reads it
+        assert config[key] == recorded[key], key
     history = {}
     for r in records:
         if r.WhichOneof("record_type") == "history":
