@@ -14,7 +14,8 @@
   ``<run dir>/test-<time>/`` (:func:`record_dir`): ``metrics.json``, ``resolved_config.yaml``, Hydra's ``.hydra/``
   (``hydra.output_subdir`` in configs/config.yaml asks :func:`hydra_subdir`) and its loggers' files. The training
   run's files stay as they were; its log lines are appended to the run's ``run.log``. ``mode=report`` reads the
-  training run's record and does not descend into the test records of a run folder.
+  training run's record and does not descend into the test records of a run folder. ``mode=summary``, ``bench``
+  and ``report`` there write theirs (``.hydra/``, a summary's ``resolved_config.yaml``) into ``<mode>-<time>/``.
 """
 
 from __future__ import annotations
@@ -75,18 +76,22 @@ def results_in(run_dir: Path) -> list[str]:
 
 
 def record_dir(run_dir: Path, mode: str) -> Path:
-    """Where a run writes its record: the run directory, or for a test of a directory holding a run's results or
-    config, a new ``test-<time>`` folder in it. Decided on the first call for a directory (Hydra's, through
-    :func:`hydra_subdir`, before anything of this run is written) and the same for the rest of the process."""
+    """Where a run writes its record: the run directory, or for a run of another mode than ``train`` in a
+    directory holding a run's results or config, a new folder in it: ``test-<time>`` for a test, ``<mode>-<time>``
+    for ``summary``, ``bench`` and ``report``, which wrote their ``.hydra/`` (and ``summary`` its
+    ``resolved_config.yaml``, ``mode: summary``) over the training run's: ``mode=report`` then skipped that run as
+    a summary's folder. Decided on the first call for a directory (Hydra's, through :func:`hydra_subdir`, before
+    anything of this run is written) and the same for the rest of the process."""
     run_dir = Path(run_dir).absolute()
-    if mode not in TESTS:
+    if mode == "train":
         return run_dir
     if str(run_dir) not in _RECORDS:
         record = run_dir
         if results_in(run_dir) or (run_dir / "resolved_config.yaml").is_file():
             # claimed with one mkdir: tests started within the same second (eval options tried side by side) get
             # test-<time>, test-<time>-1, ...
-            record = claim(run_dir / f"test-{datetime.now().strftime('%Y-%m-%d_%H-%M-%S')}")
+            kind = "test" if mode in TESTS else mode
+            record = claim(run_dir / f"{kind}-{datetime.now().strftime('%Y-%m-%d_%H-%M-%S')}")
         _RECORDS[str(run_dir)] = record
     return _RECORDS[str(run_dir)]
 

@@ -69,6 +69,23 @@ def test_a_test_of_a_training_run_writes_its_own_record(trained, env, tmp_path):
     assert runs[0].metrics["test/oa"] == training["test/oa"] and runs[0].config["mode"] == "train"
 
 
+
+def test_summary_and_report_runs_in_a_training_runs_folder_leave_it_as_it_was(trained, env, tmp_path):
+    """`mode=summary` or `mode=report` with `hydra.run.dir=<a training run>` (a job script that sets one folder for
+    every command) wrote their .hydra/ over the run's, and summary its resolved_config.yaml (`mode: summary`):
+    mode=report then skipped the finished run as a summary's folder. They now write <mode>-<time>/ in it."""
+    folder = copy_run(trained, tmp_path)
+    before = digests(folder)
+    run([*TINY, "mode=summary", "logger=none", f"hydra.run.dir={folder}"], env)
+    run(["mode=report", f"report.runs={folder}", f"report.out={tmp_path / 'report'}", "logger=none",
+         f"hydra.run.dir={folder}"], env)
+    assert digests(folder) == before
+    for mode in ("summary", "report"):
+        (record,) = folder.glob(f"{mode}-*")
+        assert f"mode={mode}" in (record / ".hydra" / "overrides.yaml").read_text()
+    runs, left_out, skipped = read_folders([folder])
+    assert [r.path for r in runs] == [str(folder)] and not left_out and skipped == 0
+
 def test_a_fresh_run_refuses_a_directory_holding_a_run(trained, env, tmp_path):
     folder = copy_run(trained, tmp_path)
     before = digests(folder)
