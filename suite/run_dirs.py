@@ -287,6 +287,26 @@ def claim_stamped_dir(config, kind: str) -> None:
             config.hydra.overrides.hydra.append(f"hydra.sweep.dir='{quoted}'")
 
 
+def keep_sweep_record(sweep_dir: Path) -> None:
+    """A sweep into a folder that holds an earlier sweep (``hydra.sweep.dir`` named again: to resume it, to add
+    runs beside its runs, or refused at its first job that would overwrite one) keeps that sweep's
+    ``multirun.yaml``, its record of what it ran, as ``multirun-<its time>.yaml``: Hydra writes the new sweep's
+    over it, before any job starts."""
+    record = sweep_dir / "multirun.yaml"
+    try:
+        stamp = datetime.fromtimestamp(record.stat().st_mtime).strftime("%Y-%m-%d_%H-%M-%S")
+    except FileNotFoundError:
+        return
+    kept, n = sweep_dir / f"multirun-{stamp}.yaml", 0
+    while kept.exists():
+        n += 1
+        kept = sweep_dir / f"multirun-{stamp}-{n}.yaml"
+    try:
+        os.replace(record, kept)
+    except FileNotFoundError:  # another sweep started at once moved it first
+        pass
+
+
 class CheckRunDir(Callback):
     """Hydra callback (``hydra.callbacks`` in configs/config.yaml): a directory of its own for a run or sweep named
     by its start time (:func:`claim_stamped_dir`); :func:`check_fresh_run` for a single training run before Hydra
@@ -294,6 +314,7 @@ class CheckRunDir(Callback):
 
     def on_multirun_start(self, config, **kwargs) -> None:
         claim_stamped_dir(config, "sweep")
+        keep_sweep_record(Path(str(config.hydra.sweep.dir)))
 
     def on_run_start(self, config, **kwargs) -> None:
         claim_stamped_dir(config, "run")

@@ -204,7 +204,7 @@ def code_version() -> str | None:
 
     def git(*args: str) -> str | None:
         try:
-            done = subprocess.run(["git", "-C", str(CHECKOUT), *args], capture_output=True, text=True, timeout=30,
+            done = subprocess.run(["git", "-C", str(CHECKOUT), *args], capture_output=True, text=True, timeout=10,
                                   stdin=subprocess.DEVNULL)
         except (OSError, subprocess.TimeoutExpired):
             return None

@@ -233,3 +233,19 @@ def test_a_directory_is_not_used_by_two_training_runs_at_once(env, tmp_path):
     resumed = run([*TINY, "logger=none", "resume=true", f"trainer.max_epochs={epoch + 2}",
                    f"hydra.run.dir={folder}"], env)
     assert f"resuming from {last}" in resumed.stdout + resumed.stderr
+
+
+def test_a_sweep_into_an_earlier_sweeps_folder_keeps_its_record(env, tmp_path):
+    """A sweep given the folder of an earlier one (`hydra.sweep.dir=`, to resume it or to add runs beside its runs)
+    had Hydra write its multirun.yaml over the earlier sweep's, its record of what it ran. That one is kept as
+    multirun-<its time>.yaml."""
+    sweep = tmp_path / "sweep"
+    common = ["-m", "task=modelnet", "mode=summary", "data=shapes", f"hydra.sweep.dir={sweep}"]
+    run([*common, "attn=self"], env)
+    first = (sweep / "multirun.yaml").read_text()
+    run([*common, "attn=external,offset"], env)
+    (kept,) = sweep.glob("multirun-*.yaml")
+    assert kept.read_text() == first and "attn=self" in first
+    assert "attn=external,offset" in (sweep / "multirun.yaml").read_text()
+    run([*common, "attn=self"], env)
+    assert len(list(sweep.glob("multirun-*.yaml"))) == 2  # a second one, whatever the clock says
