@@ -47,7 +47,10 @@ class WorkerInit:
     checkpoint of the interrupted step, where a run stops at the end of the batch, saves and exits 143
     (``suite/sigterm.py``), or saves and requeues itself on SIGUSR1 under SLURM. The workers now ignore SIGUSR1 and
     SIGUSR2 and take SIGTERM from their own main process only (:func:`_sigterm_from_the_run_only`), which ends
-    them when it stops (a worker also exits by itself once its main process is gone).
+    them when it stops (a worker also exits by itself once its main process is gone). Ctrl-C in a terminal
+    reaches the workers too (SIGINT, to its foreground group), which ran the main process's Ctrl-C handler that
+    they had inherited (suite.sigterm: one "stopping" line per worker), or died of KeyboardInterrupt; they ignore
+    it too.
 
     A worker runs PyTorch's own signal handlers, and the main process's Python ones, until this function runs: a
     signal in between killed it all the same, and a run with short epochs (training workers start each epoch) was
@@ -62,39 +65,40 @@ class WorkerInit:
         self.rank = rank  # the process's global rank; None: Lightning's rank_zero_only.rank in the worker
 
     def __call__(self, worker_id: int) -> None:
-        signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # also drops one that came before (blocked: see Loader)
-        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+        for ignored in (signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):  # also drops one that came before (blocked:
+            signal.signal(ignored, signal.SIG_IGN)  # see Loader)
         if hasattr(signal, "sigwaitinfo"):  # Linux: SIGTERM waited for by a thread that knows who sent it
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
             threading.Thread(target=_sigterm_from_the_run_only, name="sigterm", daemon=True).start()
         if hasattr(signal, "pthread_sigmask"):  # the worker started with them blocked (Loader); SIGTERM stays so
             keep_blocked = {signal.SIGTERM} if hasattr(signal, "sigwaitinfo") else set()
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, set(SCHEDULER_SIGNALS) - keep_blocked)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, set(JOB_SIGNALS) - keep_blocked)
         if int(os.environ.get("PL_SEED_WORKERS", 0)):
             from lightning.fabric.utilities.seed import pl_worker_init_function
 
             pl_worker_init_function(worker_id, rank=self.rank)
 
 
-SCHEDULER_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2) if hasattr(signal, "SIGUSR1") else ()
+# Signals sent to every process of a job (a scheduler), or of a terminal's foreground group (Ctrl-C: SIGINT).
+JOB_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2) if hasattr(signal, "SIGUSR1") else ()
 
 
 class Loader(DataLoader):
-    """A ``DataLoader`` whose worker processes start with the scheduler's signals blocked, until their
+    """A ``DataLoader`` whose worker processes start with the job's signals blocked (:data:`JOB_SIGNALS`), until their
     :class:`WorkerInit` has set up how they take them (it unblocks them).
 
     A forked worker inherits the starting thread's signal mask, and a blocked signal waits: SIGTERM for the thread
-    that checks who sent it, SIGUSR1 and SIGUSR2 to be dropped once ignored. Without this, a signal to the job in
-    the first milliseconds of a worker (at every epoch's start for training workers) ended it, with PyTorch's
+    that checks who sent it, SIGINT, SIGUSR1 and SIGUSR2 to be dropped once ignored. Without this, a signal to the
+    job in the first milliseconds of a worker (at every epoch's start for training workers) ended it, with PyTorch's
     handler or the inherited one: "DataLoader worker ... is killed by signal", exit 1. The main process gets its
     own signals once its workers are started (they wait meanwhile). Only with :class:`WorkerInit`, which unblocks
     them: a worker that never did would outlive its loader's ``terminate()``."""
 
     def _get_iterator(self):  # starts the worker processes (persistent ones once)
-        if not (self.num_workers > 0 and isinstance(self.worker_init_fn, WorkerInit) and SCHEDULER_SIGNALS
+        if not (self.num_workers > 0 and isinstance(self.worker_init_fn, WorkerInit) and JOB_SIGNALS
                 and hasattr(signal, "pthread_sigmask")):
             return super()._get_iterator()
-        before = signal.pthread_sigmask(signal.SIG_BLOCK, SCHEDULER_SIGNALS)
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, JOB_SIGNALS)
         try:
             return super()._get_iterator()
         finally:

@@ -1,9 +1,11 @@
 """A SIGTERM under DDP: every process stops at the same batch boundary (:class:`AgreedSigterm`), writes
-``last.ckpt`` with the others and exits with code 143 (``suite/train.py``)."""
+``last.ckpt`` with the others and exits with code 143 (``suite/train.py``). Ctrl-C while training stops the
+same way (exit code 130); a second Ctrl-C stops at once."""
 
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 
 import lightning as L
@@ -27,12 +29,22 @@ class AgreedSigterm(L.pytorch.callbacks.Callback):
     had the signal, all of them set Lightning's ``received_sigterm`` at the same point, and Lightning stops them
     there together: at the end of that training batch, or at the end of the epoch or the next training batch after
     a validation. A test loop runs to its end.
-    Single-process runs keep Lightning's handler."""
+    Single-process runs keep Lightning's handler.
+
+    **Ctrl-C** (SIGINT) while training stops at the end of the batch too, with ``last.ckpt`` and a line saying how
+    to resume (exit code 130), on one process or many (a terminal's Ctrl-C reaches every process of the run).
+    Python's default raised KeyboardInterrupt wherever the process was, and the ``last.ckpt`` then written could
+    hold half a step: parameters updated up to the one the interrupt came between, the step not counted. A second
+    Ctrl-C stops at once (Lightning's KeyboardInterrupt shutdown, exit code 1). Only while fitting, and only where
+    SIGINT still has Python's default handler (not under a debugger's or a launcher's own)."""
 
     def __init__(self):
-        self.pending = False  # this process got SIGTERM
+        self.pending = False  # this process got SIGTERM (or Ctrl-C)
+        self.ctrl_c = False  # this process got Ctrl-C while fitting
         self._first = threading.Lock()  # taken by the first SIGTERM: its handler alone logs
         self._group = None  # the CPU (gloo) group the processes agree over; None: one process
+        self._trainer = None
+        self._sigint_before = None  # SIGINT's handler before fit, while this one is installed
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         import torch.distributed as dist
@@ -43,6 +55,27 @@ class AgreedSigterm(L.pytorch.callbacks.Callback):
             self._group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         # Lightning registers its handlers after the setup hooks (Trainer._run), from this attribute.
         trainer._signal_connector._sigterm_notifier_fn = self._note
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self._trainer = trainer
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            self._sigint_before = signal.signal(signal.SIGINT, self._ctrl_c)
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        if self._sigint_before is not None:  # testing after the fit: Ctrl-C is Python's again
+            signal.signal(signal.SIGINT, self._sigint_before)
+            self._sigint_before = None
+
+    def _ctrl_c(self, signum, frame) -> None:
+        """The SIGINT handler while fitting: the first notes it as a SIGTERM is noted; the second stops at once."""
+        if self.ctrl_c:
+            raise KeyboardInterrupt
+        self.ctrl_c = self.pending = True
+        log.warning("Ctrl-C: stopping at the end of this batch, with a checkpoint to resume from (Ctrl-C again to "
+                    "stop at once)")
+        if self._group is None:  # one process: Lightning stops where its own SIGTERM handler would have it stop
+            self._trainer._signal_connector.received_sigterm = True
 
     def _note(self, signum, frame) -> None:
         """The SIGTERM handler: only notes the signal (no collective, no I/O but a log line; safe to run twice).

@@ -174,7 +174,7 @@ def fit_and_test(cfg: DictConfig, composed, run_dir: Path, out_dir: Path, starte
             results = trainer.test(module, datamodule=datamodule, ckpt_path=ckpt, weights_only=True)
             tested = ckpt
     except SIGTERMException:  # Lightning stopped at the end of a batch; last.ckpt is written (suite/checkpoints.py)
-        raise SystemExit(interrupted(trainer, run_dir, cfg.mode)) from None
+        raise SystemExit(interrupted(trainer, run_dir, cfg.mode, parts["stop"].ctrl_c)) from None
     for result in results:
         metrics.update(floats(result))
     metrics = finish_metrics(metrics, parts["guard"], datamodule, trainer)
@@ -187,19 +187,22 @@ def fit_and_test(cfg: DictConfig, composed, run_dir: Path, out_dir: Path, starte
     return metrics
 
 
-# A run ended by SIGTERM exits as a process killed by it would (128 + 15): a scheduler sees it did not finish.
-SIGTERM_EXIT = 143
+# A run ended by SIGTERM (Ctrl-C) exits as a process killed by it would (128 + 15, 128 + 2): a scheduler sees it
+# did not finish.
+SIGTERM_EXIT, SIGINT_EXIT = 143, 130
 
 
-def interrupted(trainer, run_dir: Path, mode: str) -> int:
-    """Say, once (rank zero), that a SIGTERM stopped the run, where its weights are and how it continues; returns
-    the exit code. A requeued SLURM job (Lightning's handler of the time-limit signal has saved an hpc checkpoint
-    and called ``scontrol requeue``) resumes by itself (``suite.run_dirs.slurm_restart``)."""
+def interrupted(trainer, run_dir: Path, mode: str, ctrl_c: bool = False) -> int:
+    """Say, once (rank zero), that a SIGTERM (``ctrl_c``: Ctrl-C, suite.sigterm.AgreedSigterm) stopped the run,
+    where its weights are and how it continues; returns the exit code. A requeued SLURM job (Lightning's handler
+    of the time-limit signal has saved an hpc checkpoint and called ``scontrol requeue``) resumes by itself
+    (``suite.run_dirs.slurm_restart``)."""
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
+    signal_name, code = ("Ctrl-C (SIGINT)", SIGINT_EXIT) if ctrl_c else ("SIGTERM", SIGTERM_EXIT)
     if trainer.is_global_zero and mode != "train":
-        log.error("interrupted by SIGTERM while testing: no metrics.json was written; run the same command again. "
-                  "Exit code %d.", SIGTERM_EXIT)
+        log.error("interrupted by %s while testing: no metrics.json was written; run the same command again. "
+                  "Exit code %d.", signal_name, code)
     elif trainer.is_global_zero:
         last = run_dir / "checkpoints" / "last.ckpt"
         kept = f"its weights are in {last} (step {trainer.global_step})" if last.is_file() else \
@@ -209,9 +212,9 @@ def interrupted(trainer, run_dir: Path, mode: str) -> int:
             how = f"a requeued SLURM job resumes by itself from its newest checkpoint there; by hand, {how}"
         if trainer.state.fn == "test":
             how = f"{how} (training had finished; that tests its best checkpoint)"
-        log.error("interrupted by SIGTERM at step %d (epoch %d), before the run finished (no metrics.json): %s; %s. "
-                  "Exit code %d.", trainer.global_step, trainer.current_epoch, kept, how, SIGTERM_EXIT)
-    return SIGTERM_EXIT
+        log.error("interrupted by %s at step %d (epoch %d), before the run finished (no metrics.json): %s; %s. "
+                  "Exit code %d.", signal_name, trainer.global_step, trainer.current_epoch, kept, how, code)
+    return code
 
 
 def finished_already(trainer, out_dir: Path) -> dict | None:
@@ -280,7 +283,8 @@ def build_trainer(config: dict, module, out_dir: Path, loggers: list, identity: 
         meter = TrainThroughput(window=0)
         callbacks.append(meter)
     record = FitRecord(started)
-    callbacks += [best, last, run_identity, RandomState(), record, guard, AgreedSigterm(), MetricDtypes()]
+    stop = AgreedSigterm()
+    callbacks += [best, last, run_identity, RandomState(), record, guard, stop, MetricDtypes()]
     compiling = take_options(trainer_kwargs)
     tf32 = take_tf32(trainer_kwargs)
     install_hint_filter(tf32)  # Lightning's Tensor Cores hint names trainer.tf32
@@ -301,7 +305,8 @@ def build_trainer(config: dict, module, out_dir: Path, loggers: list, identity: 
     trainer = L.Trainer(**trainer_kwargs, callbacks=callbacks, logger=loggers or False, plugins=plugins,
                         default_root_dir=str(out_dir))
     check_launch(trainer)
-    return trainer, {"best": best, "guard": guard, "meter": meter, "compiler": compiler, "record": record}
+    return trainer, {"best": best, "guard": guard, "meter": meter, "compiler": compiler, "record": record,
+                     "stop": stop}
 
 
 def finish_metrics(metrics: dict[str, float], guard, datamodule, trainer) -> dict[str, float]:

@@ -105,7 +105,8 @@ def test_bad_scaling_rule_and_ddp_inside_a_local_multirun_are_refused(env, tmp_p
 # every process of the job, as a scheduler does (the first process signals its process group), and the second
 # process once more, as Lightning's own handler in the first process forwarded it; "second": to the second process
 # only; "validating": to the second process during the validation after that step (the processes see different
-# numbers of evaluation batches: each sample is scored once).
+# numbers of evaluation batches: each sample is scored once); "ctrl_c": SIGINT to every process, as Ctrl-C in a
+# terminal sends it (the first process signals its process group).
 SIGTERM_AT = r"""
 import os, signal
 import lightning as L
@@ -116,6 +117,10 @@ class SigtermAt(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step != self.step or self.who == "validating":
+            return
+        if self.who == "ctrl_c":  # Ctrl-C in a terminal: SIGINT to every process of its foreground group
+            if trainer.global_rank == 0:
+                os.killpg(os.getpgid(0), signal.SIGINT)
             return
         if self.who == "all" and trainer.global_rank == 0:
             os.killpg(os.getpgid(0), signal.SIGTERM)
@@ -156,11 +161,12 @@ def test_a_second_sigterm_inside_the_first_ones_handler_logs_nothing_more(caplog
         "received SIGTERM: stopping with the other processes at the next batch") == 1
 
 
-@pytest.mark.parametrize("who", ["all", "second", "validating"])
+@pytest.mark.parametrize("who", ["all", "second", "validating", "ctrl_c"])
 def test_sigterm_stops_every_process_at_one_batch(env, tmp_path, who):
     """A SIGTERM to some or all processes of a two-process run (twice to one of them) ends all of them at the same
     batch with code 143 and one last.ckpt (suite/sigterm.py). Lightning's own handler, which broadcast from inside
-    the signal handler, left such runs hanging in mismatched collectives."""
+    the signal handler, left such runs hanging in mismatched collectives. Ctrl-C in a terminal (SIGINT to every
+    process) does the same with code 130."""
     (tmp_path / "sigterm_at.py").write_text(SIGTERM_AT)
     env = {**env, "PYTHONPATH": os.pathsep.join([str(tmp_path), *filter(None, [env.get("PYTHONPATH")])])}
     out = tmp_path / "run"
@@ -177,11 +183,15 @@ def test_sigterm_stops_every_process_at_one_batch(env, tmp_path, who):
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
         raise AssertionError(f"the run hung after SIGTERM:\n{stdout[-2000:]}\n{stderr[-2000:]}") from None
-    assert proc.returncode == 143, stdout[-2000:] + stderr[-2000:]
+    assert proc.returncode == (130 if who == "ctrl_c" else 143), stdout[-2000:] + stderr[-2000:]
     last = out / "checkpoints" / "last.ckpt"
     state = torch.load(last, map_location="cpu", weights_only=True)
     assert state["global_step"] == 3  # both stopped at the end of the batch (or the validation) that got the signal
     logs = "".join(p.read_text() for p in out.glob("*.log"))
+    assert not (out / "metrics.json").exists()
+    if who == "ctrl_c":  # each process says it once
+        assert logs.count("Ctrl-C: stopping at the end of this batch") == 2
+        assert "interrupted by Ctrl-C (SIGINT) at step 3" in stdout + stderr
+        return
     assert logs.count("received SIGTERM: stopping with the other processes") == (2 if who == "all" else 1)
     assert "interrupted by SIGTERM at step 3" in stdout + stderr
-    assert not (out / "metrics.json").exists()

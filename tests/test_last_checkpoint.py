@@ -32,6 +32,8 @@ class InterruptAt(L.Callback):
             elif self.how == "sigterm_all":  # as a scheduler signals a job: every process, data workers too, from
                 # another process (a worker exits quietly when the signal comes from its own main process)
                 subprocess.run(["kill", "-s", "TERM", "--", f"-{os.getpgid(0)}"])
+            elif self.how == "sigint_all":  # Ctrl-C in a terminal: SIGINT to its foreground group, workers too
+                subprocess.run(["kill", "-s", "INT", "--", f"-{os.getpgid(0)}"])
             else:
                 raise KeyboardInterrupt
 
@@ -58,14 +60,16 @@ def test_run_that_never_validates_leaves_its_weights(env, tmp_path):
     assert not list(last.parent.glob(".last.ckpt.tmp-*"))  # written through the atomic checkpoint IO
 
 
-@pytest.mark.parametrize("how", ["ctrl_c", "sigterm", "sigterm_all"])
+@pytest.mark.parametrize("how", ["ctrl_c", "sigterm", "sigterm_all", "sigint_all"])
 def test_interrupted_run_leaves_last_checkpoint_and_resumes_from_it(env, tmp_path, how):
     """Interrupted at step 3 of a 10-step epoch (no validation yet, so no checkpoint before): last.ckpt holds step
     3, and `ckpt_path=last` continues from there to the end of the epoch. `sigterm_all` signals the run's whole
     process group, two data-loading workers included, as a scheduler does: the workers died of it and the run
-    crashed ("DataLoader worker ... is killed by signal: Terminated", exit 1, no checkpoint)."""
+    crashed ("DataLoader worker ... is killed by signal: Terminated", exit 1, no checkpoint). `sigint_all` is
+    Ctrl-C in a terminal: the run stops at the end of the batch as on SIGTERM (exit 130), where Python's
+    KeyboardInterrupt stopped it wherever it was (`ctrl_c`: a second Ctrl-C still does, exit 1)."""
     args = [*TINY, "logger=none", f"hydra.run.dir={tmp_path}"]
-    if how == "sigterm_all":
+    if how.endswith("_all"):
         args.append("data.num_workers=2")
     proc = launch(INTERRUPT, [*args, "+callbacks.interrupt._target_=interrupt_at.InterruptAt",
                               "+callbacks.interrupt.step=3", f"+callbacks.interrupt.how={how}"], env, check=False,
@@ -77,10 +81,13 @@ def test_interrupted_run_leaves_last_checkpoint_and_resumes_from_it(env, tmp_pat
     assert not (tmp_path / "metrics.json").exists()  # the run did not go on to test
     if how == "ctrl_c":
         assert proc.returncode == 1  # Lightning's graceful shutdown after Ctrl-C
-    else:  # as a process killed by SIGTERM: a scheduler must not take the job as finished (it exited 0)
-        assert proc.returncode == 143, proc.stdout[-3000:] + proc.stderr[-3000:]
-        (said,) = [line for line in (proc.stdout + proc.stderr).splitlines() if "interrupted by SIGTERM" in line]
+    else:  # as a process killed by SIGTERM (SIGINT): a scheduler must not take the job as finished (it exited 0)
+        name, code = ("Ctrl-C (SIGINT)", 130) if how == "sigint_all" else ("SIGTERM", 143)
+        assert proc.returncode == code, proc.stdout[-3000:] + proc.stderr[-3000:]
+        (said,) = [line for line in (proc.stdout + proc.stderr).splitlines() if f"interrupted by {name}" in line]
         assert "at step 3 (epoch 0)" in said and f"its weights are in {last} (step 3)" in said
+        # said once: not by the workers too, which had inherited the main process's handler
+        assert (proc.stdout + proc.stderr).count("Ctrl-C: stopping") == (how == "sigint_all")
         assert f"hydra.run.dir={tmp_path} resume=true" in said and "Traceback" not in proc.stderr
     resumed = run([*args, "ckpt_path=last"], env)
     out = resumed.stdout + resumed.stderr
