@@ -158,7 +158,7 @@ class FitRecord(FitState):
     - **The code** each part ran (``suite.run_record.code_version``): a run requeued after a commit continued under
       other code, and its ``metrics.json`` says so (:meth:`code`).
 
-    Lightning restores callbacks only when fitting: testing a checkpoint changes none of this."""
+    Restored only when a fit resumes (:class:`FitState`): testing a checkpoint changes none of this."""
 
     def __init__(self, started: float):
         self.started = started  # time.perf_counter() at this process's start of the run

@@ -36,7 +36,8 @@ class AgreedSigterm(L.pytorch.callbacks.Callback):
     Python's default raised KeyboardInterrupt wherever the process was, and the ``last.ckpt`` then written could
     hold half a step: parameters updated up to the one the interrupt came between, the step not counted. A second
     Ctrl-C stops at once (Lightning's KeyboardInterrupt shutdown, exit code 1). Only while fitting, and only where
-    SIGINT still has Python's default handler (not under a debugger's or a launcher's own)."""
+    SIGINT still has Python's default handler (not under a debugger's or a launcher's own): from the first training
+    batch (a Ctrl-C during the sanity check stops at once)."""
 
     def __init__(self):
         self.pending = False  # this process got SIGTERM (or Ctrl-C)
@@ -56,14 +57,22 @@ class AgreedSigterm(L.pytorch.callbacks.Callback):
         # Lightning registers its handlers after the setup hooks (Trainer._run), from this attribute.
         trainer._signal_connector._sigterm_notifier_fn = self._note
 
-    def on_fit_start(self, trainer, pl_module) -> None:
+    def on_train_start(self, trainer, pl_module) -> None:
+        # Here, not in on_fit_start: Lightning takes note of every signal's handler after that hook, and puts those
+        # back when the trainer is done; this one then stayed installed for the test and after.
         self._trainer = trainer
         if (threading.current_thread() is threading.main_thread()
                 and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
             self._sigint_before = signal.signal(signal.SIGINT, self._ctrl_c)
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
-        if self._sigint_before is not None:  # testing after the fit: Ctrl-C is Python's again
+        self._restore_sigint()  # testing after the fit: Ctrl-C is Python's again
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self._restore_sigint()  # Lightning skips the teardown hooks then (a SIGTERM's stop, a failure)
+
+    def _restore_sigint(self) -> None:
+        if self._sigint_before is not None:
             signal.signal(signal.SIGINT, self._sigint_before)
             self._sigint_before = None
 

@@ -46,11 +46,9 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> dict:
 
         return bench(cfg)
     started = time.perf_counter()
-    from suite.run_record import reset_peak_memory
+    from suite.run_record import code_version, reset_peak_memory
 
     reset_peak_memory()  # before the data is read: a run's peak includes its data and network
-    from suite.run_record import code_version
-
     code_version()  # the code as it starts (kept): what ran, whatever is edited while it trains
     quiet_libraries()
     from suite.compose import compose

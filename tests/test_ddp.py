@@ -161,6 +161,43 @@ def test_a_second_sigterm_inside_the_first_ones_handler_logs_nothing_more(caplog
         "received SIGTERM: stopping with the other processes at the next batch") == 1
 
 
+@pytest.mark.parametrize("fails", [False, True])
+def test_ctrl_c_is_taken_while_training_only(fails):
+    """The Ctrl-C handler is in place while the fit trains and Python's is back once the trainer is done, after a
+    fit that ended or failed (installed in on_fit_start, Lightning put it back as the process's "original" handler
+    after the fit, and it stayed for the test and after)."""
+    import lightning as L
+
+    from suite.sigterm import AgreedSigterm
+
+    seen = []
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            seen.append(signal.getsignal(signal.SIGINT))
+            if fails and batch_idx == 1:
+                raise RuntimeError("a failure in the fit")
+            return self.layer(batch).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    stop = AgreedSigterm()
+    trainer = L.Trainer(max_epochs=1, callbacks=[stop], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        trainer.fit(Tiny(), torch.utils.data.DataLoader(torch.randn(8, 2), batch_size=2))
+    except RuntimeError:
+        assert fails
+    assert seen and all(h == stop._ctrl_c for h in seen)
+    assert signal.getsignal(signal.SIGINT) is before
+
+
 @pytest.mark.parametrize("who", ["all", "second", "validating", "ctrl_c"])
 def test_sigterm_stops_every_process_at_one_batch(env, tmp_path, who):
     """A SIGTERM to some or all processes of a two-process run (twice to one of them) ends all of them at the same
