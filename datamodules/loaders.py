@@ -23,6 +23,7 @@ the main process, and start with those signals blocked until it has run (:class:
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -33,6 +34,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler
 
 from attention.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 class WorkerInit:
@@ -103,6 +106,11 @@ class Loader(DataLoader):
             return super()._get_iterator()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def processes() -> int:
+    """The number of processes training together (DDP's world size; 1 without it)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _sigterm_from_the_run_only() -> None:
@@ -194,13 +202,21 @@ class ResumableLoader(Loader):
 
     def state_dict(self) -> dict:
         if self._served >= len(self):  # the epoch is complete: the next one starts at its beginning
-            return {"epoch": self._epoch() + 1, "batches": 0}
-        return {"epoch": self._epoch(), "batches": self._served}
+            return {"epoch": self._epoch() + 1, "batches": 0, "processes": processes()}
+        return {"epoch": self._epoch(), "batches": self._served, "processes": processes()}
 
     def load_state_dict(self, state: dict) -> None:
         if hasattr(self.sampler, "set_epoch"):  # worker processes draw indices as soon as they start
             self.sampler.set_epoch(int(state["epoch"]))
         self._skip = int(state["batches"])
+        saved, now = state.get("processes"), processes()
+        if self._skip and saved is not None and int(saved) != now and (now == 1 or dist.get_rank() == 0):
+            log.warning(
+                "Resumed in the middle of epoch %d on %d process(es), from a checkpoint written on %d: each process "
+                "skips the %d batches served before, but of another split of the samples among the processes, so "
+                "the rest of this epoch may see some samples twice and miss others, and the run is not the one that "
+                "never stopped. Resuming on %d process(es) (trainer.devices, trainer.num_nodes) continues it "
+                "exactly.", int(state["epoch"]), now, int(saved), self._skip, int(saved))
 
     @property
     def _index_sampler(self):

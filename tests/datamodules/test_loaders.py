@@ -43,15 +43,29 @@ def test_mid_epoch_state_resumes_with_the_next_batch(num_workers):
     first = loader(num_workers)
     assert batches(first, 2, limit=2) == full[:2]
     state = first.state_dict()
-    assert state == {"epoch": 2, "batches": 2}
+    assert state == {"epoch": 2, "batches": 2, "processes": 1}
 
     resumed = loader(num_workers)
     resumed.load_state_dict(state)  # sets the sampler's epoch itself
     assert [b.tolist() for (b,) in resumed] == full[2:]  # the rest of epoch 2, nothing repeated
-    assert resumed.state_dict() == {"epoch": 3, "batches": 0}  # complete: the next epoch starts afresh
+    assert resumed.state_dict() == {"epoch": 3, "batches": 0, "processes": 1}  # complete: the next starts afresh
     assert len(resumed) == 5
     assert batches(resumed, 3) == batches(loader(), 3)  # and later epochs are whole
 
+
+
+def test_a_mid_epoch_resume_on_another_number_of_processes_says_it_is_not_the_same_run(caplog):
+    """Each process skips the batches it had served, but of the split of the samples among the processes it has
+    now: on another number of processes the rest of the epoch is not the uninterrupted run's. Said, not silent."""
+    written_on_two = {"epoch": 2, "batches": 2, "processes": 2}
+    with caplog.at_level("WARNING", logger="datamodules.loaders"):
+        loader().load_state_dict(written_on_two)
+        loader().load_state_dict({**written_on_two, "batches": 0})  # at an epoch's start: nothing differs
+        loader().load_state_dict({"epoch": 2, "batches": 2})  # a checkpoint from before the count was kept
+        loader().load_state_dict({**written_on_two, "processes": 1})
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert said.startswith("Resumed in the middle of epoch 2 on 1 process(es), from a checkpoint written on 2")
+    assert "Resuming on 2 process(es) (trainer.devices, trainer.num_nodes) continues it exactly" in said
 
 def test_end_of_epoch_state_starts_the_next_epoch():
     dl = loader()
