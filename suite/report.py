@@ -23,7 +23,7 @@ import math
 import os
 import sys
 import warnings
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -560,12 +560,13 @@ def versions_of(group: Group) -> dict:
     recorded; a run resumed under other code counts as ``<first> -> <next>``); ``mixed``: the keys on which the
     runs differ (such a row averages as seeds runs that differ by more than the seed); ``uncommitted``: whether
     some ran uncommitted changes (``+dirty``: the commit does not name their code)."""
-    counts: dict[str, dict[str, int]] = {"code": {}, "torch": {}, "device": {}}
+    counts: dict[str, Counter] = {"code": Counter(), "torch": Counter(), "device": Counter()}
     for run in group.runs:
         found = run.provenance or {}
         code = " -> ".join(str(v) if v else "unknown" for v in found.get("code") or [None])
         for key, value in (("code", code), ("torch", found.get("torch")), ("device", found.get("device"))):
-            counts[key][str(value or "unknown")] = counts[key].get(str(value or "unknown"), 0) + 1
+            counts[key][str(value or "unknown")] += 1
+    counts = {key: dict(seen) for key, seen in counts.items()}  # in the order first seen, as plain JSON objects
     return {**counts, "mixed": [k for k, seen in counts.items() if len(seen) > 1],
             "uncommitted": any("+dirty" in version for version in counts["code"])}
 
