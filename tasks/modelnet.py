@@ -1,7 +1,8 @@
 """ModelNet40 (or any point-cloud classification data) with PCT.
 
 Metrics follow the PCT reference: overall accuracy (``oa``, micro) and mean
-class accuracy (``macc``, macro), per epoch on validation with their best
+class accuracy (``macc``: the mean recall over the classes in the evaluated set, the reference's
+``balanced_accuracy_score``), per epoch on validation with their best
 values so far, and on test for the checkpoint that is tested. The loss is the
 reference's label-smoothed cross-entropy.
 
@@ -20,6 +21,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
 
 from .base import Task, TrainLoss
+from .metrics.classification import BalancedAccuracy
 from .nets.pct import PCT
 from .optim import build_optimizers
 from .voting import check_voting, draw_scales, vote_generator, voted_probabilities
@@ -59,9 +61,9 @@ class PointCloudClassification(Task):
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
         self.train_oa = MulticlassAccuracy(num_classes, average="micro")
         self.val_oa = MulticlassAccuracy(num_classes, average="micro")
-        self.val_macc = MulticlassAccuracy(num_classes, average="macro")
+        self.val_macc = BalancedAccuracy(num_classes)
         self.test_oa = MulticlassAccuracy(num_classes, average="micro")
-        self.test_macc = MulticlassAccuracy(num_classes, average="macro")
+        self.test_macc = BalancedAccuracy(num_classes)
         self.test_confusion = MulticlassConfusionMatrix(num_classes)
         self._samples: list[tuple] = []
         self.example_input_array = torch.zeros(1, input_points, 3)  # one sample, for summaries

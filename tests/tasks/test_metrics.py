@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from tasks.metrics.part_iou import PartIoU, restrict_to_category, shape_ious
@@ -52,3 +53,46 @@ def test_prediction_restricted_to_own_category():
     logits[:, 2] = 1.0
     pred = restrict_to_category(logits, torch.tensor([0, 1]), category_part_mask(CATS, 5))
     assert pred.tolist() == [[1, 1, 1], [4, 4, 4]]
+
+
+# --- mean class accuracy (tasks.metrics.classification) -----------------------------------------------------------
+def test_mean_class_accuracy_averages_the_classes_in_the_targets_only():
+    """PCT's mAcc is scikit-learn's balanced accuracy: targets 0 0 1 1 2, predictions 0 3 1 1 2 -> recalls 1/2, 1, 1
+    over the three classes present = 5/6. Class 3, predicted once but never a target, is not averaged in as a 0 (as
+    torchmetrics' macro accuracy does: 0.625)."""
+    from sklearn.metrics import balanced_accuracy_score
+    from torchmetrics.functional.classification import multiclass_accuracy
+
+    from tasks.metrics.classification import BalancedAccuracy
+
+    target, pred = torch.tensor([0, 0, 1, 1, 2]), torch.tensor([0, 3, 1, 1, 2])
+    metric = BalancedAccuracy(5)
+    metric.update(pred[:2], target[:2])  # accumulated over batches
+    metric.update(pred[2:], target[2:])
+    assert metric.compute().item() == pytest.approx(5 / 6, abs=1e-7)
+    assert balanced_accuracy_score(target, pred) == pytest.approx(5 / 6)
+    assert multiclass_accuracy(pred, target, 5, average="macro").item() == pytest.approx(0.625)
+
+    # logits (the validation step's input) are scored by their argmax; random sets lacking classes agree with sklearn
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        n = int(torch.randint(1, 40, (), generator=gen))
+        target = torch.randint(0, 8, (n,), generator=gen)
+        logits = torch.randn(n, 10, generator=gen)
+        metric = BalancedAccuracy(10)
+        metric.update(logits, target)
+        assert metric.compute().item() == pytest.approx(balanced_accuracy_score(target, logits.argmax(-1)), abs=1e-6)
+
+    assert math.isnan(BalancedAccuracy(3).compute().item())  # no targets: nothing to average
+
+
+def test_modelnet_scores_mean_class_accuracy_like_the_reference():
+    """The task's val/test macc on a set without class 3 that the network predicts: the reference's number."""
+    from tasks.modelnet import PointCloudClassification
+
+    task = PointCloudClassification(4, list("abcd"), model={"samples": [8, 4], "neighbours": 2, "layers": 1},
+                                    attn={"name": "offset"}, optim={"optimizer": {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.01}}, input_points=16)
+    logits = torch.tensor([[5.0, 0, 0, 0], [0, 0, 0, 5.0], [0, 5.0, 0, 0], [0, 5.0, 0, 0], [0, 0, 5.0, 0]])
+    task.val_macc(logits, torch.tensor([0, 0, 1, 1, 2]))
+    assert task.val_macc.compute().item() == pytest.approx(5 / 6, abs=1e-7)
+    assert type(task.test_macc) is type(task.val_macc)
