@@ -14,7 +14,8 @@ factories (``optim.optimizer`` / ``optim.scheduler``, Hydra partials): AdamW,
 lr 5e-4 x global batch / 512 (``optim.scale_lr=linear``,
 ``optim.base_batch_size=512``), weight decay 0.05 except on norms, biases and
 position embeddings (``filter_bias_and_bn`` and the net's
-``no_weight_decay()``), cosine decay per epoch after a linear warm-up. Drop
+``no_weight_decay()``), cosine decay per epoch after a linear warm-up (with
+``optim.scheduler.step_on_epochs=false``, after every update: timm's ``--sched-on-updates``). Drop
 path comes from ``model.drop_path_rate``. ``ema.enabled=true`` keeps
 ``timm.utils.ModelEmaV3`` weights (in the checkpoint, as ``ema.module.*``),
 and validation and test then score the EMA weights.
@@ -29,6 +30,8 @@ on evaluation), top-1 and top-5 accuracy (``val/top1``, ``val/top5``,
 
 from __future__ import annotations
 
+import logging
+import math
 import warnings
 from collections.abc import Mapping, Sequence
 
@@ -46,6 +49,7 @@ from .nets.backbones import build_backbone
 MIXUP_DEFAULTS = {"enabled": True, "mixup_alpha": 0.8, "cutmix_alpha": 1.0, "cutmix_minmax": None, "prob": 1.0,
                   "switch_prob": 0.5, "mode": "batch"}
 EMA_DEFAULTS = {"enabled": False, "decay": 0.99996, "warmup": False}
+log = logging.getLogger(__name__)
 
 
 def topk_accuracy(num_classes: int, k: int) -> MulticlassAccuracy:
@@ -73,6 +77,9 @@ class ImageClassification(Task):
     @classmethod
     def check_config(cls, cfg) -> None:
         """Before any data is read (suite/validate.py): Mixup/CutMix pair each image with another of its batch."""
+        scheduler = (cfg.get("optim") or {}).get("scheduler")
+        if scheduler:  # a schedule timm cannot step per update, refused before data
+            per_update_schedule(dict(scheduler))
         mixup, batch = (cfg.task.get("mixup") or {}), cfg.data.get("batch_size")
         if mixup.get("enabled", True) and isinstance(batch, int) and batch % 2:
             raise UserError(f"Mixup/CutMix (task.mixup) needs an even batch: data.batch_size={batch}. Use an even "
@@ -230,16 +237,55 @@ class ImageClassification(Task):
         optimizer = instantiate(optim["optimizer"])(self.net)
         if not optim.get("scheduler"):
             return optimizer
-        scheduler = instantiate(optim["scheduler"])(optimizer)
+        scheduler_cfg = dict(optim["scheduler"])
+        self._per_update = per_update_schedule(scheduler_cfg)
+        scheduler = instantiate(scheduler_cfg)(optimizer)
         if isinstance(scheduler, tuple):  # timm's create_scheduler_v2 returns (scheduler, epochs)
             scheduler = scheduler[0]
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "epoch"}}
+        interval = "step" if self._per_update else "epoch"
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": interval}}
 
     def lr_scheduler_step(self, scheduler, metric):
-        """timm schedulers take the epoch to set the rate for: at the end of epoch e, that is e + 1."""
+        """timm schedulers take the epoch to set the rate for: at the end of epoch e, that is e + 1; stepped per
+        update (:func:`per_update_schedule`), the fractional epoch of the updates done."""
         if hasattr(scheduler, "step_update") and hasattr(scheduler, "t_in_epochs"):  # a timm scheduler
-            scheduler.step(epoch=self.current_epoch + 1)
+            if getattr(self, "_per_update", False):
+                scheduler.step(epoch=self.trainer.global_step / self.updates_per_epoch())
+            else:
+                scheduler.step(epoch=self.current_epoch + 1)
         elif metric is None:
             scheduler.step()
         else:
             scheduler.step(metric)
+
+    def updates_per_epoch(self) -> int:
+        """Optimizer steps in one epoch of this process (the last, partial accumulation steps too)."""
+        batches = self.trainer.num_training_batches
+        if math.isinf(batches):
+            raise UserError("optim.scheduler.step_on_epochs=false needs a training loader with a length (the "
+                            "schedule is in epochs); step the schedule per epoch (step_on_epochs=true).")
+        return max(1, math.ceil(batches / self.trainer.accumulate_grad_batches))
+
+
+def per_update_schedule(scheduler_cfg: dict) -> bool:
+    """Whether ``scheduler_cfg`` (timm's ``create_scheduler_v2`` partial) asks for a rate set after every optimizer
+    step (``step_on_epochs: false``, timm's ``--sched-on-updates``); rewrites it for the form the task steps.
+
+    timm makes such a schedule from the number of updates per epoch (``updates_per_epoch``, which it then requires),
+    which is not known when Lightning calls ``configure_optimizers``: the training loader is set up after it (one set
+    up there would not be given a resumed run's position). The schedule is made in epochs instead and set after every
+    update at the fractional epoch (updates done / updates per epoch): the same rates, since timm's per-update form
+    is the per-epoch one with every time constant multiplied by the updates per epoch. A ``updates_per_epoch`` given
+    is dropped (the loader's own count is used)."""
+    if scheduler_cfg.get("step_on_epochs", True) is not False:
+        return False
+    if scheduler_cfg.get("sched") == "plateau":
+        raise UserError("optim.scheduler.sched=plateau is stepped on a validation metric, once per epoch: it "
+                        "cannot take step_on_epochs=false. Drop that option, or use another schedule (cosine, step, "
+                        "multistep, poly, tanh).")
+    given = scheduler_cfg.pop("updates_per_epoch", None)
+    if given:
+        log.info("optim.scheduler.updates_per_epoch=%s is not used: the schedule follows the training "
+                 "loader's own number of updates per epoch", given)
+    scheduler_cfg["step_on_epochs"] = True
+    return True

@@ -179,6 +179,53 @@ def test_ema_schedule_and_weight_decay_in_a_short_fit(digits, tmp_path):
     assert torch.equal(state["ema.module.head.weight"], ema["head.weight"])
 
 
+class StepRates(L.Callback):
+    def __init__(self):
+        self.lrs = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_schedule_per_update_gives_timms_rates(digits, accumulate):
+    """optim.scheduler.step_on_epochs=false (timm's --sched-on-updates): the rate changes after every optimizer
+    step, with the values of timm's own per-update scheduler (made with the loader's updates per epoch and stepped
+    by step_update(updates), as timm's train.py does). It used to fail in timm (updates_per_epoch required), and with
+    updates_per_epoch given the rate never left its warm-up start."""
+    from timm.scheduler import create_scheduler_v2
+
+    L.seed_everything(0, verbose=False)
+    schedule = optim(lr=1e-3, warmup=1, epochs=3)
+    schedule["scheduler"].update(step_on_epochs=False, updates_per_epoch=99)  # 99: dropped, the loader's count used
+    module = task(mixup={"enabled": False}, optim=schedule)
+    rates = StepRates()
+    fit = trainer(max_epochs=3, limit_train_batches=5, limit_val_batches=1, num_sanity_val_steps=0,
+                  accumulate_grad_batches=accumulate, callbacks=[rates])
+    fit.fit(module, datamodule=digits)
+    updates = math.ceil(5 / accumulate)  # per epoch: the last, partial accumulation steps too
+    assert fit.global_step == 3 * updates
+    reference = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    timm_schedule, _ = create_scheduler_v2(reference, sched="cosine", num_epochs=3, warmup_epochs=1, warmup_lr=1e-5,
+                                           min_lr=1e-5, step_on_epochs=False, updates_per_epoch=updates)
+    expected, done = [], 0
+    for epoch in range(3):
+        for batch in range(5):
+            expected.append(reference.param_groups[0]["lr"])
+            if (batch + 1) % accumulate == 0 or batch == 4:  # an optimizer step
+                done += 1
+                timm_schedule.step_update(num_updates=done)
+    assert rates.lrs == pytest.approx(expected, rel=1e-9)
+    assert len(set(rates.lrs)) > 3 * updates - 2  # it moved after (nearly) every update: not per epoch
+
+
+def test_a_plateau_schedule_per_update_is_refused_before_data():
+    cfg = OmegaConf.create({"task": {"mixup": {"enabled": False}}, "data": {"batch_size": 8},
+                            "optim": {"scheduler": {"sched": "plateau", "step_on_epochs": False}}})
+    with pytest.raises(UserError, match="step_on_epochs=false"):
+        ImageClassification.check_config(cfg)
+
+
 def test_learns_tiny_digits_quickly(digits):
     """480 steps of a small ViT (about 20 s) beat chance (10 %) by far (0.66 when written); no mixup in so
     short a run."""
