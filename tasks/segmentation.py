@@ -4,7 +4,7 @@ Batches are ``{"image": normalised (B, 3, H, W), "mask": (B, H, W)}`` with 255
 ignored. Training: cross-entropy on the main logits plus ``aux_weight`` (0.4)
 times the auxiliary FCN head's; SGD with momentum, no weight decay on
 normalisation layers and biases, poly schedule (power 0.9) over
-``trainer.max_steps`` iterations. Evaluation: whole images or sliding windows,
+``trainer.max_steps`` iterations (with ``max_steps=-1``, the steps of ``trainer.max_epochs``). Evaluation: whole images or sliding windows,
 optionally multi-scale and flipped (``eval``); one confusion matrix over the
 whole split (synced across ranks) gives mIoU, pixel accuracy, average accuracy,
 kappa, F1 and per-class IoU.
@@ -12,12 +12,15 @@ kappa, F1 and per-class IoU.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 from hydra.utils import instantiate
 from torch import nn
+
+from attention.errors import UserError
 
 from . import deterministic
 from .base import Task
@@ -26,12 +29,22 @@ from .metrics.segmentation import SegConfusion, predict, scores
 from .wandb_media import log_table
 
 SCALARS = ("miou", "pixel_acc", "aa", "kappa", "f1")
+NO_END = ("task=segmentation's poly schedule decays the rate to 0 at the end of training, and this run has none "
+          "(trainer.max_steps=-1 with trainer.max_epochs=-1): give trainer.max_steps (the papers' iterations, e.g. "
+          "40000) or trainer.max_epochs.")
 
 
-def poly_lambda(max_steps: int, power: float = 0.9):
-    """The poly schedule factor (1 - step / max_steps) ** power (0 after max_steps)."""
+def poly_lambda(max_steps, power: float = 0.9):
+    """The poly schedule factor (1 - step / max_steps) ** power (0 after max_steps). ``max_steps``: the count, or a
+    function giving it, called once, at the first step after 0 (the factor at step 0 is 1 whatever the count)."""
+    total = [max_steps if isinstance(max_steps, int) else None]
+
     def factor(step: int) -> float:
-        return max(0.0, 1.0 - step / max_steps) ** power
+        if step == 0:
+            return 1.0
+        if total[0] is None:
+            total[0] = int(max_steps())
+        return max(0.0, 1.0 - step / total[0]) ** power
     return factor
 
 
@@ -74,6 +87,13 @@ class Segmentation(Task):
         self.test_confusion = SegConfusion(num_classes, ignore_index)
         self._images: list = []
         self.example_input_array = torch.zeros(1, 3, *self.crop)
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Before any data: the poly schedule decays to 0 at the end of training, which needs an end."""
+        trainer = cfg.get("trainer") or {}
+        if trainer.get("max_steps") in (None, -1) and trainer.get("max_epochs") == -1:
+            raise UserError(NO_END)
 
     def forward(self, image: torch.Tensor) -> torch.Tensor:
         return self.net(image)
@@ -164,7 +184,18 @@ class Segmentation(Task):
     def configure_optimizers(self):
         optim = self.hparams.optim
         optimizer = instantiate(optim["optimizer"])(param_groups(self.net, float(optim.get("weight_decay", 1e-4))))
-        max_steps = int(self.trainer.max_steps) if self.trainer.max_steps and self.trainer.max_steps > 0 \
-            else int(self.trainer.estimated_stepping_batches)
+        trainer = self.trainer
+
+        def max_steps() -> int:
+            # Of an epoch-based run (trainer.max_steps=-1), Lightning's estimate, read once training has started:
+            # made here it would set up the training loader before a resumed run's state is restored, and Lightning
+            # then leaves the loader's saved position out (the resumed epoch would start again from its first batch).
+            if trainer.max_steps and trainer.max_steps > 0:
+                return int(trainer.max_steps)
+            estimate = trainer.estimated_stepping_batches
+            if math.isinf(estimate):
+                raise UserError(NO_END)
+            return int(estimate)
+
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, poly_lambda(max_steps, float(optim.get("power", 0.9))))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -138,3 +138,77 @@ def test_transformer_backbone_weights_and_attn(tmp_path):
     assert torch.equal(again.backbone.net.pos_embed, net.backbone.net.pos_embed)
     with pytest.raises(UserError, match="does not fit a vit_s"):
         SegNet(3, EXTERNAL, backbone="vit_s", crop=64, backbone_options={"depth": 2}, weights=str(path))
+
+
+def test_poly_schedule_reads_a_counted_end_once_after_step_0():
+    calls = []
+
+    def count():
+        calls.append(1)
+        return 100
+
+    f = poly_lambda(count, 0.9)
+    assert f(0) == 1.0 and not calls  # the scheduler's first call, when it is made: nothing counted yet
+    assert f(50) == pytest.approx(0.5 ** 0.9) and f(100) == 0.0 and len(calls) == 1
+
+
+class _Seen(__import__("lightning").Callback):
+    """The training batches' first pixels and the rate of every step; with ``stop_at``, a checkpoint at that step
+    and a stop (a run interrupted mid-epoch)."""
+
+    def __init__(self, stop_at=None, path=None):
+        self.batches, self.lrs, self.stop_at, self.path = [], [], stop_at, path
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.batches.append(batch["image"][:, 0, 0, 0].tolist())
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step == self.stop_at:
+            trainer.save_checkpoint(self.path)
+            trainer.should_stop = True
+
+
+def test_an_epoch_based_run_resumed_mid_epoch_continues_its_epoch(tmp_path):
+    """trainer.max_steps=-1 with max_epochs: the poly schedule's end is Lightning's estimate of the steps. Read in
+    configure_optimizers, it set up the training loader before the resumed run's state was restored, and Lightning
+    then left out the loader's saved position: the resumed epoch started again from its first batch (the batches
+    of before seen twice, the last ones never). Now the resumed run sees the batches and rates of the uninterrupted
+    one."""
+    import lightning as L
+
+    from datamodules.segmentation.blobs import Blobs
+    from suite.resume import RandomState
+    from tasks.segmentation import Segmentation
+
+    def fit(callback, ckpt=None):
+        L.seed_everything(0, verbose=False)
+        data = Blobs(num_train=12, num_val=2, num_test=2, size=32, batch_size=2, eval_batch_size=2)
+        task = Segmentation(len(data.class_names), data.class_names, {"backbone": "resnet18", "head_channels": 8,
+                                                                     "pretrained": False},
+                            EXTERNAL, {"optimizer": {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.01},
+                                       "power": 0.9}, crop=(32, 32))
+        trainer = L.Trainer(accelerator="cpu", max_epochs=2, max_steps=-1, limit_val_batches=0, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            num_sanity_val_steps=0, callbacks=[callback, RandomState()])
+        trainer.fit(task, datamodule=data, ckpt_path=ckpt)
+        return trainer
+
+    whole = _Seen()
+    assert fit(whole).global_step == 12
+    first, rest = _Seen(stop_at=3, path=tmp_path / "mid.ckpt"), _Seen()
+    fit(first)
+    fit(rest, ckpt=tmp_path / "mid.ckpt")
+    assert first.batches + rest.batches == whole.batches
+    assert first.lrs + rest.lrs == pytest.approx(whole.lrs, rel=1e-12)
+    assert whole.lrs[1:] == pytest.approx([0.01 * (1 - k / 12) ** 0.9 for k in range(1, 12)], rel=1e-12)
+
+
+def test_a_segmentation_run_without_an_end_is_refused_before_data():
+    from omegaconf import OmegaConf
+
+    from tasks.segmentation import Segmentation
+
+    with pytest.raises(UserError, match="trainer.max_steps"):
+        Segmentation.check_config(OmegaConf.create({"trainer": {"max_steps": -1, "max_epochs": -1}}))
+    Segmentation.check_config(OmegaConf.create({"trainer": {"max_steps": -1, "max_epochs": 3}}))
