@@ -29,7 +29,19 @@ class AgreedSigterm(L.pytorch.callbacks.Callback):
     had the signal, all of them set Lightning's ``received_sigterm`` at the same point, and Lightning stops them
     there together: at the end of that training batch, or at the end of the epoch or the next training batch after
     a validation. A test loop runs to its end.
-    Single-process runs keep Lightning's handler.
+    One process stops the same way; while it evaluates, at once (at the end of the evaluation batch, as Lightning's
+    own handler has it).
+
+    **Never inside an accumulation window** (``trainer.accumulate_grad_batches`` > 1): a checkpoint holds no
+    gradients, so a run stopped after batch 2 of a window of 4 and resumed stepped with the last 2 batches' alone,
+    and was not the run that never stopped (exit code 0 all the same). The stop waits for the window's last batch.
+
+    **SLURM's time-limit warning** (``sbatch --signal=USR1@<seconds>``, auto-requeue on): Lightning's handler saved
+    ``hpc_ckpt_<n>.ckpt`` from inside the signal handler, wherever the process was: between two parameters'
+    updates of an optimizer step (a checkpoint holding half a step), inside a window, and under DDP with a
+    collective (``save_checkpoint``'s barrier) that paired with whatever the other processes were in. Here the
+    handler only notes it, and Lightning's own save and ``scontrol requeue`` run at the next point where every
+    process agrees, as for SIGTERM: a training batch that ends a window, or the end of an evaluation loop.
 
     **Ctrl-C** (SIGINT) while training stops at the end of the batch too, with ``last.ckpt`` and a line saying how
     to resume (exit code 130), on one process or many (a terminal's Ctrl-C reaches every process of the run).
@@ -42,6 +54,7 @@ class AgreedSigterm(L.pytorch.callbacks.Callback):
     def __init__(self):
         self.pending = False  # this process got SIGTERM (or Ctrl-C)
         self.ctrl_c = False  # this process got Ctrl-C while fitting
+        self.requeue = None  # the SLURM requeue signal this process got, not yet acted on
         self._first = threading.Lock()  # taken by the first SIGTERM: its handler alone logs
         self._group = None  # the CPU (gloo) group the processes agree over; None: one process
         self._trainer = None
@@ -50,12 +63,16 @@ class AgreedSigterm(L.pytorch.callbacks.Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         import torch.distributed as dist
 
+        self._trainer = trainer
+        # Lightning registers its handlers after the setup hooks (Trainer._run), from these attributes: SIGTERM's
+        # and SLURM's requeue signal's then only take note.
+        connector = trainer._signal_connector
+        connector._sigterm_notifier_fn = self._note
+        connector._slurm_sigusr_handler_fn = self._note_requeue
         if trainer.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
             return
         if self._group is None:  # every process calls setup in the same order: new_group is a collective
             self._group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        # Lightning registers its handlers after the setup hooks (Trainer._run), from this attribute.
-        trainer._signal_connector._sigterm_notifier_fn = self._note
 
     def on_train_start(self, trainer, pl_module) -> None:
         # Here, not in on_fit_start: Lightning takes note of every signal's handler after that hook, and puts those
@@ -83,8 +100,7 @@ class AgreedSigterm(L.pytorch.callbacks.Callback):
         self.ctrl_c = self.pending = True
         log.warning("Ctrl-C: stopping at the end of this batch, with a checkpoint to resume from (Ctrl-C again to "
                     "stop at once)")
-        if self._group is None:  # one process: Lightning stops where its own SIGTERM handler would have it stop
-            self._trainer._signal_connector.received_sigterm = True
+        self._one_process_stops_now()
 
     def _note(self, signum, frame) -> None:
         """The SIGTERM handler: only notes the signal (no collective, no I/O but a log line; safe to run twice).
@@ -94,19 +110,45 @@ class AgreedSigterm(L.pytorch.callbacks.Callback):
         non-blocking acquire is one atomic step."""
         self.pending = True
         if self._first.acquire(blocking=False):
-            log.info("received SIGTERM: stopping with the other processes at the next batch")
+            log.info("received SIGTERM: stopping %s", "at the next batch" if self._group is None else
+                     "with the other processes at the next batch")
+        self._one_process_stops_now()
+
+    def _note_requeue(self, signum, frame) -> None:
+        """The handler of SLURM's requeue signal, in place of Lightning's (which saves and requeues): only notes it."""
+        if self.requeue is None:
+            log.info("received the SLURM requeue signal (%s): saving a checkpoint and requeueing at the next batch",
+                     signal.Signals(signum).name)
+        self.requeue = signum
+
+    def _one_process_stops_now(self) -> None:
+        """One process, not training (evaluating): Lightning stops at the end of the batch, as its own handler has
+        it. Training, the stop waits for the end of the batch that ends an accumulation window
+        (:meth:`on_train_batch_end`); several processes, for their agreement."""
+        trainer = self._trainer
+        if self._group is None and trainer is not None and not trainer.training:
+            trainer._signal_connector.received_sigterm = True
 
     def _agree(self, trainer) -> None:
-        import torch.distributed as dist
+        """Where every process is in step: a SIGTERM (Ctrl-C) any of them got stops all of them here, and a requeue
+        signal any of them got has all of them save Lightning's hpc checkpoint, then rank zero requeue the job."""
+        stop, requeue = self.pending or trainer.received_sigterm, self.requeue
+        if self._group is not None:
+            import torch.distributed as dist
 
-        if self._group is None:
-            return
-        flag = torch.tensor([int(self.pending or trainer.received_sigterm)], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        if flag.item():
+            flags = torch.tensor([int(stop), requeue or 0], dtype=torch.int32)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+            stop, requeue = bool(flags[0].item()), int(flags[1].item()) or None
+        if requeue is not None:
+            self.requeue = None
+            connector = trainer._signal_connector
+            type(connector)._slurm_sigusr_handler_fn(connector, requeue, None)  # Lightning's: save, then requeue
+        if stop:
             trainer._signal_connector.received_sigterm = True
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.fit_loop._should_accumulate():  # inside an accumulation window (the same on every process)
+            return
         self._agree(trainer)
 
     # Not at every evaluation batch: the processes may see different numbers of them (each sample scored once,

@@ -308,3 +308,58 @@ def test_runs_of_one_job_get_a_directory_each_and_its_requeue_finds_its_own(env,
     assert again.returncode == 0 and "this run had finished already" in again.stdout + again.stderr
     assert (seeds[1] / "metrics.json").read_bytes() == kept
     assert len(list((tmp_path / "outputs" / "modelnet" / "external").iterdir())) == 2
+
+
+def test_the_requeue_signal_saves_at_a_step_boundary(tmp_path, monkeypatch):
+    """SLURM's time-limit signal (SIGUSR1) landing between two parameters' updates of an optimizer step: Lightning's
+    handler saved hpc_ckpt_1.ckpt right there, with the first parameter updated and the second not (half a step),
+    then requeued. It now saves at the end of that batch (the whole step in the checkpoint), then requeues."""
+    import lightning as L
+
+    from suite.sigterm import AgreedSigterm
+
+    calls = tmp_path / "scontrol.log"
+    bin_dir = stub_commands(tmp_path, scontrol=f'echo "$@" >> "{calls}"')
+    for name in [k for k in os.environ if k.startswith(("SLURM_", "SUBMITIT_"))]:
+        monkeypatch.delenv(name)
+    for name, value in {**SLURM_VARS, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}.items():
+        monkeypatch.setenv(name, value)
+
+    class HalfSignalled(torch.optim.SGD):
+        """SGD, parameter by parameter, the requeue signal arriving between the two at the third step."""
+
+        def step(self, closure=None):
+            loss = closure()
+            with torch.no_grad():
+                first, second = self.param_groups[0]["params"]
+                first.sub_(0.1 * first.grad)
+                if self.state.setdefault("steps", [0])[0] == 2:
+                    signal.raise_signal(signal.SIGUSR1)
+                second.sub_(0.1 * second.grad)
+            self.state["steps"][0] += 1
+            return loss
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Parameter(torch.tensor(1.0)), torch.nn.Parameter(torch.tensor(2.0))
+            self.after = {}
+
+        def training_step(self, batch, batch_idx):
+            return (self.a * batch.sum() + self.b) ** 2
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            self.after[self.trainer.global_step] = (self.a.item(), self.b.item())
+
+        def configure_optimizers(self):
+            return HalfSignalled(self.parameters(), lr=0.1)
+
+    module = Tiny()
+    trainer = L.Trainer(max_steps=5, callbacks=[AgreedSigterm()], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+                        default_root_dir=tmp_path)
+    trainer.fit(module, torch.utils.data.DataLoader(torch.randn(8, 2), batch_size=1))
+    assert calls.read_text().split() == ["requeue", "4242_1"]
+    saved = torch.load(tmp_path / "hpc_ckpt_1.ckpt", map_location="cpu", weights_only=True)
+    assert saved["global_step"] == 3
+    assert (saved["state_dict"]["a"].item(), saved["state_dict"]["b"].item()) == module.after[3]
