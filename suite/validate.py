@@ -47,12 +47,28 @@ def validate_config(cfg: DictConfig, overrides: Iterable[str]) -> None:
                         "loss), skip (drop such batches and count them) or off (no check).")
     check_option_types(cfg, overrides)
     check_compile_options(OmegaConf.to_container(cfg.trainer, resolve=True))
+    check_accumulation(cfg.trainer)
     check_checkpoint_format(cfg.get("ckpt_path"))
     task_cls = get_class(cfg.task._target_)
     check_weights_files(cfg, task_cls)
     check_layout_options(cfg, overrides, task_cls.layout)
     check_eval_sizes(cfg)
     task_cls.check_config(cfg)
+
+
+def check_accumulation(trainer: DictConfig) -> None:
+    """A validation every ``trainer.val_check_interval`` training batches (Lightning counts batches, not optimizer
+    steps) that falls inside a gradient accumulation window: its checkpoints (``last.ckpt``) hold no gradients, so a
+    run resumed from one steps with the rest of the window's batches alone, not the run that never stopped."""
+    every, accumulate = trainer.get("val_check_interval"), trainer.get("accumulate_grad_batches") or 1
+    if isinstance(every, int) and not isinstance(every, bool) and isinstance(accumulate, int) and accumulate > 1 \
+            and every % accumulate:
+        raise UserError(f"trainer.val_check_interval={every} is not a multiple of trainer.accumulate_grad_batches="
+                        f"{accumulate}: Lightning counts training batches, so validations and the checkpoints written "
+                        "with them would fall inside an accumulation window, whose gradients no checkpoint holds (a "
+                        "run resumed there would not be the run that never stopped). Give a multiple, e.g. "
+                        f"trainer.val_check_interval={every - every % accumulate or accumulate} (task=segmentation "
+                        "sets it from eval.every_n_steps).")
 
 
 def check_seed(seed) -> None:

@@ -270,3 +270,14 @@ def test_checkpoint_files_are_told_from_other_files(tmp_path):
         assert torch.equal(safe_torch_load(path, mmap=True)["state_dict"]["w"], torch.ones(2))
     with pytest.raises(UserError, match="not a PyTorch checkpoint"):
         validate_config(compose_run(["mode=test", f"ckpt_path={text}"]), [])
+
+
+def test_validations_inside_an_accumulation_window_are_refused():
+    """Lightning counts trainer.val_check_interval in training batches: 250 with windows of 3 validates, and writes
+    last.ckpt, inside a window, whose gradients no checkpoint holds."""
+    message = refused(["experiment=seg_demo", "++trainer.accumulate_grad_batches=3"])
+    assert "trainer.val_check_interval=250" in message and "accumulate_grad_batches=3" in message
+    assert "val_check_interval=249" in message and "eval.every_n_steps" in message
+    for fine in (["experiment=seg_demo", "++trainer.accumulate_grad_batches=2"],  # 250 = 125 windows
+                 ["task=modelnet", "++trainer.accumulate_grad_batches=3"]):  # once an epoch (its last batch steps)
+        validate_config(compose_run(fine), fine)
