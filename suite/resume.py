@@ -78,16 +78,28 @@ def save_wandb_run_id(out_dir: Path, run_id: str) -> None:
 
 
 class RandomState(L.pytorch.callbacks.Callback):
-    """Saves python, numpy and torch (CPU and CUDA) generator states in checkpoints; restores them on resume.
+    """Each process's own random draws while training, kept in checkpoints and put back on resume.
 
-    They are put back at ``on_train_start``: after the sanity-check validation (which draws from the generators
-    too) and before the first training batch, where the uninterrupted run stood when it saved them.
+    **Per process.** ``seed_everything(seed)`` seeds every process of a run alike (the networks and data are built
+    alike), so under DDP every process drew the same random numbers while training: the same Mixup/CutMix weight
+    and box, drop-path and dropout masks, and augmentations made in the main process (``data.num_workers=0``), on
+    different samples. The recipes these tasks follow seed each process apart (DeiT, timm, mmseg: seed + rank).
+    At the start of a fresh fit every process but the first is reseeded from the run's seed and its rank
+    (:func:`rank_seed`); the first keeps the single-process run's draws.
+
+    **Resume.** Lightning restores model, optimisers, schedulers, loops and callbacks, but not the random number
+    generators: python's, numpy's and torch's (CPU and CUDA) states of every process are gathered into each
+    checkpoint and each process's own is put back at ``on_train_start``: after the sanity-check validation (which
+    draws from the generators too) and before the first training batch, where the uninterrupted run stood when it
+    saved them. A run resumed on more processes than it was saved with reseeds the new ones. A checkpoint of
+    before holds one state, which every process takes.
     """
 
     def __init__(self):
         self._pending = None
 
-    def state_dict(self):
+    @staticmethod
+    def _own_state() -> dict:
         import random
 
         import numpy as np
@@ -100,18 +112,38 @@ class RandomState(L.pytorch.callbacks.Callback):
                 "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
                 "python": random.getstate()}
 
+    def state_dict(self):
+        import torch.distributed as dist
+
+        own = self._own_state()
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return {"ranks": [own]}
+        # Every process saves a checkpoint together (Lightning's save ends with a barrier): a collective is safe.
+        states: list = [None] * dist.get_world_size()
+        dist.all_gather_object(states, own)
+        return {"ranks": states}
+
     def load_state_dict(self, state_dict):
         self._pending = state_dict
 
     def on_train_start(self, trainer, pl_module):
+        state, self._pending = self._pending, None
+        if state and "ranks" not in state:  # a checkpoint of before: one state, which every process drew alike
+            self._put_back(state)
+            return
+        states, rank = (state or {}).get("ranks") or [], trainer.global_rank
+        if rank < len(states):
+            self._put_back(states[rank])
+        elif rank > 0:  # a fresh fit, or a process the checkpoint holds no state of
+            reseed(rank_seed(rank))
+
+    @staticmethod
+    def _put_back(state: dict) -> None:
         import random
 
         import numpy as np
         import torch
 
-        state, self._pending = self._pending, None
-        if not state:
-            return
         torch.set_rng_state(state["torch"])
         if state["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda"])
@@ -119,6 +151,29 @@ class RandomState(L.pytorch.callbacks.Callback):
         np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
         version, internal, gauss_next = state["python"]
         random.setstate((version, tuple(internal), gauss_next))
+
+
+def rank_seed(rank: int) -> int:
+    """The training seed of process ``rank`` > 0: from the run's seed (``PL_GLOBAL_SEED``, set by
+    ``seed_everything``) and the rank, through numpy's ``SeedSequence`` (well apart from seed + 1, another run's)."""
+    import os
+
+    import numpy as np
+
+    base = int(os.environ.get("PL_GLOBAL_SEED", 0))
+    return int(np.random.SeedSequence([base, rank]).generate_state(1)[0])
+
+
+def reseed(seed: int) -> None:
+    """python's, numpy's and torch's (CPU and every CUDA device's) generators from ``seed``."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 class FitState(L.pytorch.callbacks.Callback):

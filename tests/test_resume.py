@@ -210,3 +210,65 @@ def test_history_survives_a_kill_while_its_header_widens(tmp_path, monkeypatch):
         f.write("4,2.0")
     resumed = HistoryCSVLogger(tmp_path / "whole", resume_step=10)
     assert [row["step"] for row in resumed._kept] == ["0", "1", "2", "3"]
+
+
+# A two-process CPU fit (Lightning's DDP launcher runs this file again for rank 1) recording each rank's training
+# draws: python, numpy and torch. argv: out folder, devices, steps, checkpoint to resume from or "-", step to save at.
+RANK_DRAWS = r"""
+import json, os, random, sys
+import numpy as np, torch, lightning as L
+sys.path.insert(0, os.environ["SUITE_ROOT"])
+from suite.resume import RandomState
+
+out, devices, steps, resume, save_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+
+class Draws(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(1))
+    def training_step(self, batch, batch_idx):
+        draw = [random.random(), float(np.random.rand()), float(torch.rand(1))]
+        with open(os.path.join(out, f"rank{self.global_rank}.jsonl"), "a") as f:
+            f.write(json.dumps([self.global_step, draw]) + "\n")
+        return (self.w * batch).sum()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+class SaveAt(L.Callback):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step == save_at:
+            trainer.save_checkpoint(os.path.join(out, "mid.ckpt"))
+
+L.seed_everything(7, workers=True)
+trainer = L.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", max_steps=steps,
+                    callbacks=[RandomState(), SaveAt()], logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+trainer.fit(Draws(), torch.utils.data.DataLoader(torch.ones(64, 1), batch_size=2),
+            ckpt_path=None if resume == "-" else resume)
+"""
+
+
+def test_each_process_draws_its_own_numbers_and_resumes_them(env, tmp_path):
+    """Under DDP every process was seeded alike and drew the same numbers while training (Mixup weights and boxes,
+    drop-path masks, main-process augmentations), where the recipes seed each process apart. Now the second draws
+    its own; the first draws what a single-process run draws. A run resumed mid-epoch draws on every process what
+    the uninterrupted one drew: each process's generators are in the checkpoint (only the first's were)."""
+    script = tmp_path / "rank_draws.py"
+    script.write_text(RANK_DRAWS)
+    env = {**env, "SUITE_ROOT": str(ROOT)}
+
+    def fit(name, devices, steps, resume="-", save_at=-1):
+        out = tmp_path / name
+        out.mkdir()
+        subprocess.run([sys.executable, str(script), str(out), str(devices), str(steps), str(resume), str(save_at)],
+                       cwd=tmp_path, env=env, check=True, capture_output=True, timeout=300)
+        return {rank: [json.loads(line) for line in (out / f"rank{rank}.jsonl").read_text().splitlines()]
+                for rank in range(devices)}
+
+    whole = fit("whole", 2, 6, save_at=3)
+    single = fit("single", 1, 6)
+    assert [d for _, d in whole[0]] == [d for _, d in single[0]]
+    assert all(x != y for (_, a), (_, b) in zip(whole[0], whole[1]) for x, y in zip(a, b))  # python, numpy, torch
+    resumed = fit("resumed", 2, 6, resume=tmp_path / "whole" / "mid.ckpt")
+    for rank in (0, 1):
+        assert resumed[rank] == whole[rank][3:], rank
