@@ -340,7 +340,7 @@ class DataModule(L.LightningDataModule):
         return (ResumableLoader if train else Loader)(
             dataset,
             batch_size=batch_size,
-            **(train_sampling(dataset) if train else eval_loading(dataset, what or f"{self.title} {split} split")),
+            **(self.train_sampling(dataset) if train else eval_loading(dataset, what or f"{self.title} {split} split")),
             drop_last=train and (self.full_train_batches or len(dataset) > batch_size),
             collate_fn=self.collate(),
             num_workers=workers,
@@ -348,6 +348,10 @@ class DataModule(L.LightningDataModule):
             pin_memory=torch.cuda.is_available(),
             worker_init_fn=WorkerInit(self.trainer.global_rank if self.trainer is not None else None),
         )
+
+    def train_sampling(self, dataset: Dataset) -> dict:
+        """The training loader's sampler and worker-seed generator (:func:`datamodules.loaders.train_sampling`)."""
+        return train_sampling(dataset)
 
     def _too_small(self, size: int, batch_size: int) -> str:
         """The message for a training split smaller than one batch (``full_train_batches``)."""

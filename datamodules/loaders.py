@@ -163,8 +163,13 @@ class EpochRandomSampler(RandomSampler):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
         self.generator.manual_seed(self.seed + epoch)
-        if self.worker_generator is not None:
-            self.worker_generator.manual_seed((self.seed + epoch) * 1_000_003 % 2**63)
+        seed_workers(self.worker_generator, self.seed, epoch)
+
+
+def seed_workers(generator: torch.Generator | None, seed: int, epoch: int) -> None:
+    """The loader's worker-seed generator for epoch ``epoch``: its workers' seeds a function of (seed, epoch)."""
+    if generator is not None:
+        generator.manual_seed((seed + epoch) * 1_000_003 % 2**63)
 
 
 class _SkipFirst:
@@ -231,10 +236,11 @@ class ResumableLoader(Loader):
             yield batch
 
 
-def train_sampling(dataset: Dataset) -> dict:
-    """Keyword arguments of a shuffled training split's :class:`ResumableLoader`: the sampler above and a
+def train_sampling(dataset: Dataset, sampler: type = EpochRandomSampler, **options) -> dict:
+    """Keyword arguments of a shuffled training split's :class:`ResumableLoader`: ``sampler`` (its arguments:
+    the dataset, the seed, ``options``, the worker generator; :class:`EpochRandomSampler`'s by default) and a
     generator of its own for the loader's worker seeds, both seeded from the run's seed (``seed_everything``,
     read when the loader is made) and the epoch."""
     seed = torch.initial_seed()
     workers = torch.Generator()
-    return {"sampler": EpochRandomSampler(dataset, seed, workers), "generator": workers}
+    return {"sampler": sampler(dataset, seed, worker_generator=workers, **options), "generator": workers}

@@ -271,3 +271,46 @@ def test_a_stop_waits_for_the_end_of_the_accumulation_window(how):
     with pytest.raises(SIGTERMException):
         trainer.fit(module, torch.utils.data.DataLoader(torch.randn(12, 2), batch_size=1))
     assert module.batches == [0, 1, 2] and trainer.global_step == 1
+
+
+REPEATED = r"""
+import json, os, sys
+import torch, lightning as L
+sys.path.insert(0, os.environ["SUITE_ROOT"])
+from datamodules.classification.repeated import RepeatedAugmentation
+from datamodules.loaders import ResumableLoader
+
+out = sys.argv[1]
+
+class Indices(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(1))
+    def training_step(self, batch, batch_idx):
+        with open(os.path.join(out, f"rank{self.global_rank}.jsonl"), "a") as f:
+            f.write(json.dumps(batch.tolist()) + "\n")
+        return (self.w * batch.float()).sum()
+    def train_dataloader(self):  # made after the processes joined, as the data modules make theirs
+        return ResumableLoader(list(range(600)), batch_size=8, sampler=RepeatedAugmentation(list(range(600)), 5, 3))
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(Indices())
+"""
+
+
+def test_repeated_augmentation_is_not_split_again_under_ddp(env, tmp_path):
+    """Two processes: each trains on its own share of timm's repeated-augmentation stream (32 batches of 8). A
+    sampler of another kind Lightning would have split among the processes once more (16 batches of a half)."""
+    from timm.data.distributed_sampler import RepeatAugSampler
+
+    (tmp_path / "repeated.py").write_text(REPEATED)
+    subprocess.run([sys.executable, str(tmp_path / "repeated.py"), str(tmp_path)], cwd=tmp_path, check=True,
+                   env={**env, "SUITE_ROOT": str(ROOT)}, capture_output=True, timeout=300)
+    for rank in (0, 1):
+        served = [i for line in (tmp_path / f"rank{rank}.jsonl").read_text().splitlines() for i in json.loads(line)]
+        timm = RepeatAugSampler(list(range(600)), num_replicas=2, rank=rank, num_repeats=3)
+        timm.set_epoch(5)
+        assert served == list(timm), rank

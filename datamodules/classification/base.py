@@ -183,6 +183,8 @@ class ClassificationDataModule(DataModule):
         verify_images: ``auto`` (decode every file of a split in :meth:`setup` if it holds at
             most ``verify_limit`` files), true or false.
         verify_limit: see ``verify_images``.
+        repeated_aug: DeiT's repeated augmentation: each training image this many times an epoch, its copies on
+            different processes (``datamodules.classification.repeated``); 0 (or 1): off.
         seed: kept with the hyper-parameters; the randomness comes from the seeded generators.
     """
 
@@ -205,6 +207,7 @@ class ClassificationDataModule(DataModule):
         on_bad_file: str = "error",
         verify_images: str | bool = "auto",
         verify_limit: int = 20000,
+        repeated_aug: int = 0,
         seed: int = 0,
     ):
         super().__init__(batch_size, eval_batch_size, num_workers, seed, on_bad_file)
@@ -221,8 +224,18 @@ class ClassificationDataModule(DataModule):
         self.mean, self.std = tuple(float(m) for m in mean), tuple(float(s) for s in std)
         self.verify_images = choice_option("verify_images", verify_images, VERIFY_CHOICES)
         self.verify_limit = int_option("verify_limit", verify_limit, 0, self._example("verify_limit", 20000))
+        self.repeated_aug = int_option("repeated_aug", repeated_aug, 0, self._example("repeated_aug", 3))
         if isinstance(getattr(self, "class_names", None), list):
             self.class_names = list(self.class_names)  # an instance's own copy of a class-level list
+
+    def train_sampling(self, dataset: Dataset) -> dict:
+        """With ``repeated_aug`` > 1, DeiT's repeated augmentation; else shuffled by (seed, epoch)."""
+        if self.repeated_aug > 1:
+            from datamodules.classification.repeated import RepeatedAugmentation
+            from datamodules.loaders import train_sampling
+
+            return train_sampling(dataset, RepeatedAugmentation, repeats=self.repeated_aug)
+        return super().train_sampling(dataset)
 
     # -- to implement -----------------------------------------------------------------------------------------
     def _sources(self) -> dict[str, FileSource | ArraySource]:

@@ -190,7 +190,7 @@ def test_deit_training_transform(tmp_path):
 
 COMMON = {"img_size": 224, "batch_size": 128, "eval_batch_size": None, "num_workers": 8, "augment": None,
           "interpolation": "bicubic", "crop_pct": 0.875, "mean": IMAGENET_MEAN, "std": IMAGENET_STD,
-          "on_bad_file": "error", "verify_images": "auto", "verify_limit": 20000, "seed": 0}
+          "on_bad_file": "error", "verify_images": "auto", "verify_limit": 20000, "repeated_aug": 0, "seed": 0}
 
 
 def test_hyperparameters_are_the_constructor_arguments(tmp_path):
@@ -378,3 +378,47 @@ def test_tiny_digits_are_the_gans_digits():
     got = sorted((r.tobytes(), int(y)) for s in (tiny.train_set, tiny.val_set, tiny.test_set)
                  for r, y in zip(s.source.images, s.source.labels))  # fmt: skip
     assert got == expected
+
+
+# --- DeiT's repeated augmentation (data.repeated_aug) ----------------------------------------------------------------
+def test_repeated_augmentation_serves_timms_indices_with_the_run_seed():
+    """Each process's indices are those of timm's RepeatAugSampler (DeiT's RASampler) with its generator seeded by
+    (seed, epoch): each image 3 times an epoch, copies on consecutive processes, 600 // 256 * 256 / 2 = 256 per
+    process. timm seeds with the epoch alone: every run seed drew the same order."""
+    from timm.data.distributed_sampler import RepeatAugSampler
+    from torch.utils.data import DistributedSampler
+
+    from datamodules.classification.repeated import RepeatedAugmentation
+
+    data = list(range(600))
+    for epoch in (0, 3):
+        streams = []
+        for rank in (0, 1):
+            ours = RepeatedAugmentation(data, 5, 3, processes=2, rank=rank)
+            ours.set_epoch(epoch)
+            timm = RepeatAugSampler(data, num_replicas=2, rank=rank, num_repeats=3)
+            timm.set_epoch(5 + epoch)
+            streams.append(list(ours))
+            assert streams[-1] == list(timm) and len(ours) == 256 and ours.epoch == epoch
+            assert isinstance(ours, DistributedSampler)  # Lightning leaves it alone under DDP
+        interleaved = [i for pair in zip(*streams) for i in pair]
+        assert interleaved[:6] == [interleaved[0]] * 3 + [interleaved[3]] * 3  # copies on consecutive processes
+    other = RepeatedAugmentation(data, 6, 3, processes=2, rank=0)
+    assert list(other) != list(RepeatedAugmentation(data, 5, 3, processes=2, rank=0))  # the seed matters
+
+
+def test_repeated_augmentation_is_one_option_away_and_checked():
+    from datamodules.classification.repeated import RepeatedAugmentation
+    from datamodules.loaders import EpochRandomSampler
+
+    L.seed_everything(3, verbose=False)
+    dm = TinyDigits(batch_size=12, repeated_aug=3)
+    dm.setup()
+    loader = dm.train_dataloader()
+    assert isinstance(loader.sampler, RepeatedAugmentation) and loader.sampler.seed == 3
+    assert len(loader) == len(dm.train_set) // 256 * 256 // 12  # one process: the copies in one stream
+    labels = next(iter(loader))["label"]
+    assert torch.equal(labels[0::3], labels[1::3]) and torch.equal(labels[0::3], labels[2::3])
+    assert isinstance(TinyDigits(batch_size=12).train_sampling(dm.train_set)["sampler"], EpochRandomSampler)
+    with pytest.raises(UserError, match=r"data\.repeated_aug"):
+        TinyDigits(repeated_aug=-1)
