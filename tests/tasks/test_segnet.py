@@ -183,7 +183,7 @@ def test_an_epoch_based_run_resumed_mid_epoch_continues_its_epoch(tmp_path):
 
     def fit(callback, ckpt=None):
         L.seed_everything(0, verbose=False)
-        data = Blobs(num_train=12, num_val=2, num_test=2, size=32, batch_size=2, eval_batch_size=2)
+        data = Blobs(num_train=6, num_val=2, num_test=2, size=32, batch_size=2, eval_batch_size=2)
         task = Segmentation(len(data.class_names), data.class_names, {"backbone": "resnet18", "head_channels": 8,
                                                                      "pretrained": False},
                             EXTERNAL, {"optimizer": {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.01},
@@ -195,13 +195,13 @@ def test_an_epoch_based_run_resumed_mid_epoch_continues_its_epoch(tmp_path):
         return trainer
 
     whole = _Seen()
-    assert fit(whole).global_step == 12
-    first, rest = _Seen(stop_at=3, path=tmp_path / "mid.ckpt"), _Seen()
+    assert fit(whole).global_step == 6
+    first, rest = _Seen(stop_at=2, path=tmp_path / "mid.ckpt"), _Seen()
     fit(first)
     fit(rest, ckpt=tmp_path / "mid.ckpt")
     assert first.batches + rest.batches == whole.batches
     assert first.lrs + rest.lrs == pytest.approx(whole.lrs, rel=1e-12)
-    assert whole.lrs[1:] == pytest.approx([0.01 * (1 - k / 12) ** 0.9 for k in range(1, 12)], rel=1e-12)
+    assert whole.lrs[1:] == pytest.approx([0.01 * (1 - k / 6) ** 0.9 for k in range(1, 6)], rel=1e-12)
 
 
 def test_a_segmentation_run_without_an_end_is_refused_before_data():
