@@ -272,3 +272,27 @@ def test_each_process_draws_its_own_numbers_and_resumes_them(env, tmp_path):
     resumed = fit("resumed", 2, 6, resume=tmp_path / "whole" / "mid.ckpt")
     for rank in (0, 1):
         assert resumed[rank] == whole[rank][3:], rank
+
+
+def test_random_states_of_older_checkpoints_and_new_processes():
+    """A checkpoint written before per-process states holds one state: every process takes it, as every process
+    drew alike then. A process the checkpoint holds no state of (resumed on more processes) is reseeded from
+    (seed, rank), as at a fresh start."""
+    from types import SimpleNamespace
+
+    from suite.resume import RandomState, rank_seed
+
+    torch.manual_seed(11)
+    flat = RandomState()._own_state()
+    expected = torch.rand(3)
+    for rank in (0, 1):
+        callback = RandomState()
+        callback.load_state_dict(flat)  # the format of before: no "ranks"
+        callback.on_train_start(SimpleNamespace(global_rank=rank, world_size=2), None)
+        assert torch.equal(torch.rand(3), expected), rank
+    callback = RandomState()
+    callback.load_state_dict({"ranks": [flat]})  # written by one process, resumed on two: rank 1 has none
+    callback.on_train_start(SimpleNamespace(global_rank=1, world_size=2), None)
+    drawn = torch.rand(3)
+    torch.manual_seed(rank_seed(1))
+    assert torch.equal(drawn, torch.rand(3)) and not torch.equal(drawn, expected)
