@@ -33,6 +33,10 @@ def main(cfg: DictConfig) -> None:
     except Exception as err:  # a UserError (or an option error of Lightning/torch) is a message, a bug a traceback
         cause = as_user_error(err)
         if cause is None:
+            from suite.distributed import failed_process, stop_with
+
+            if (failed := failed_process()) is not None:  # another process's failure broke this one's collective
+                stop_with(*failed, at_once=False)
             raise
         exit_with_message(str(cause))
 

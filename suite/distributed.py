@@ -43,12 +43,105 @@ def check_launch(trainer) -> None:
     from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
     launcher = getattr(trainer.strategy, "launcher", None)
-    if (isinstance(launcher, _SubprocessScriptLauncher) and trainer.world_size > 1
-            and not trainer.strategy.cluster_environment.creates_processes_externally
-            and HydraConfig.get().mode == RunMode.MULTIRUN):
+    starts_processes = (isinstance(launcher, _SubprocessScriptLauncher) and trainer.world_size > 1
+                        and not trainer.strategy.cluster_environment.creates_processes_externally)
+    if starts_processes and HydraConfig.get().mode == RunMode.MULTIRUN:
         raise UserError("trainer=ddp with several devices cannot run inside a local multirun (-m): Lightning starts "
                         "the other processes by re-running the command, which would start the sweep again. Send "
                         "the sweep to SLURM with hydra/launcher=slurm, or run each configuration as its own command.")
+    if starts_processes:
+        watch_started_processes(launcher)
+
+
+# The launcher of the processes this one starts (Lightning's, in the first process of a run it launches).
+_LAUNCHER: list = []
+
+
+def watch_started_processes(launcher) -> None:
+    """The first process of a DDP run that Lightning launches (``trainer=ddp`` without SLURM or torchrun) keeps its
+    launcher, for :func:`failed_process`, and watches the processes it starts with :class:`ProcessObserver`."""
+    import lightning.fabric.strategies.launchers.subprocess_script as launching
+
+    _LAUNCHER[:] = [launcher]
+    launching._ChildProcessObserver = process_observer()
+
+
+def process_observer() -> type:
+    """:class:`ProcessObserver`, made on first use (its base is Lightning's)."""
+    global ProcessObserver
+    if ProcessObserver is None:
+        from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+
+        class Observer(_ChildProcessObserver):
+            __doc__ = PROCESS_OBSERVER_DOC
+
+            def _run(self) -> bool:
+                for proc in self._child_processes:
+                    proc.poll()
+                codes = [proc.returncode for proc in self._child_processes]
+                if all(code in ENDED_WELL for code in codes):
+                    return True  # every started process is done: nothing left to watch
+                failed = next(((rank, code) for rank, code in enumerate(codes, start=1)
+                               if code is not None and code not in ENDED_WELL), None)
+                if failed is None:
+                    return False
+                for proc in self._child_processes:
+                    if proc.poll() is None:
+                        proc.send_signal(self._termination_signal)
+                stop_with(*failed)
+                return True
+
+        ProcessObserver = Observer
+    return ProcessObserver
+
+
+PROCESS_OBSERVER_DOC = """Lightning's watch over the processes it started (the first process polls them every 5 s),
+with two changes. A process that ended with an agreed stop (SIGTERM: 143, Ctrl-C: 130; suite/sigterm.py) is not a
+failure: every process stops at the same batch, and the first one exits by itself. Lightning SIGKILLed it, and with
+it the lines and files it was still writing. Any other ending kills the others, as Lightning does, and ends this
+process with that process's exit code and a line naming it (:func:`stop_with`), not with SIGKILL's 137: a user
+error seen by one process only (a bad file in its share of the data) ends the run with exit code 2."""
+ProcessObserver = None
+ENDED_WELL = (0, 130, 143)  # success, and the agreed stops (suite/train.py's SIGINT_EXIT, SIGTERM_EXIT)
+
+
+def failed_process(wait_s: float = 10.0) -> tuple[int, int] | None:
+    """In the first process of a run Lightning launched: (rank, exit code) of a started process that ended badly,
+    waiting up to ``wait_s`` for one to end; None when they all run on or ended well. A collective that fails in
+    this process ("Connection closed by peer") is most often another process's failure, whose message is its own."""
+    import time
+
+    if not _LAUNCHER:
+        return None
+    procs = list(getattr(_LAUNCHER[0], "procs", []))
+    deadline = time.monotonic() + wait_s
+    while procs:
+        codes = [proc.poll() for proc in procs]
+        failed = next(((rank, code) for rank, code in enumerate(codes, start=1)
+                       if code is not None and code not in ENDED_WELL), None)
+        if failed is not None or all(code is not None for code in codes) or time.monotonic() > deadline:
+            return failed
+        time.sleep(0.1)
+    return None
+
+
+def stop_with(rank: int, code: int, at_once: bool = True) -> None:
+    """End this process (the first of the run) because process ``rank`` ended with ``code``: one line, its code.
+    ``at_once`` (from the observer's thread): ``os._exit``, as Lightning's SIGKILL ended it; else ``SystemExit``
+    once the started processes still running are killed."""
+    import signal
+    import sys
+
+    code = 128 - code if code < 0 else code  # killed by signal n: as a shell reports it
+    print(f"error: process {rank} of the run (rank {rank}) ended with exit code {code}: its message is above. The "
+          f"other processes were stopped with it. Exit code {code}.", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    if at_once:
+        os._exit(code)
+    for proc in getattr(_LAUNCHER[0], "procs", []) if _LAUNCHER else []:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+    raise SystemExit(code)
 
 
 def check_scale_rule(rule) -> None:

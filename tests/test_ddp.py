@@ -314,3 +314,32 @@ def test_repeated_augmentation_is_not_split_again_under_ddp(env, tmp_path):
         timm = RepeatAugSampler(list(range(600)), num_replicas=2, rank=rank, num_repeats=3)
         timm.set_epoch(5)
         assert served == list(timm), rank
+
+
+FAIL_AT = r"""
+import lightning as L
+from attention.errors import UserError
+
+class FailAt(L.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 2 and trainer.global_rank == 1:
+            raise UserError("shard-1.h5 is not a ModelNet40 file (bad input that one process alone reads)")
+"""
+
+
+def test_a_user_error_in_another_process_ends_the_run_with_its_code(env, tmp_path):
+    """A user error that only the second process meets after the start (a bad file in its share of the data): the
+    first process's next collective failed ("Connection closed by peer") and it ended with that traceback and exit
+    code 1 (with NCCL it would wait until Lightning's observer SIGKILLed it: 137). Now the run ends with the
+    failing process's message, one line naming it, and its exit code 2."""
+    (tmp_path / "fail_at.py").write_text(FAIL_AT)
+    env = {**env, "PYTHONPATH": os.pathsep.join([str(tmp_path), *filter(None, [env.get("PYTHONPATH")])])}
+    args = [*CASES["modelnet"], "trainer.max_epochs=3", *DDP, "logger=none", f"hydra.run.dir={tmp_path / 'run'}",
+            "+callbacks.fail._target_=fail_at.FailAt"]
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=env["HOME"], env=env, text=True,
+                          stdin=subprocess.DEVNULL, capture_output=True, timeout=300, start_new_session=True)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output[-3000:]
+    assert "error: shard-1.h5 is not a ModelNet40 file" in output
+    assert "error: process 1 of the run (rank 1) ended with exit code 2" in output
+    assert "Traceback" not in output and "Connection closed" not in output, output[-3000:]
