@@ -55,54 +55,45 @@ def check_launch(trainer) -> None:
 
 # The launcher of the processes this one starts (Lightning's, in the first process of a run it launches).
 _LAUNCHER: list = []
+ENDED_WELL = (0, 130, 143)  # success, and the agreed stops: suite.train's SIGINT_EXIT, SIGTERM_EXIT
 
 
 def watch_started_processes(launcher) -> None:
     """The first process of a DDP run that Lightning launches (``trainer=ddp`` without SLURM or torchrun) keeps its
-    launcher, for :func:`failed_process`, and watches the processes it starts with :class:`ProcessObserver`."""
+    launcher, for :func:`failed_process`, and watches the processes it starts with Lightning's observer changed
+    in two ways (below)."""
     import lightning.fabric.strategies.launchers.subprocess_script as launching
 
+    class ProcessObserver(launching._ChildProcessObserver):
+        """Lightning's watch over the processes it started (the first process polls them every 5 s), with two
+        changes. A process that ended with an agreed stop (SIGTERM: 143, Ctrl-C: 130; suite/sigterm.py) is not a
+        failure: every process stops at the same batch, and the first one exits by itself. Lightning SIGKILLed it,
+        and with it the lines and files it was still writing. Any other ending kills the others, as Lightning's
+        does, and ends this process with that process's exit code and a line naming it (:func:`stop_with`), not
+        with SIGKILL's 137: a user error seen by one process only ends the run with exit code 2."""
+
+        def _run(self) -> bool:
+            codes = [proc.poll() for proc in self._child_processes]
+            if all(code in ENDED_WELL for code in codes):
+                return True  # every started process is done: nothing left to watch
+            failed = first_failure(codes)
+            if failed is None:
+                return False
+            for proc in self._child_processes:
+                if proc.poll() is None:
+                    proc.send_signal(self._termination_signal)
+            stop_with(*failed)
+            return True
+
     _LAUNCHER[:] = [launcher]
-    launching._ChildProcessObserver = process_observer()
+    launching._ChildProcessObserver = ProcessObserver
 
 
-def process_observer() -> type:
-    """:class:`ProcessObserver`, made on first use (its base is Lightning's)."""
-    global ProcessObserver
-    if ProcessObserver is None:
-        from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
-
-        class Observer(_ChildProcessObserver):
-            __doc__ = PROCESS_OBSERVER_DOC
-
-            def _run(self) -> bool:
-                for proc in self._child_processes:
-                    proc.poll()
-                codes = [proc.returncode for proc in self._child_processes]
-                if all(code in ENDED_WELL for code in codes):
-                    return True  # every started process is done: nothing left to watch
-                failed = next(((rank, code) for rank, code in enumerate(codes, start=1)
-                               if code is not None and code not in ENDED_WELL), None)
-                if failed is None:
-                    return False
-                for proc in self._child_processes:
-                    if proc.poll() is None:
-                        proc.send_signal(self._termination_signal)
-                stop_with(*failed)
-                return True
-
-        ProcessObserver = Observer
-    return ProcessObserver
-
-
-PROCESS_OBSERVER_DOC = """Lightning's watch over the processes it started (the first process polls them every 5 s),
-with two changes. A process that ended with an agreed stop (SIGTERM: 143, Ctrl-C: 130; suite/sigterm.py) is not a
-failure: every process stops at the same batch, and the first one exits by itself. Lightning SIGKILLed it, and with
-it the lines and files it was still writing. Any other ending kills the others, as Lightning does, and ends this
-process with that process's exit code and a line naming it (:func:`stop_with`), not with SIGKILL's 137: a user
-error seen by one process only (a bad file in its share of the data) ends the run with exit code 2."""
-ProcessObserver = None
-ENDED_WELL = (0, 130, 143)  # success, and the agreed stops (suite/train.py's SIGINT_EXIT, SIGTERM_EXIT)
+def first_failure(codes: list) -> tuple[int, int] | None:
+    """(rank, exit code) of the first started process (ranks from 1) that ended neither well nor by an agreed
+    stop; None while none has."""
+    return next(((rank, code) for rank, code in enumerate(codes, start=1)
+                 if code is not None and code not in ENDED_WELL), None)
 
 
 def failed_process(wait_s: float = 10.0) -> tuple[int, int] | None:
@@ -117,8 +108,7 @@ def failed_process(wait_s: float = 10.0) -> tuple[int, int] | None:
     deadline = time.monotonic() + wait_s
     while procs:
         codes = [proc.poll() for proc in procs]
-        failed = next(((rank, code) for rank, code in enumerate(codes, start=1)
-                       if code is not None and code not in ENDED_WELL), None)
+        failed = first_failure(codes)
         if failed is not None or all(code is not None for code in codes) or time.monotonic() > deadline:
             return failed
         time.sleep(0.1)

@@ -125,6 +125,7 @@ class ImageClassification(Task):
         else:
             self.train_criterion = torch.nn.CrossEntropyLoss()
         self.ema = self._build_ema(dict(EMA_DEFAULTS, **dict(ema or {})))
+        self._per_update = False  # the schedule set after every update (configure_optimizers)
         self._ema_step = 0  # the optimiser step the EMA last saw
         self.train_loss = TrainLoss()  # updated on the device: no host sync in the step
         # Evaluation losses as torchmetrics means weighted by batch size: exact across ranks that evaluate
@@ -249,7 +250,7 @@ class ImageClassification(Task):
         """timm schedulers take the epoch to set the rate for: at the end of epoch e, that is e + 1; stepped per
         update (:func:`per_update_schedule`), the fractional epoch of the updates done."""
         if hasattr(scheduler, "step_update") and hasattr(scheduler, "t_in_epochs"):  # a timm scheduler
-            if getattr(self, "_per_update", False):
+            if self._per_update:
                 scheduler.step(epoch=self.trainer.global_step / self.updates_per_epoch())
             else:
                 scheduler.step(epoch=self.current_epoch + 1)
