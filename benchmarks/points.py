@@ -1,7 +1,7 @@
 """Forward + backward of ``focal`` and ``dilated`` on one point set, one thread: time and peak memory.
 
-``python -m benchmarks.points [variant ...]`` runs each (variant, N) in a fresh process (so that ru_maxrss is
-that size's own peak) and prints a markdown table and the exponent of time against N; benchmarks/points.md
+``python -m benchmarks.points [variant ...]`` runs each (variant, N) in a fresh process (so that the peak RSS is
+that size's own) and prints a markdown table and the exponent of time against N; benchmarks/points.md
 holds its output. Mixers are built as ``make bench`` builds them (``benchmarks.cost.build_mixer``: options of
 configs/attn/<name>.yaml), on x (1, N, 64) and points uniform in the unit cube. ``--repeat R`` runs each
 size R times (fresh processes) and reports the medians; ``--one VARIANT N`` measures one size in this
@@ -12,7 +12,6 @@ process; ``--searches N`` times the neighbour searches inside focal's step (its 
 from __future__ import annotations
 
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,7 @@ def one(name: str, n: int) -> dict:
     from attention import Points
     from benchmarks.cost import build_mixer
     from benchmarks.measure import fit_exponent  # noqa: F401  (imported here to load everything before the clock)
+    from suite.run_record import peak_rss
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -41,17 +41,17 @@ def one(name: str, n: int) -> dict:
     x = torch.randn(1, n, CHANNELS, requires_grad=True)
     xyz = torch.rand(1, n, 3)
     grad = torch.randn(1, n, CHANNELS)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    before = peak_rss()  # VmHWM: ru_maxrss would start at the launching process's peak
     times, cpu = [], []
     for _ in range(3 if n < 65536 else 2):
         start, start_cpu = time.perf_counter(), time.process_time()
         mixer(x, Points(xyz)).backward(grad)  # a fresh layout: one layer's step includes its searches (Points.memo)
         times.append(time.perf_counter() - start)
         cpu.append(time.process_time() - start_cpu)
-    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    grown = peak_rss() - before
     timed = slice(1, None) if len(times) > 2 else slice(-1, None)
     return {"variant": name, "n": n, "seconds": statistics.median(times[timed]),
-            "cpu_seconds": statistics.median(cpu[timed]), "rss_growth_mib": grown / 1024}
+            "cpu_seconds": statistics.median(cpu[timed]), "rss_growth_mib": grown / 2**20}
 
 
 def searches(n: int) -> dict:

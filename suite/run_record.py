@@ -5,7 +5,7 @@
 - ``wall_time_s``: seconds from the start of the run (``suite/train.py``) to the end of testing (data set-up included);
   a resumed run adds the time of its earlier parts (``suite.resume.FitRecord``);
 - ``peak_memory_bytes`` with ``peak_memory_source``: CUDA's ``torch.cuda.max_memory_allocated`` when the run
-  used a GPU, else the process's peak resident set size (``getrusage``), both reset when the run starts
+  used a GPU, else the process's peak resident set size (:func:`peak_rss`), both reset when the run starts
   (:func:`reset_peak_memory`), so that each job of a local multirun, where the jobs share one process, has its own;
 - ``params`` and ``flops``: trainable parameters and forward FLOPs for one sample, counted as ``mode=summary``
   counts them (``suite/summary.py``), after testing;
@@ -30,6 +30,7 @@ import logging
 import random
 import resource
 import subprocess
+import sys
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -177,8 +178,8 @@ def tested_part(trainer: dict, key: str = "limit_test_batches") -> str | None:
 
 def reset_peak_memory() -> None:
     """Start a run's peak memory from what the process holds now: CUDA's peak statistics, and on Linux the peak
-    resident set size (``5`` into ``/proc/self/clear_refs`` resets the high-water mark that ``getrusage`` reads),
-    so that the jobs of a local ``-m`` multirun, which share one process, each record their own peak."""
+    resident set size (``5`` into ``/proc/self/clear_refs`` resets the high-water mark that :func:`peak_rss`
+    reads), so that the jobs of a local ``-m`` multirun, which share one process, each record their own peak."""
     import torch
 
     if torch.cuda.is_available():
@@ -188,6 +189,25 @@ def reset_peak_memory() -> None:
             f.write("5")
     except OSError:  # not Linux, or not allowed: the peak then counts from the process's start
         pass
+
+
+def peak_rss() -> int:
+    """This process's peak resident set size in bytes: ``VmHWM`` of ``/proc/self/status`` on Linux, the high-water
+    mark of the process's own memory, which :func:`reset_peak_memory` resets.
+
+    Not ``getrusage``'s ``ru_maxrss``: the kernel folds into it, at ``exec``, the high-water mark of the process
+    that started this one (``exec_mmap``), and no reset clears that. A run that Lightning starts as a second DDP
+    process, or that a test or a launcher starts from a process holding 4 GiB, recorded at least those 4 GiB.
+    ``getrusage`` is the fallback where there is no ``/proc`` (macOS, where it counts bytes, not KiB)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # "VmHWM:   123456 kB"
+    except OSError:
+        pass
+    maxrss = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    return maxrss if sys.platform == "darwin" else maxrss * 1024
 
 
 CHECKOUT = Path(__file__).resolve().parents[1]
@@ -234,7 +254,7 @@ def peak_memory(device_type: str) -> tuple[int, str]:
 
     if device_type == "cuda" and torch.cuda.is_available():
         return int(torch.cuda.max_memory_allocated()), "cuda_max_memory_allocated"
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "cpu_peak_rss"  # Linux: KiB
+    return peak_rss(), "cpu_peak_rss"
 
 
 def count_cost(module) -> dict:

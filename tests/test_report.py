@@ -154,6 +154,18 @@ def test_peak_memory_is_counted_from_the_runs_start():
     assert peak_memory("cpu")[0] < high - 200 * 2**20
 
 
+def test_peak_memory_is_the_runs_own_not_its_launchers():
+    """A process started by one that holds 1 GiB (a second DDP process, a launcher's job, a test's run) records its
+    own peak: getrusage's ru_maxrss starts at the launcher's peak (the kernel folds it in at exec), and recorded
+    at least the launcher's 1 GiB for a run that never held it."""
+    block = bytearray(b"\x01") * (1024 * 2**20)  # written, so resident in this, the launching process
+    code = "from suite.run_record import peak_memory; print(peak_memory('cpu')[0])"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    del block
+    own = int(out.stdout)
+    assert 10 * 2**20 < own < 1024 * 2**20  # the child imports torch (a few hundred MiB), never 1 GiB
+
+
 def test_throughput_meter_logs_its_window_and_keeps_the_whole_run_rate(monkeypatch):
     """One meter for both readers: the logged rate over the last `window` counted batches, and the whole run's
     rate for metrics.json; the epoch's first batch (warm-up) is not counted, the loading time before a batch is."""
