@@ -36,12 +36,24 @@ _RECORDS: dict[str, Path] = {}  # run directory -> this process's record directo
 
 
 def register_resolvers() -> None:
-    """The resolvers configs/config.yaml names, registered before Hydra composes it (run.py does this first):
-    ``${run_stamp:}`` (the run directory's last part) and ``${hydra_subdir:...}`` (where Hydra writes .hydra/)."""
+    """The resolvers the configs name, registered before Hydra composes them (run.py does this first):
+    ``${run_stamp:}`` (the run directory's last part), ``${hydra_subdir:...}`` (where Hydra writes .hydra/) and
+    ``${batches:STEPS,ACCUMULATE}`` (optimizer steps as the training batches Lightning counts them)."""
     from omegaconf import OmegaConf
 
     OmegaConf.register_new_resolver("run_stamp", run_stamp, replace=True)
     OmegaConf.register_new_resolver("hydra_subdir", hydra_subdir, replace=True)
+    OmegaConf.register_new_resolver("batches", batches, replace=True)
+
+
+def batches(steps, accumulate):
+    """``${batches:${eval.every_n_steps},${oc.select:trainer.accumulate_grad_batches,1}}``: the training batches
+    of ``steps`` optimizer steps, for ``trainer.val_check_interval``, which Lightning counts in batches. Under
+    ``trainer.accumulate_grad_batches=2`` a validation "every 2000 iterations" (mmseg's, the poly schedule's)
+    came every 1000. Anything but two whole numbers (a float fraction of an epoch, null) passes through as
+    ``steps``, for the trainer's own checks to judge."""
+    whole = all(isinstance(x, int) and not isinstance(x, bool) for x in (steps, accumulate))
+    return steps * accumulate if whole and accumulate > 0 else steps
 
 
 def run_stamp() -> str:

@@ -67,8 +67,7 @@ def check_accumulation(trainer: DictConfig) -> None:
                         f"{accumulate}: Lightning counts training batches, so validations and the checkpoints written "
                         "with them would fall inside an accumulation window, whose gradients no checkpoint holds (a "
                         "run resumed there would not be the run that never stopped). Give a multiple, e.g. "
-                        f"trainer.val_check_interval={every - every % accumulate or accumulate} (task=segmentation "
-                        "sets it from eval.every_n_steps).")
+                        f"trainer.val_check_interval={every - every % accumulate or accumulate}.")
 
 
 def check_seed(seed) -> None:

@@ -12,6 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+from suite.run_dirs import register_resolvers  # noqa: E402
+
+register_resolvers()  # as run.py does first: the tests that compose configs resolve ${batches:...} and the others
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # `make test` runs two xdist workers on the 2-core CI machine: one intra-op thread each, so that two
     # multi-threaded workers do not spin-wait on each other's cores.

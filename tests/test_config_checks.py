@@ -275,9 +275,19 @@ def test_checkpoint_files_are_told_from_other_files(tmp_path):
 def test_validations_inside_an_accumulation_window_are_refused():
     """Lightning counts trainer.val_check_interval in training batches: 250 with windows of 3 validates, and writes
     last.ckpt, inside a window, whose gradients no checkpoint holds."""
-    message = refused(["experiment=seg_demo", "++trainer.accumulate_grad_batches=3"])
+    message = refused(["experiment=seg_demo", "++trainer.accumulate_grad_batches=3", "trainer.val_check_interval=250"])
     assert "trainer.val_check_interval=250" in message and "accumulate_grad_batches=3" in message
-    assert "val_check_interval=249" in message and "eval.every_n_steps" in message
-    for fine in (["experiment=seg_demo", "++trainer.accumulate_grad_batches=2"],  # 250 = 125 windows
+    assert "val_check_interval=249" in message
+    for fine in (["experiment=seg_demo", "++trainer.accumulate_grad_batches=3"],  # eval.every_n_steps: 750 batches
                  ["task=modelnet", "++trainer.accumulate_grad_batches=3"]):  # once an epoch (its last batch steps)
         validate_config(compose_run(fine), fine)
+
+
+@pytest.mark.parametrize("accumulate", [None, 1, 3])
+def test_eval_every_n_steps_counts_optimizer_steps(accumulate):
+    """eval.every_n_steps=250 validates every 250 optimizer steps: trainer.val_check_interval (which Lightning counts
+    in training batches) is 250 x trainer.accumulate_grad_batches; it was 250 batches, every 83 steps under 3."""
+    args = ["experiment=seg_demo", *([f"++trainer.accumulate_grad_batches={accumulate}"] if accumulate else [])]
+    cfg = compose_run(args)
+    assert cfg.eval.every_n_steps == 250 and cfg.trainer.val_check_interval == 250 * (accumulate or 1)
+    assert compose_run([*args, "trainer.val_check_interval=0.5"]).trainer.val_check_interval == 0.5  # as given
