@@ -3,7 +3,8 @@
 - Every checkpoint stores the task name and attention config it was trained with (``checkpoint["suite"]``,
   :class:`RunIdentity`); :func:`check_checkpoint` refuses to resume or test one from another task or variant,
   naming what it was trained with.
-- ``checkpoints/best-epoch<e>-step<s>.ckpt``: the best so far by ``monitor`` (Lightning's ModelCheckpoint).
+- ``checkpoints/best-epoch<e>-step<s>.ckpt``: the best so far by ``monitor`` (Lightning's ModelCheckpoint, which
+  here follows a run folder that was moved or copied: :class:`RunCheckpoint`).
 - ``checkpoints/last.ckpt`` (:class:`LastCheckpoint`): rewritten after every validation, improved or not, and at
   the end of fit however it ends: normally, at ``max_steps`` or ``max_time``, or interrupted (Ctrl-C, SIGTERM),
   so a run that never validates still leaves its weights. The run logs where it is.
@@ -34,12 +35,45 @@ INTERRUPTS = (KeyboardInterrupt, SIGTERMException)
 def checkpoint_callbacks(out_dir: Path, monitor: dict, identity: dict) -> tuple[ModelCheckpoint, LastCheckpoint,
                                                                                    RunIdentity]:
     """The best checkpoint by ``monitor`` (``{"metric", "mode"}``), ``last.ckpt`` and the identity they carry."""
-    best = ModelCheckpoint(dirpath=out_dir / "checkpoints", filename="best-epoch{epoch:03d}-step{step:06d}",
-                           monitor=monitor["metric"], mode=monitor["mode"], auto_insert_metric_name=False)
+    best = RunCheckpoint(dirpath=out_dir / "checkpoints", filename="best-epoch{epoch:03d}-step{step:06d}",
+                         monitor=monitor["metric"], mode=monitor["mode"], auto_insert_metric_name=False)
     return best, LastCheckpoint(out_dir / "checkpoints"), RunIdentity(identity)
 
 
-class LastCheckpoint(ModelCheckpoint):
+class RunCheckpoint(ModelCheckpoint):
+    """Lightning's ModelCheckpoint, which follows its run folder when the folder moves.
+
+    Lightning keeps the absolute path of the checkpoint folder in every checkpoint. A run resumed from another path
+    to that folder keeps only ``best_model_path``, still the old path, and drops the best score and the best
+    checkpoints. This happens when the folder was copied or moved (scratch to project storage, another cluster), or
+    when another node mounts the file system elsewhere. The first validation after the resume was then "best"
+    whatever its score, and the run tested it instead of the better checkpoint from before the move. Here the paths
+    that named files of the old folder name the same files in this one, and everything is restored."""
+
+    _said_moved = False
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        old, best = state_dict.get("dirpath"), state_dict.get("best_model_path")
+        # the folder moved when its best checkpoint is here (or it had none yet); a run started elsewhere from this
+        # checkpoint (ckpt_path= into a new folder) keeps Lightning's behaviour: a new folder, a new best
+        here = not best or (Path(self.dirpath or "") / Path(best).name).is_file()
+        if old and self.dirpath and old != self.dirpath and here:
+            def moved(path):
+                if isinstance(path, str) and path and Path(path).parent == Path(old):
+                    return str(Path(self.dirpath) / Path(path).name)
+                return path
+
+            paths = ("best_model_path", "kth_best_model_path", "last_model_path")
+            state_dict = {**state_dict, "dirpath": self.dirpath,
+                          "best_k_models": {moved(k): v for k, v in (state_dict.get("best_k_models") or {}).items()},
+                          **{key: moved(state_dict[key]) for key in paths if key in state_dict}}
+            if self.monitor and not self._said_moved:  # once, for the best checkpoint (not for last.ckpt's too)
+                log.info("checkpoint folder moved from %s to %s: its best checkpoints are read here", old, self.dirpath)
+                self._said_moved = True
+        super().load_state_dict(state_dict)
+
+
+class LastCheckpoint(RunCheckpoint):
     """``last.ckpt`` after every validation and at the end of fit (module docstring).
 
     Lightning's ``save_last=True`` rewrites it only when a best checkpoint is saved, so a pre-empted run would lose

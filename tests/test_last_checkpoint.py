@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 
@@ -110,3 +111,65 @@ def test_run_ended_by_max_time_leaves_its_weights(env, tmp_path):
     (step,) = {int(s) for s in re.findall(rf"last checkpoint: {re.escape(str(last))} \(step (\d+)\)", out)}
     assert 1 <= step < 1000 * 10 and saved_step(last) == step
     assert not list(last.parent.glob(".last.ckpt.tmp-*"))
+
+
+class ScoredByEpoch(L.LightningModule):
+    """A network whose validation score is set per epoch: 0.9, 0.5, then 0.7 (after a resume, below the best)."""
+
+    SCORES = (0.9, 0.5, 0.7)
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def training_step(self, batch, batch_idx):
+        return (self.w - batch[0]).pow(2).mean()
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/oa", self.SCORES[self.current_epoch])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(4, 1)), batch_size=2)
+
+    val_dataloader = train_dataloader
+
+
+def fit_scored(folder: Path, epochs: int, ckpt_path: Path | None = None):
+    """ScoredByEpoch fitted with the run's checkpoint callbacks in ``folder``; the best checkpoint's callback."""
+    from suite.checkpoints import checkpoint_callbacks
+
+    best, last, identity = checkpoint_callbacks(folder, {"metric": "val/oa", "mode": "max"}, {"task": "t", "attn": {}})
+    L.Trainer(max_epochs=epochs, callbacks=[best, last, identity], logger=False, enable_progress_bar=False,
+              enable_model_summary=False, num_sanity_val_steps=0).fit(ScoredByEpoch(), ckpt_path=ckpt_path)
+    return best
+
+
+@pytest.mark.parametrize("how", ["copied", "moved"])
+def test_a_run_resumed_in_a_moved_folder_keeps_its_best_checkpoint(tmp_path, how):
+    """A run folder copied or moved elsewhere (or seen through another mount point) and resumed there: the best of
+    the epochs before the move stays the best (0.9, not the 0.7 of the epoch after), found in the new folder.
+    Lightning keeps the old absolute folder and drops the best score, so the first validation after the resume was
+    best whatever its score, and the run tested it."""
+    import shutil
+
+    first = fit_scored(tmp_path / "a", 2)
+    assert first.best_model_score == pytest.approx(0.9)
+    (shutil.copytree if how == "copied" else shutil.move)(tmp_path / "a", tmp_path / "b")
+    best = fit_scored(tmp_path / "b", 3, ckpt_path=tmp_path / "b" / "checkpoints" / "last.ckpt")
+    assert best.best_model_score == pytest.approx(0.9)
+    assert Path(best.best_model_path) == tmp_path / "b" / "checkpoints" / Path(first.best_model_path).name
+    assert Path(best.best_model_path).is_file() and "epoch000" in Path(best.best_model_path).name
+    assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir()) == [
+        Path(first.best_model_path).name, "last.ckpt"]  # no second "best" beside the first
+
+
+def test_a_run_started_from_another_folders_checkpoint_starts_its_own_best(tmp_path):
+    """ckpt_path= of another run's checkpoint into a new folder (not a move: its best is not there) keeps
+    Lightning's behaviour: the new folder's best is chosen among its own validations."""
+    fit_scored(tmp_path / "a", 2)
+    best = fit_scored(tmp_path / "b", 3, ckpt_path=tmp_path / "a" / "checkpoints" / "last.ckpt")
+    assert best.best_model_score == pytest.approx(0.7)
+    assert Path(best.best_model_path).parent == tmp_path / "b" / "checkpoints"
