@@ -1,6 +1,5 @@
 """The generated Parts data set and data module."""
 
-import time
 
 import lightning as L
 import numpy as np
@@ -148,11 +147,11 @@ def test_val_per_category_zero_validates_on_test():
     assert dm.val_set is dm.test_set
 
 
-def test_default_generation_is_fast():
-    start = time.perf_counter()
+def test_default_generation_sizes():
+    """The default splits (generation time is `make bench`'s business, never a timed unit test's: the CI machine's
+    speed varies)."""
     dm = Parts()
     dm.setup()
-    assert time.perf_counter() - start < 5.0
     assert (len(dm.train_set), len(dm.val_set), len(dm.test_set)) == (400, 40, 80)
 
 

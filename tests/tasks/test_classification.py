@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 
 import lightning as L
@@ -227,15 +226,13 @@ def test_a_plateau_schedule_per_update_is_refused_before_data():
 
 
 def test_learns_tiny_digits_quickly(digits):
-    """480 steps of a small ViT (about 20 s) beat chance (10 %) by far (0.66 when written); no mixup in so
+    """480 steps of a small ViT (about 20 s; not timed here: the CI machine's speed varies) beat chance (10 %) by far (0.66 when written); no mixup in so
     short a run."""
     L.seed_everything(0, verbose=False)
     model = {"name": "vit_s", "patch_size": 8, "embed_dim": 64, "depth": 2, "heads": 2, "drop_path_rate": 0.0}
     module = task(model=model, mixup={"enabled": False}, optim=optim(lr=3e-3, warmup=0, epochs=12))
-    start = time.time()
     fit = trainer(max_epochs=12, num_sanity_val_steps=0)
     fit.fit(module, datamodule=digits)
-    assert time.time() - start < 90
     top1 = fit.callback_metrics["val/top1"].item()
     assert top1 > 0.4, top1
     assert fit.callback_metrics["val/top1_best"].item() >= top1
