@@ -288,7 +288,9 @@ def batch_norm_act(x: torch.Tensor, bn: nn.Module, act: nn.Module) -> torch.Tens
     """act(bn(x)) on rows x (R, C): the module, or inside :func:`counted_once`, for a plain ``nn.BatchNorm1d`` in
     training with a momentum and no hooks, its function, the counter's increment left to the forward's end
     (:data:`BATCH_NORM_CHANNELS_LAST`: on a (1, C, R, 1) view, the activation in place before the view back)."""
-    counters = _COUNTED.get()
+    # under torch.compile counted_once is off (inductor fuses the additions), and torch 2.11's dynamo cannot trace
+    # ContextVar.get: the call broke PCT's graph at every batch norm (30 graphs instead of 1)
+    counters = None if torch.compiler.is_compiling() else _COUNTED.get()
     if (counters is None or type(bn) is not nn.BatchNorm1d or not bn.training or not bn.track_running_stats
             or bn.momentum is None or bn.num_batches_tracked is None or bn._forward_hooks or bn._forward_pre_hooks):
         return act_(bn(x), act)
