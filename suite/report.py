@@ -707,6 +707,20 @@ def json_safe(value):
     return value
 
 
+def clear_earlier_report(out: Path) -> None:
+    """Delete the plots of the report ``out`` holds (the ones its ``report.json`` lists), before a new report is
+    written there: a report run again into its folder (``mode=report`` with the same runs, as after more runs
+    finished) left the earlier report's plots whose names the new one does not use beside it, such as the
+    curves of a task no longer reported. Its other files are rewritten whole."""
+    try:
+        earlier = json.loads((out / "report.json").read_text()).get("plots", [])
+    except (OSError, ValueError, AttributeError):  # no earlier report, or not one of ours
+        return
+    for name in earlier:
+        if isinstance(name, str) and name.endswith(".png") and Path(name).name == name:  # a file of the folder only
+            (out / name).unlink(missing_ok=True)
+
+
 def plot_blocks(rows: list[dict], groups: list[Group], out: Path) -> dict:
     """Per task and data set: the metric against FLOPs and against throughput (mean with its confidence interval,
     Pareto front dashed), and learning curves (the monitored validation metric, mean +/- std over the seeds)."""
@@ -901,6 +915,7 @@ def report(cfg, api=None) -> dict:
 
         out = Path(HydraConfig.get().runtime.output_dir) / "report"
     out.mkdir(parents=True, exist_ok=True)
+    clear_earlier_report(out)
     plots = plot_blocks(rows, groups, out) if rc.get("plots", True) else {}
     document = {"sources": sources, "confidence": confidence, "rows": rows,
                 "metrics": all_metrics(groups, confidence),
