@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from suite.run_dirs import register_resolvers  # noqa: E402
+from suite.run_dirs import register_resolvers
 
 register_resolvers()  # as run.py does first: the tests that compose configs resolve ${batches:...} and the others
 
