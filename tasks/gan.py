@@ -159,7 +159,15 @@ class GAN(Task):
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        """KID's subset size and PRC's neighbourhood against the sample counts the config fixes."""
+        """No gradient accumulation (the GAN steps its optimizers itself); KID's subset size and PRC's neighbourhood
+        against the sample counts the config fixes."""
+        accumulate = (cfg.get("trainer") or {}).get("accumulate_grad_batches") or 1
+        if isinstance(accumulate, int) and accumulate > 1:
+            raise UserError(
+                f"trainer.accumulate_grad_batches={accumulate}: task=gan steps its optimizers itself (task.d_steps "
+                f"discriminator updates, each on a batch of its own, then one generator update, as StudioGAN), so "
+                f"Lightning's gradient accumulation does not apply. Leave it out; for a larger batch raise "
+                f"data.batch_size (per process) or train on more processes (trainer.devices).")
         metrics, evaluation = cfg.get("metrics") or {}, cfg.get("eval") or {}
         counts = {f"metrics.{k}": metrics.get(k) for k in ("num_samples", "reference_samples")}
         counts["eval.num_samples"] = evaluation.get("num_samples")
