@@ -284,12 +284,13 @@ def test_validations_inside_an_accumulation_window_are_refused():
 
 
 def test_gradient_accumulation_is_refused_for_the_gan():
-    """The GAN steps its own optimizers: Lightning refused accumulation only at fit, after the data and Inception
-    statistics, with a hint to try another value."""
+    """The GAN steps its own optimizers: Lightning refused accumulation only when the trainer was built, after the
+    data set-up, with a generic hint to try another value."""
     message = refused(["task=gan", "++trainer.accumulate_grad_batches=2"])
     assert "trainer.accumulate_grad_batches=2" in message and "task.d_steps" in message
     assert "data.batch_size" in message
     validate_config(compose_run(["task=gan", "++trainer.accumulate_grad_batches=1"]), [])
+
 
 @pytest.mark.parametrize("accumulate", [None, 1, 3])
 def test_eval_every_n_steps_counts_optimizer_steps(accumulate):

@@ -285,7 +285,6 @@ def test_report_lists_runs_left_out_and_writes_plots(sweep):
     assert (folder / "metrics.csv").is_file()
 
 
-
 def test_a_report_run_again_into_its_folder_replaces_the_earlier_one_whole(sweep, tmp_path):
     """The earlier report's plots go (its report.json lists them) when a report is written into its folder again;
     before, a report without them (here plots=false, or one whose tasks changed) left them beside its report.md.
@@ -298,6 +297,7 @@ def test_a_report_run_again_into_its_folder_replaces_the_earlier_one_whole(sweep
     second = rep.report(cfg(runs=runs, out=str(tmp_path), plots=False))
     assert second["plots"] == [] and not any((tmp_path / name).exists() for name in first["plots"])
     assert (tmp_path / "notes.png").is_file() and (tmp_path / "report.md").is_file()
+
 
 def test_a_run_still_running_is_told_from_a_crashed_one(tmp_path):
     """A folder without metrics.json: its run still running (its process holds the run folder's lock, as

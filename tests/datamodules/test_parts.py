@@ -1,6 +1,5 @@
 """The generated Parts data set and data module."""
 
-
 import lightning as L
 import numpy as np
 import pytest

@@ -226,8 +226,8 @@ def test_a_plateau_schedule_per_update_is_refused_before_data():
 
 
 def test_learns_tiny_digits_quickly(digits):
-    """480 steps of a small ViT (about 20 s; not timed here: the CI machine's speed varies) beat chance (10 %) by far (0.66 when written); no mixup in so
-    short a run."""
+    """480 steps of a small ViT (about 20 s; not timed here: the CI machine's speed varies) beat chance (10 %) by far
+    (0.66 when written); no mixup in so short a run."""
     L.seed_everything(0, verbose=False)
     model = {"name": "vit_s", "patch_size": 8, "embed_dim": 64, "depth": 2, "heads": 2, "drop_path_rate": 0.0}
     module = task(model=model, mixup={"enabled": False}, optim=optim(lr=3e-3, warmup=0, epochs=12))
