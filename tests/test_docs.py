@@ -1,4 +1,5 @@
-"""The README and the pages under docs/: every relative link leads somewhere, every page is one hop away.
+"""The README and the pages under docs/: every relative link leads somewhere, every page is one hop away, every
+``python run.py`` command they show gets through run.py's start-up checks.
 
 The README is kept short and the manual lives in docs/, so a page renamed, a heading reworded or a file moved
 by a refactor silently breaks the path a newcomer follows. These tests read the Markdown as text (no
@@ -107,3 +108,113 @@ def test_parameter_counts_in_running_md_are_what_mode_summary_counts(tmp_path):
     for (g, d), attn in zip([gan.groups()[:2], gan.groups()[2:]], ["self", "external"]):
         counts = summary_params(["task=gan", f"attn={attn}"], tmp_path)
         assert (counts["G"], counts["D"]) == (number(g), number(d)), attn
+
+
+# --- the commands the docs show ---------------------------------------------------------------------------------------
+COMMAND = re.compile(r"python run\.py((?:[ \t]+[^\s`#][^\s`]*)*)")  # the arguments, up to a comment or the code's end
+# What the commands leave for the reader to fill in, each given a value that exists here.
+PLACEHOLDERS = {"<T>": "modelnet", "<X>": "external", "<S>": "0", "<name>": "focal_t", "<date>/<time>": "2026-01-01/00",
+                "<entity>/attention-suite/<sweep id>": "me/attention-suite/abc123",
+                "<ckpt>": "outputs/modelnet/offset/2026-01-01_00-00-00/checkpoints/last.ckpt"}
+
+
+def documented_commands() -> list[tuple[str, list[str]]]:
+    """(where, arguments) of every ``python run.py ...`` in the README and docs/, a command continued over lines
+    with ``\\`` read whole; ``...`` (the rest of a command shown before) and Hydra's flags (``-m``, ``--cfg job``:
+    how to run, not what) dropped."""
+    found = []
+    for page in PAGES:
+        for n, match in enumerate(COMMAND.finditer(re.sub(r"\\\n\s*", " ", page.read_text())), 1):
+            args = match.group(1)
+            for placeholder, value in PLACEHOLDERS.items():
+                args = args.replace(placeholder, value)
+            words = [a.strip("'") for a in args.split() if a != "..."]
+            takes_value = [i + 1 for i, a in enumerate(words) if a in ("--cfg", "-c", "--package", "-p")]
+            found.append((f"{page.relative_to(ROOT)}#{n}",
+                          [a for i, a in enumerate(words) if not a.startswith("-") and i not in takes_value]))
+    return found
+
+
+def one_run_each(args: list[str]) -> list[list[str]]:
+    """The runs a command starts, enough to check each value it sweeps: the first value of every sweep
+    (``a,b``, ``glob(...)`` over the group's configs), then each other value of each sweep with the rest at their
+    first."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import Glob
+
+    parser = OverridesParser.create()
+    choices = []
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg or arg.split("=", 1)[0].lstrip("+") == "report.runs":
+            choices.append([arg])
+            continue
+        override = parser.parse_override(arg)
+        key, value = arg.split("=", 1)[0], override.value()
+        if isinstance(value, Glob):
+            values = value.filter(sorted(p.stem for p in (ROOT / "configs" / key).glob("*.yaml")))
+        elif override.is_sweep_override():
+            values = list(override.sweep_string_iterator())
+        else:
+            values = [value]
+        choices.append([f"{key}={v}" for v in values] or [arg])
+    first = [c[0] for c in choices]
+    return [first] + [first[:i] + [v] + first[i + 1:] for i, c in enumerate(choices) for v in c[1:]]
+
+
+COMMANDS = documented_commands()
+
+
+def test_commands_are_found():
+    """The extraction itself: continued lines joined, comments and ``...`` dropped, placeholders filled in, sweeps
+    expanded; and the pages hold the commands the README starts with."""
+    assert len(COMMANDS) > 40
+    by_args = {" ".join(args) for _, args in COMMANDS}
+    assert "task=modelnet attn=external" in by_args  # README's first command
+    assert ("task=classification model=dilateformer_t data=imagenet data_dir=/datasets trainer=ddp trainer.devices=8 "
+            "trainer.accelerator=gpu trainer.precision=bf16-mixed data.batch_size=128 data.num_workers=10 logger=wandb "
+            "optim.optimizer.lr=1e-3 optim.scheduler.warmup_epochs=10 data.repeated_aug=3") in by_args  # 4 lines
+    assert "task=modelnet attn=glob(*) seed=0,1,2" in by_args  # -m and the comment after it dropped
+    assert "task=modelnet attn=external" in {" ".join(args) for where, args in COMMANDS if "running" in where}
+    assert one_run_each(["attn=self,external", "seed=0,1"]) == [
+        ["attn=self", "seed=0"], ["attn=external", "seed=0"], ["attn=self", "seed=1"]]
+    assert [r[0] for r in one_run_each(["attn=glob(*,exclude=[offset,self])"])] == [
+        "attn=dilated", "attn=external", "attn=focal", "attn=linear_elu", "attn=linear_taylor"]
+
+
+@pytest.mark.parametrize("where, args", COMMANDS, ids=[where for where, _ in COMMANDS])
+def test_documented_command_passes_the_start_up_checks(where, args, tmp_path, monkeypatch):
+    """Each command the docs show, and each run of a sweep it starts, gets through what run.py checks before it
+    reads any data (the command line, Hydra's composition, the option types and ranges, the task's own checks): an
+    option renamed or a choice removed in the code leaves no command in the docs that ends in an error. Weights
+    files and checkpoints the commands name are stood in for by a small torch file at their path, where it can be
+    written (relative paths, under a temporary working directory)."""
+    import torch
+    from hydra import compose, initialize_config_dir
+
+    from suite.cli import check_group_choices, quote_report_runs
+    from suite.compose import apply_attn_preset
+    from suite.validate import check_resolves, check_seed, validate_config
+
+    monkeypatch.chdir(tmp_path)
+    stand_in = tmp_path / "weights.pt"
+    torch.save({}, stand_in)
+    for run in one_run_each(args):
+        for i, arg in enumerate(run):
+            key, _, value = arg.partition("=")
+            if key in ("model.weights", "ckpt_path") and value.endswith((".t7", ".pth", ".ckpt")):
+                path = Path(value) if not value.startswith("/") else stand_in
+                path.parent.mkdir(parents=True, exist_ok=True)
+                torch.save({}, path) if not path.exists() else None
+                run[i] = f"{key}={path}"
+        run = quote_report_runs(run)
+        try:
+            check_group_choices(run)  # then an unknown key or a bad value fails the composition
+        except SystemExit:
+            pytest.fail(f"{where}: `python run.py {' '.join(run)}` is refused on its command line (stderr above)")
+        with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+            cfg = compose("config", overrides=run)
+        if cfg.mode in ("train", "test", "eval", "summary"):  # bench and report check their own options as they run
+            apply_attn_preset(cfg, run)
+            check_resolves(cfg)
+            check_seed(cfg.seed)
+            validate_config(cfg, run)
