@@ -1,4 +1,4 @@
-"""Part IoU against hand-computed cases."""
+"""Part IoU and the point-cloud training accuracy against hand-computed cases."""
 
 import math
 
@@ -98,3 +98,29 @@ def test_modelnet_scores_mean_class_accuracy_like_the_reference():
     task.val_macc(logits, torch.tensor([0, 0, 1, 1, 2]))
     assert task.val_macc.compute().item() == pytest.approx(5 / 6, abs=1e-7)
     assert type(task.test_macc) is type(task.val_macc)
+
+
+def test_modelnet_train_oa_is_the_accuracy_over_the_epochs_batches():
+    """``train/oa`` (updated without computing a batch value, so without a host sync in the step) is the accuracy
+    over every training batch of the epoch, as the steps' own logits say, counted by hand."""
+    import lightning as L
+
+    from task_steps import TASKS, build
+
+    datamodule, task = build(TASKS["modelnet"])
+    seen = []
+    step = task._step
+
+    def recorded(batch):
+        loss, logits = step(batch)
+        seen.append((logits.detach().argmax(1), batch["label"]))
+        return loss, logits
+
+    task._step = recorded
+    trainer = L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, accelerator="cpu", devices=1)
+    trainer.fit(task, datamodule=datamodule)
+    assert len(seen) >= 2  # more than one batch: the value is the epoch's, not the last batch's
+    right = sum(int((p == y).sum()) for p, y in seen)
+    total = sum(len(y) for _, y in seen)
+    assert float(trainer.callback_metrics["train/oa"]) == pytest.approx(right / total, abs=1e-7)

@@ -104,12 +104,13 @@ def test_accumulation_equals_single_update_and_merge_sums():
     for i in range(0, 6, 2):
         parts.update(preds[i:i + 2], target[i:i + 2])
     assert torch.equal(parts.compute(), whole.compute())
-    # the state reduces by sum across ranks: merging two halves gives the whole
+    # the state reduces by sum across ranks: two ranks' halves, stacked and reduced as torchmetrics' sync does (its
+    # gathered states, then the state's dist_reduce_fx), give the whole
     left, right = SegConfusion(5), SegConfusion(5)
     left.update(preds[:3], target[:3])
     right.update(preds[3:], target[3:])
-    left.merge_state(right)
-    assert torch.equal(left.compute(), whole.compute())
+    reduced = left._reductions["confmat"](torch.stack([left.confmat, right.confmat]))
+    assert torch.equal(reduced, whole.compute())
     whole.reset()
     assert whole.confmat.sum() == 0
 
