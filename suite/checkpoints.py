@@ -84,6 +84,12 @@ class LastCheckpoint(RunCheckpoint):
     def __init__(self, dirpath: Path):
         super().__init__(dirpath=dirpath, filename=LAST, monitor=None, save_top_k=1, enable_version_counter=False)
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from suite.validate import check_validation_batches
+
+        super().on_train_start(trainer, pl_module)
+        check_validation_batches(trainer)  # no validation, so no last.ckpt, inside an accumulation window
+
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_end(trainer, pl_module)
         self._save_final(trainer)

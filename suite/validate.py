@@ -17,6 +17,8 @@ its own checks as a ``check_config(cfg)`` classmethod of ``tasks.base.Task`` (ca
 - a trainer, optim, data or model option of the wrong type or out of range (``trainer.max_epochs=abc``,
   ``optim.optimizer.lr=-1``, ``data.num_workers=-1``, ``model.neighbours=0``), against the schemas of
   ``suite.schema``;
+- ``trainer.val_check_interval`` (batches) not a multiple of ``trainer.accumulate_grad_batches``; as a fraction of
+  the epoch, checked when training starts (:func:`check_validation_batches`);
 - ``ckpt_path`` a file that is no torch checkpoint at all (``ckpt_path=/etc/passwd``);
 - a weights file of the task's ``weights_options`` (``model.weights=PATH``) that does not exist or is no torch
   file (whether its tensors fit the network is checked when they are loaded, after the data).
@@ -67,6 +69,24 @@ def check_accumulation(trainer: DictConfig) -> None:
                         f"{accumulate}: Lightning counts training batches, so validations and the checkpoints written "
                         "with them would fall inside an accumulation window, whose gradients no checkpoint holds (a "
                         "run resumed there would not be the run that never stopped). Give a multiple, e.g. "
+                        f"trainer.val_check_interval={every - every % accumulate or accumulate}.")
+
+
+def check_validation_batches(trainer) -> None:
+    """:func:`check_accumulation` for a ``trainer.val_check_interval`` given as a fraction of the epoch (0.25:
+    four validations an epoch), once Lightning has turned it into a number of training batches (``val_check_batch``,
+    known when training starts, after the data is set up): a validation inside an accumulation window writes
+    ``last.ckpt`` there. Validations at the end of the epoch are fine (Lightning steps with the epoch's last batch)."""
+    every, accumulate = trainer.val_check_batch, trainer.accumulate_grad_batches
+    interval = trainer.val_check_interval
+    if (accumulate > 1 and isinstance(interval, float) and isinstance(every, int)
+            and every < trainer.num_training_batches and every % accumulate):
+        raise UserError(f"trainer.val_check_interval={interval} validates every {every} training batches (of "
+                        f"{trainer.num_training_batches} an epoch here), not a multiple of "
+                        f"trainer.accumulate_grad_batches={accumulate}: the validations, and the checkpoints written "
+                        "with them, would fall inside an accumulation window, whose gradients no checkpoint holds (a "
+                        "run resumed there would not be the run that never stopped). Give the number of batches "
+                        "instead, a multiple, e.g. "
                         f"trainer.val_check_interval={every - every % accumulate or accumulate}.")
 
 

@@ -18,7 +18,7 @@ from suite import schema
 from suite.checkpoint_io import check_torch_file, safe_torch_load
 from suite.errors import as_user_error
 from suite.validate import validate_config
-from test_run import env, run, user_error  # noqa: F401 - env is a fixture
+from test_run import TINY, env, run, user_error  # noqa: F401 - env is a fixture
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -281,6 +281,31 @@ def test_validations_inside_an_accumulation_window_are_refused():
     for fine in (["experiment=seg_demo", "++trainer.accumulate_grad_batches=3"],  # eval.every_n_steps: 750 batches
                  ["task=modelnet", "++trainer.accumulate_grad_batches=3"]):  # once an epoch (its last batch steps)
         validate_config(compose_run(fine), fine)
+
+
+def test_validations_a_fraction_of_an_epoch_apart_inside_a_window_are_refused(env, tmp_path):  # noqa: F811
+    """trainer.val_check_interval=0.5 is a number of batches only once the data is known: 5 of the demo's 10 batches,
+    inside a window of 2, is refused when training starts, with the run's numbers and a multiple to give (exit 2,
+    nothing trained, no checkpoint); fractions that fall on a window's end, and validations once an epoch, pass."""
+    from types import SimpleNamespace
+
+    from suite.validate import check_validation_batches
+
+    err = user_error([*TINY, "logger=none", "++trainer.val_check_interval=0.5", "++trainer.accumulate_grad_batches=2",
+                      f"hydra.run.dir={tmp_path}"], env,
+                     "trainer.val_check_interval=0.5 validates every 5 training batches (of 10 an epoch here)",
+                     "trainer.accumulate_grad_batches=2", "e.g. trainer.val_check_interval=4.")
+    assert err.count("error:") == 1 and not (tmp_path / "checkpoints").exists()
+
+    def trainer(interval, every, accumulate, batches=10):
+        return SimpleNamespace(val_check_interval=interval, val_check_batch=every, accumulate_grad_batches=accumulate,
+                               num_training_batches=batches)
+
+    for fine in (trainer(0.5, 5, 1), trainer(0.4, 4, 2), trainer(1.0, 10, 3), trainer(0.7, 7, 2, batches=7),
+                 trainer(4, 4, 2)):  # a whole number of batches: checked before the data (above)
+        check_validation_batches(fine)
+    with pytest.raises(UserError, match="validates every 3 training batches"):
+        check_validation_batches(trainer(0.3, 3, 2))
 
 
 def test_gradient_accumulation_is_refused_for_the_gan():
