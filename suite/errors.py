@@ -6,6 +6,8 @@
   own message;
 - a full disk or quota, or a read-only file system, met while writing a file (:func:`disk_error`);
 - memory run out, a GPU's or the machine's (:func:`memory_error`): a run too large for the machine as configured;
+  also a data-loading worker killed for it, by SIGKILL (the kernel's out-of-memory killer, a job's memory limit)
+  or SIGBUS (shared memory full) (:func:`worker_error`);
 - an option that Lightning or torch refused, told apart by where it was raised, not by its type alone (a
   ``ValueError`` elsewhere is a bug and keeps its traceback):
   - Lightning's ``MisconfigurationException`` raised while the ``Trainer`` is built, or anywhere when its message
@@ -52,7 +54,7 @@ def as_user_error(err: BaseException) -> UserError | None:
         if isinstance(cause, UserError):
             return cause
         mapped = trainer_option_error(cause) or optimizer_option_error(cause) or disk_error(cause) \
-            or memory_error(cause)
+            or memory_error(cause) or worker_error(cause)
         if mapped is not None:
             return mapped
     return None
@@ -108,6 +110,36 @@ def memory_error(err: BaseException) -> UserError | None:
         "so far are kept: after a change that keeps the network, the same command plus `resume=true "
         "hydra.run.dir=<its run directory>` continues from the newest."
     )
+
+
+# torch.utils.data's words when a loader worker dies of a signal (its SIGCHLD check, _error_if_any_worker_fails)
+WORKER_SIGNAL = re.compile(r"DataLoader worker \(pid (\d+)\) is killed by signal: ([^.]+)\.")
+RESUME = ("Checkpoints written so far are kept: the same command plus `resume=true hydra.run.dir=<its run directory>` "
+          "continues from the newest.")
+
+
+def worker_error(err: BaseException) -> UserError | None:
+    """A data-loading worker killed by SIGKILL, almost always for memory (the kernel's out-of-memory killer, or the
+    scheduler enforcing the job's memory limit), or by SIGBUS, which torch's workers meet when the shared memory they
+    hand batches over in (``/dev/shm``) is full: the machine's limits as the run is configured, not a bug. torch
+    says only which signal; the message says what it means and what to lower or raise. Other signals (a worker's
+    own crash) keep their traceback."""
+    match = WORKER_SIGNAL.search(str(err)) if isinstance(err, RuntimeError) else None
+    if match is None or match.group(2) not in ("Killed", "Bus error"):
+        return None
+    pid = match.group(1)
+    if match.group(2) == "Killed":
+        return UserError(
+            f"A data-loading worker (pid {pid}) was killed with SIGKILL: almost always for memory, by the kernel's "
+            "out-of-memory killer or by the scheduler enforcing the job's memory limit (`dmesg` or the job's log "
+            "says which). The run as configured needs more memory than it has: lower data.num_workers (each "
+            "worker holds its own copy of the data set's arrays and its prefetched batches), data.batch_size or "
+            f"data.eval_batch_size, or ask for more memory (SLURM: --mem). {RESUME}")
+    return UserError(
+        f"A data-loading worker (pid {pid}) was killed with SIGBUS: the shared memory the workers hand their "
+        "batches over in (/dev/shm) is full. Give it more room (in a container: `docker run --shm-size=16g` or "
+        "`--ipc=host`), or lower data.num_workers, data.batch_size or data.eval_batch_size; data.num_workers=0 "
+        f"loads in the run's own process, without shared memory. {RESUME}")
 
 
 def own_file(frame: FrameType) -> str | None:

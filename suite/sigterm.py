@@ -86,7 +86,14 @@ class AgreedSigterm(L.pytorch.callbacks.Callback):
         self._restore_sigint()  # testing after the fit: Ctrl-C is Python's again
 
     def on_exception(self, trainer, pl_module, exception) -> None:
+        from suite.errors import chain, worker_error
+
         self._restore_sigint()  # Lightning skips the teardown hooks then (a SIGTERM's stop, a failure)
+        if any(worker_error(cause) for cause in chain(exception)):
+            # A loader worker was killed (suite.errors.worker_error): torch's SIGCHLD handler raises again at each
+            # other worker's end, inside the loaders' __del__ as Lightning tears them down next, which printed a
+            # traceback ("Exception ignored in ...") beside the run's message. The run is ending on it.
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
 
     def _restore_sigint(self) -> None:
         if self._sigint_before is not None:

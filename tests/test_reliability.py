@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -62,6 +63,21 @@ def training_step(self, batch, batch_idx):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total "
                                          "capacity of 79.19 GiB of which 1.23 GiB is free.")
         torch.empty(2**45)
+    return step(self, batch, batch_idx)
+PointCloudClassification.training_step = training_step
+"""
+
+# At global step 12 every child process (the data-loading workers: data.num_workers=1, no W&B) is killed with
+# SIGKILL, or SIGBUS, from outside, as the kernel's out-of-memory killer kills a worker.
+KILL_WORKERS_AT_STEP_12 = r"""
+import glob, signal
+from tasks.modelnet import PointCloudClassification
+step = PointCloudClassification.training_step
+def training_step(self, batch, batch_idx):
+    if self.global_step == 12:
+        for children in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
+            for pid in open(children).read().split():
+                os.kill(int(pid), getattr(signal, os.environ["KILL_WITH"]))
     return step(self, batch, batch_idx)
 PointCloudClassification.training_step = training_step
 """
@@ -123,6 +139,25 @@ def test_running_out_of_memory_says_which_options_make_the_run_smaller(env, tmp_
     for option in ("data.batch_size", "data.eval_batch_size", "++trainer.accumulate_grad_batches",
                    "trainer.precision=bf16-mixed", "resume=true"):
         assert option in said, option
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+
+
+@pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGBUS"])
+def test_a_data_worker_killed_for_memory_says_what_to_lower(env, tmp_path, signal_name):
+    """A loader worker killed by the out-of-memory killer (SIGKILL) or by a full /dev/shm (SIGBUS) ended the run
+    with torch's traceback naming only the signal: one paragraph now, exit code 2, saying what the signal means and
+    which options make the run fit. The checkpoint of the first epoch is kept."""
+    proc = launch(KILL_WORKERS_AT_STEP_12, [*TWO_EPOCHS, "logger=none", "data.num_workers=1",
+                                            f"hydra.run.dir={tmp_path}"], {**env, "KILL_WITH": signal_name},
+                  check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    # torch's SIGBUS handler in the worker writes its own line first, ending in a NUL byte
+    (said,) = [line.lstrip("\x00") for line in proc.stderr.splitlines() if line.lstrip("\x00").startswith("error:")]
+    assert re.search(rf"A data-loading worker \(pid \d+\) was killed with {signal_name}: ", said), said
+    needles = ["out-of-memory killer", "--mem"] if signal_name == "SIGKILL" else ["/dev/shm", "--shm-size"]
+    for needle in [*needles, "data.num_workers", "data.batch_size", "resume=true"]:
+        assert needle in said, needle
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
 
 
