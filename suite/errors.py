@@ -86,6 +86,11 @@ def disk_error(err: BaseException) -> UserError | None:
     )
 
 
+# How a run that ran out of memory goes on, once made smaller.
+RESUME = ("Checkpoints written so far are kept: after a change that keeps the network, the same command plus "
+          "`resume=true hydra.run.dir=<its run directory>` continues from the newest.")
+
+
 def memory_error(err: BaseException) -> UserError | None:
     """Out of memory: a GPU's (``torch.OutOfMemoryError``) or the machine's (torch's CPU allocator, Python's
     ``MemoryError``). The run is too large for the machine as configured, and the message says which options make
@@ -106,16 +111,12 @@ def memory_error(err: BaseException) -> UserError | None:
         f"{device} ran out of memory{place}: {detail} The run is too large for it as configured: lower "
         "data.batch_size (evaluation uses data.eval_batch_size), or keep the effective batch with a smaller "
         "data.batch_size and ++trainer.accumulate_grad_batches=<n>; on a GPU, trainer.precision=bf16-mixed halves "
-        "activations; smaller inputs (data.npoints, data.img_size) or a smaller model also fit. Checkpoints written "
-        "so far are kept: after a change that keeps the network, the same command plus `resume=true "
-        "hydra.run.dir=<its run directory>` continues from the newest."
+        f"activations; smaller inputs (data.npoints, data.img_size) or a smaller model also fit. {RESUME}"
     )
 
 
 # torch.utils.data's words when a loader worker dies of a signal (its SIGCHLD check, _error_if_any_worker_fails)
 WORKER_SIGNAL = re.compile(r"DataLoader worker \(pid (\d+)\) is killed by signal: ([^.]+)\.")
-RESUME = ("Checkpoints written so far are kept: the same command plus `resume=true hydra.run.dir=<its run directory>` "
-          "continues from the newest.")
 
 
 def worker_error(err: BaseException) -> UserError | None:

@@ -145,7 +145,7 @@ def one_run_each(args: list[str]) -> list[list[str]]:
     parser = OverridesParser.create()
     choices = []
     for arg in args:
-        if arg.startswith("-") or "=" not in arg or arg.split("=", 1)[0].lstrip("+") == "report.runs":
+        if "=" not in arg or arg.split("=", 1)[0].lstrip("+") == "report.runs":
             choices.append([arg])
             continue
         override = parser.parse_override(arg)
@@ -193,6 +193,7 @@ def test_documented_command_passes_the_start_up_checks(where, args, tmp_path, mo
 
     from suite.cli import check_group_choices, quote_report_runs
     from suite.compose import apply_attn_preset
+    from suite.distributed import check_scale_rule
     from suite.validate import check_resolves, check_seed, validate_config
 
     monkeypatch.chdir(tmp_path)
@@ -204,7 +205,8 @@ def test_documented_command_passes_the_start_up_checks(where, args, tmp_path, mo
             if key in ("model.weights", "ckpt_path") and value.endswith((".t7", ".pth", ".ckpt")):
                 path = Path(value) if not value.startswith("/") else stand_in
                 path.parent.mkdir(parents=True, exist_ok=True)
-                torch.save({}, path) if not path.exists() else None
+                if not path.exists():
+                    torch.save({}, path)
                 run[i] = f"{key}={path}"
         run = quote_report_runs(run)
         try:
@@ -217,4 +219,5 @@ def test_documented_command_passes_the_start_up_checks(where, args, tmp_path, mo
             apply_attn_preset(cfg, run)
             check_resolves(cfg)
             check_seed(cfg.seed)
+            check_scale_rule((cfg.get("optim") or {}).get("scale_lr"))  # as suite.compose.compose, in its order
             validate_config(cfg, run)
