@@ -4,7 +4,9 @@
 - :func:`check_group_choices`: ``group=unknown`` refused with the group's choices, exit code 2;
 - :func:`check_overrides`: the overrides Hydra would refuse (a key that does not exist, ``+key=`` for a key that
   does), refused first with exit code 2 and a fix that works ("did you mean max_epochs?");
-- :func:`exit_with_message`: how every user error ends: one message on stderr, exit code 2.
+- :func:`exit_with_message`: how every user error ends: one message on stderr, exit code 2;
+- :func:`sweep_job_ended`, :func:`end_sweep`: a multirun goes on past a failed job and lists the failed ones at
+  its end.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 GROUPS = ("mode", "task", "attn", "data", "model", "trainer", "logger", "experiment")
@@ -22,6 +25,87 @@ GROUPS = ("mode", "task", "attn", "data", "model", "trainer", "logger", "experim
 def exit_with_message(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+# A Hydra multirun under its default launcher runs its jobs one after another in this process. One job's failure (a
+# loss gone NaN at one learning rate, one variant out of memory) no longer ends the sweep: the job's message (or a
+# bug's traceback) is printed when it fails, the next job starts, and the sweep's end lists the failed jobs and exits
+# non-zero (:func:`end_sweep`). It used to end at the first failed job, and an overnight sweep of 21 runs stopped at
+# the second with 19 never started. An interruption (SIGTERM, Ctrl-C: a SystemExit) still ends the whole sweep. The
+# submitit launchers (hydra/launcher=local, slurm) run each job as its own process or cluster job already.
+class SweepJob(NamedTuple):
+    number: int
+    folder: str
+    overrides: list[str]
+    error: str | None  # the user-facing message, a bug's exception line, or None: it finished
+    bug: bool
+    log: str | None = None  # where its messages are, when not printed by this process (a submitit job's stderr)
+
+
+SWEEP_JOBS: list[SweepJob] = []
+SWEEP_BASE = ""  # the sweep's folder
+
+
+def in_process_sweep(hydra_cfg) -> bool:
+    """Whether this job is one of a multirun whose jobs share this process (Hydra's default launcher)."""
+    from hydra.types import RunMode
+
+    return hydra_cfg.mode == RunMode.MULTIRUN and str(hydra_cfg.launcher.get("_target_", "")).endswith(
+        ".BasicLauncher")
+
+
+def sweep_job_ended(hydra_cfg, err: BaseException | None = None, message: str | None = None) -> None:
+    """Record how a job of an in-process sweep ended: finished (``err`` None), with a user error (``message``, printed
+    as a single run prints it) or with a bug (its traceback printed). The job's memory is released for the next."""
+    global SWEEP_BASE
+    SWEEP_BASE = str(hydra_cfg.sweep.dir)
+    error, bug = None, False
+    if err is not None:
+        if message is not None:
+            print(f"error: {message}", file=sys.stderr)
+            error = message
+        else:
+            import traceback
+
+            traceback.print_exception(err)
+            error, bug = f"{type(err).__name__}: {err}", True
+        print(f"(job #{hydra_cfg.job.num} of the sweep, {hydra_cfg.runtime.output_dir}, failed; the sweep goes on "
+              "with its next job, and lists the failed ones at its end)", file=sys.stderr)
+    SWEEP_JOBS.append(SweepJob(int(hydra_cfg.job.num), str(hydra_cfg.runtime.output_dir),
+                               list(hydra_cfg.overrides.task), error, bug))
+
+
+def release_memory() -> None:
+    """What a failed job held (its network, optimizer, data; on a GPU the caching allocator's blocks) for the next."""
+    import gc
+
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def end_sweep() -> int | None:
+    """At the end of an in-process sweep with failed jobs: print them, one line each (the job, the overrides that
+    set it apart, the first sentence of its message), and how to run them again; returns the exit code (2, or 1
+    when one failed with a bug), None when none failed."""
+    failed = [job for job in SWEEP_JOBS if job.error is not None]
+    if not failed:
+        return None
+    common = set.intersection(*(set(job.overrides) for job in SWEEP_JOBS))
+    lines = []
+    for job in failed:
+        own = " ".join(o for o in job.overrides if o not in common) or "its overrides"
+        first = re.split(r"(?<=\.)\s+(?=[A-Z`])", job.error.strip(), maxsplit=1)[0]  # its first sentence
+        lines.append(f"  #{job.number} {Path(job.folder).name} ({own}): {first[:300]}"
+                     + (f" (its log: {job.log})" if job.log else ""))
+    finished = len(SWEEP_JOBS) - len(failed)
+    print(f"error: {len(failed)} of the sweep's {len(SWEEP_JOBS)} jobs failed ({finished} finished), in "
+          f"{SWEEP_BASE}:\n" + "\n".join(lines) + "\nEach job's message (printed when it failed, or in its log) says "
+          "what went wrong and how to fix it; its folder keeps what it wrote (run.log). Then the same command with "
+          f"`resume=true hydra.sweep.dir={SWEEP_BASE}` runs the failed jobs again (a job continues from its "
+          "last checkpoint, if it wrote one) and keeps the finished ones as they are.", file=sys.stderr)
+    return 1 if any(job.bug for job in failed) else 2
 
 
 def quote_report_runs(argv: list[str]) -> list[str]:

@@ -250,12 +250,17 @@ def build_loggers(cfg: Mapping, save_dir: str | Path, config: Mapping, run_id: s
     return loggers
 
 
-def close_loggers(loggers) -> None:
+def close_loggers(loggers, exit_code: int = 0) -> None:
     """Finish W&B runs explicitly: in a Hydra multirun every job shares one process, and an unfinished
-    run would otherwise be reused by the next job's ``wandb.init``."""
+    run would otherwise be reused by the next job's ``wandb.init`` (a sweep goes on past a failed run:
+    ``suite.cli.SweepJobs``). ``exit_code``: the run's, non-zero when it failed or was interrupted (W&B then
+    shows it as failed). Closing twice does nothing the second time."""
     for logger in loggers:
-        if isinstance(logger, WandbLogger):
-            logger.experiment.finish()
+        if getattr(logger, "_suite_closed", False):
+            continue
+        logger._suite_closed = True
+        if isinstance(logger, WandbLogger) and (exit_code == 0 or logger._experiment is not None):
+            logger.experiment.finish(exit_code=exit_code)  # a failed run that never reached W&B: nothing to close
         if isinstance(logger, ResilientWandbLogger) and logger._fallback is not None:
             logger._fallback.save()
         if isinstance(logger, CSVLogger):

@@ -145,44 +145,49 @@ def fit_and_test(cfg: DictConfig, composed, run_dir: Path, out_dir: Path, starte
         save_wandb_run_id(run_dir, run_id)
     loggers = build_loggers(cfg.logger, out_dir, config, run_id=run_id, resuming=resuming,
                             resume_step=checkpoint_step(ckpt) if resuming else None)
-    trainer, parts = build_trainer(config, module, run_dir, loggers, identity, started)
-    if cfg.mode == "train":
-        from suite.distributed import apply_lr_scaling
-
-        apply_lr_scaling(module.hparams.optim, trainer, int(datamodule.batch_size))
-
-    metrics: dict[str, float] = {}
-    try:
+    try:  # however the run ends, its W&B run is finished (a failed one as failed): a sweep's next job, in this
+        # process, would otherwise log into it
+        trainer, parts = build_trainer(config, module, run_dir, loggers, identity, started)
         if cfg.mode == "train":
-            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)  # resumes when ckpt_path is given
-            if trainer.global_step == 0:
-                close_loggers(loggers)
-                raise UserError(trained_nothing(trainer))
-            record = parts["record"]
-            if record.steps == 0 and (kept := finished_already(trainer, out_dir)) is not None:
-                close_loggers(loggers)  # resumed at its end, with its record written: nothing to do
-                return kept
-            metrics.update(record.fit_metrics(trainer))
-            best = parts["best"].best_model_path or None
-            results = trainer.test(module, datamodule=datamodule, ckpt_path=best, weights_only=True)
-            if best:
-                log.info("tested best checkpoint %s", best)
-            tested = best
-        else:
-            results = trainer.test(module, datamodule=datamodule, ckpt_path=ckpt, weights_only=True)
-            tested = ckpt
-    except SIGTERMException:  # Lightning stopped at the end of a batch; last.ckpt is written (suite/checkpoints.py)
-        raise SystemExit(interrupted(trainer, run_dir, cfg.mode, parts["stop"].ctrl_c)) from None
-    for result in results:
-        metrics.update(floats(result))
-    metrics = finish_metrics(metrics, parts["guard"], datamodule, trainer)
-    log.info("rank %d metrics: %s", trainer.global_rank, json.dumps(metrics))  # each process logs what it saw
-    if trainer.is_global_zero:
-        write_metrics(metrics, module, config, tested, trainer, parts["record"].seconds(),
-                      parts["meter"] if cfg.mode == "train" else None, out_dir, loggers, parts["compiler"],
-                      parts["record"].code())
-    close_loggers(loggers)
-    return metrics
+            from suite.distributed import apply_lr_scaling
+
+            apply_lr_scaling(module.hparams.optim, trainer, int(datamodule.batch_size))
+
+        metrics: dict[str, float] = {}
+        try:
+            if cfg.mode == "train":
+                trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)  # resumes when ckpt_path is given
+                if trainer.global_step == 0:
+                    raise UserError(trained_nothing(trainer))
+                record = parts["record"]
+                if record.steps == 0 and (kept := finished_already(trainer, out_dir)) is not None:
+                    close_loggers(loggers)  # resumed at its end, with its record written: nothing to do
+                    return kept
+                metrics.update(record.fit_metrics(trainer))
+                best = parts["best"].best_model_path or None
+                results = trainer.test(module, datamodule=datamodule, ckpt_path=best, weights_only=True)
+                if best:
+                    log.info("tested best checkpoint %s", best)
+                tested = best
+            else:
+                results = trainer.test(module, datamodule=datamodule, ckpt_path=ckpt, weights_only=True)
+                tested = ckpt
+        except SIGTERMException:  # Lightning stopped at the end of a batch; last.ckpt is written (suite/checkpoints.py)
+            raise SystemExit(interrupted(trainer, run_dir, cfg.mode, parts["stop"].ctrl_c)) from None
+        for result in results:
+            metrics.update(floats(result))
+        metrics = finish_metrics(metrics, parts["guard"], datamodule, trainer)
+        log.info("rank %d metrics: %s", trainer.global_rank, json.dumps(metrics))  # each process logs what it saw
+        if trainer.is_global_zero:
+            write_metrics(metrics, module, config, tested, trainer, parts["record"].seconds(),
+                          parts["meter"] if cfg.mode == "train" else None, out_dir, loggers, parts["compiler"],
+                          parts["record"].code())
+        close_loggers(loggers)
+        return metrics
+    except BaseException as err:
+        close_loggers(loggers, exit_code=err.code if isinstance(err, SystemExit) and isinstance(err.code, int)
+                      else 1)
+        raise
 
 
 # A run ended by SIGTERM (Ctrl-C) exits as a process killed by it would (128 + 15, 128 + 2): a scheduler sees it

@@ -165,6 +165,46 @@ def test_shapenet_fast_dev_run_every_variant(env, tmp_path):
     assert len(run_ids) == len(variants)
 
 
+def test_a_sweep_goes_on_past_a_failed_job(env, tmp_path):
+    """A multirun's jobs share one process (Hydra's default launcher). Its first job's loss goes NaN (lr=1e30): the
+    sweep used to end there, exit 2, with the second job never started. Now the second job runs to its
+    metrics.json, the first one's message is printed when it fails, the sweep's end lists it with the override that
+    sets it apart and how to run it again, and the exit code is still 2. Each job has its own W&B run: the failed
+    one finished as failed (exit code 1), not left open for the next job's wandb.init to log into. The advised
+    command (resume=true in the same sweep folder) keeps the finished job byte for byte and runs the failed one
+    again."""
+    args = ["-m", *TINY, "optim.optimizer.lr=1e30,0.01", f"hydra.sweep.dir={tmp_path}"]
+    proc = run(args, env, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "error: The training loss became nan at step 1" in proc.stderr
+    summary = proc.stderr[proc.stderr.index("error: 1 of the sweep's 2 jobs failed (1 finished)"):]
+    assert "#0 0_modelnet_external (optim.optimizer.lr=1e+30): The training loss became nan" in summary
+    assert f"resume=true hydra.sweep.dir={tmp_path}" in summary
+    failed, finished = tmp_path / "0_modelnet_external", tmp_path / "1_modelnet_external"
+    assert not (failed / "metrics.json").exists()
+    kept = (finished / "metrics.json").read_bytes()
+    assert 0.0 <= json.loads(kept)["test/oa"] <= 1.0
+
+    def wandb_run_of(job):
+        (wandb_file,) = (job / "wandb").glob("offline-run-*/run-*.wandb")
+        records = wandb_records(wandb_file)
+        run_id = next(r.run.run_id for r in records if r.WhichOneof("record_type") == "run")
+        (exit_record,) = [r.exit for r in records if r.WhichOneof("record_type") == "exit"]
+        logged = {i.key or i.nested_key[0] for r in records if r.WhichOneof("record_type") == "history"
+                  for i in r.history.item}
+        return run_id, exit_record.exit_code, logged
+
+    failed_id, failed_code, failed_logged = wandb_run_of(failed)
+    finished_id, finished_code, finished_logged = wandb_run_of(finished)
+    assert failed_id != finished_id and (failed_code, finished_code) == (1, 0)
+    assert "test/oa" in finished_logged and "test/oa" not in failed_logged
+
+    again = run([*args, "resume=true"], env, check=False)
+    assert again.returncode == 2 and "error: 1 of the sweep's 2 jobs failed (1 finished)" in again.stderr
+    assert (finished / "metrics.json").read_bytes() == kept
+
+
 def test_shapenet_summary_reports_published_size(env):
     out = run(["task=shapenet", "attn=offset", "mode=summary", "logger=none"], env).stdout
     assert out.strip().splitlines()[-1].startswith("params=2446130 flops=")
