@@ -37,6 +37,7 @@ def main(cfg: DictConfig) -> None:
         cause = as_user_error(err)
         if sweep:  # the sweep goes on with its next job; its end lists the failed ones (suite.cli)
             sweep_job_ended(hydra_cfg, err, None if cause is None else str(cause))
+            del cause  # its traceback holds the failed job's frames: its network, optimizer and data, freed below
         elif cause is None:
             from suite.distributed import failed_process, stop_with
 

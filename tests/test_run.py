@@ -172,10 +172,18 @@ def test_a_sweep_goes_on_past_a_failed_job(env, tmp_path):
     sets it apart and how to run it again, and the exit code is still 2. Each job has its own W&B run: the failed
     one finished as failed (exit code 1), not left open for the next job's wandb.init to log into. The advised
     command (resume=true in the same sweep folder) keeps the finished job byte for byte and runs the failed one
-    again."""
+    again. What a failed job held (its network, through its error's traceback) is freed before the next starts: on
+    a GPU, a variant that ran out of memory would otherwise leave the next one less."""
     args = ["-m", *TINY, "optim.optimizer.lr=1e30,0.01", f"hydra.sweep.dir={tmp_path}"]
-    proc = run(args, env, check=False)
+    counting = ("import atexit, gc, runpy, sys, lightning, suite.cli as cli; release, live = cli.release_memory, []; "
+                "cli.release_memory = lambda: (release(), live.append(sum(isinstance(o, lightning.LightningModule) "
+                "for o in gc.get_objects()))); atexit.register(lambda: print('live after each job:', live)); "
+                f"sys.argv = [{str(ROOT / 'run.py')!r}, *sys.argv[1:]]; "
+                f"runpy.run_path({str(ROOT / 'run.py')!r}, run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", counting, *args], cwd=env["HOME"], env=env,
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "live after each job: [0, 0]" in proc.stdout  # no task module of a job alive once it ended
     assert "Traceback" not in proc.stderr
     assert "error: The training loss became nan at step 1" in proc.stderr
     summary = proc.stderr[proc.stderr.index("error: 1 of the sweep's 2 jobs failed (1 finished)"):]
