@@ -45,9 +45,7 @@ def resume_checkpoint(ckpt_path: str | None, resume: bool, out_dir: Path) -> str
     if ckpt_path is not None and ckpt_path != "last":
         raise UserError(f"resume=true continues from this run directory's own checkpoints; it cannot be combined "
                         f"with ckpt_path={ckpt_path}. Pass one or the other.")
-    candidates = [p for p in [out_dir / "checkpoints" / "last.ckpt", *out_dir.glob("hpc_ckpt_*.ckpt")] if p.is_file()]
-    if candidates:
-        newest = max(candidates, key=lambda p: p.stat().st_mtime)
+    if (newest := newest_checkpoint(out_dir)) is not None:
         log.info("resuming from %s", newest)
         return str(newest)
     if ckpt_path == "last":
@@ -59,6 +57,80 @@ def resume_checkpoint(ckpt_path: str | None, resume: bool, out_dir: Path) -> str
                         "resume=true, which starts afresh when there is nothing to resume.")
     log.info("resume=true: no checkpoint in %s yet, starting from scratch", out_dir / "checkpoints")
     return None
+
+
+def newest_checkpoint(out_dir: Path) -> Path | None:
+    """The checkpoint a resumed run in ``out_dir`` starts from: the newer of ``checkpoints/last.ckpt`` and
+    Lightning's ``hpc_ckpt_<n>.ckpt`` (SLURM), or None."""
+    candidates = [p for p in [out_dir / "checkpoints" / "last.ckpt", *out_dir.glob("hpc_ckpt_*.ckpt")] if p.is_file()]
+    return max(candidates, key=lambda p: p.stat().st_mtime) if candidates else None
+
+
+def check_same_recipe(cfg, run_dir: Path, *, resume: bool, slurm_restart: bool) -> None:
+    """Refuse a training run that loads a checkpoint (``resume=true``, ``ckpt_path=last``, a requeued job, or
+    ``ckpt_path=<file>``) under other ``optim`` values than that checkpoint's run was trained with (its
+    ``resolved_config.yaml``). Lightning restores the optimizer's and scheduler's states from the checkpoint (their
+    learning rates, momentum, weight decay, the schedule's length): the new values were recorded as the run's
+    (``resolved_config.yaml``, the checkpoints' hyper-parameters, W&B) but never used. Resumed with
+    ``optim.optimizer.lr=0.5`` a run went on at 0.01, and its record said 0.5. A value that follows a ``trainer``
+    option (``T_max: ${trainer.max_epochs}``: the run's length, which a resumed run may change, to stop sooner or go
+    on longer) is not refused: the checkpoint's value is put in ``cfg`` (what the run records) with a warning, since
+    it is what the restored scheduler uses. Keys only one side has are not compared (a key a later version of the
+    suite added)."""
+    from omegaconf import OmegaConf
+
+    ckpt = cfg.get("ckpt_path")
+    if ckpt not in (None, "last"):
+        where, folders = f"ckpt_path={ckpt} was", [Path(ckpt).parent.parent, Path(ckpt).parent]
+    elif (resume or ckpt == "last" or slurm_restart) and newest_checkpoint(run_dir) is not None:
+        where, folders = f"hydra.run.dir={run_dir} holds a run", [run_dir]
+    else:
+        return  # nothing loaded: a fresh start
+    saved = next((f / "resolved_config.yaml" for f in folders if (f / "resolved_config.yaml").is_file()), None)
+    try:
+        before = flat(OmegaConf.to_container(OmegaConf.load(saved).optim, resolve=True))
+    except Exception:  # noqa: BLE001 - no readable config beside the checkpoint: nothing to compare
+        return
+    now = flat(OmegaConf.to_container(cfg.optim, resolve=True))
+    given = flat(OmegaConf.to_container(cfg.optim, resolve=False))
+    differ = sorted(k for k in set(before) & set(now) if before[k] != now[k])
+
+    def follows(key):  # the trainer option this value is an interpolation of (T_max: ${trainer.max_epochs}), or None
+        source = given.get(key)
+        if isinstance(source, str) and source.startswith("${trainer.") and source.endswith("}"):
+            return source[2:-1]
+        return None
+
+    kept = [k for k in differ if follows(k)]
+    for key in kept:  # the run's length changed: the schedule keeps the checkpoint's, and the record says so
+        OmegaConf.update(cfg, f"optim.{key}", before[key], merge=False)
+    if kept:
+        log.warning("This run goes on with the schedule of the checkpoint it resumes: %s. %s changes where it stops, "
+                    "not the schedule's length (past its end a scheduler does what it does there: a cosine rises "
+                    "back). To train on under a schedule of the new length, start a new run from its weights "
+                    "(model.weights=<checkpoint>).", ", ".join(f"optim.{k}={before[k]!r}" for k in kept),
+                    " and ".join(sorted({f"{follows(k)}={now[k]!r}" for k in kept})))
+    differ = [k for k in differ if k not in kept]
+    if not differ:
+        return
+    said = ", ".join(f"optim.{k}={before[k]!r} (this command: {now[k]!r})" for k in differ)
+    weights = ckpt if ckpt not in (None, "last") else str(run_dir / "checkpoints" / "last.ckpt")
+    raise UserError(
+        f"{where} trained with {said}. Training from that checkpoint goes on with its own optimizer and schedule, "
+        "restored from it: this command's values would be recorded as the run's and not used. To continue it, pass "
+        f"the values it was trained with ({' '.join(f'optim.{k}={before[k]}' for k in differ)}). To train on from "
+        f"its weights under this command's values, start a new run from them instead: `model.weights={weights}` "
+        "(the GAN: model.g_weights=), without resume=true or ckpt_path, in a new folder.")
+
+
+def flat(tree, prefix: str = "") -> dict:
+    """A nested config container as ``{"a.b": leaf}``."""
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out = {}
+    for key, value in tree.items():
+        out.update(flat(value, f"{prefix}{key}." if isinstance(value, dict) else f"{prefix}{key}"))
+    return out
 
 
 def wandb_run_id(out_dir: Path, resuming: bool) -> str:

@@ -68,6 +68,9 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> dict:
             check_fresh_run(run_dir, resume=bool(cfg.get("resume")), ckpt_path=cfg.get("ckpt_path"),
                             overwrite=bool(cfg.get("overwrite")), slurm_restart=slurm_restart(run_dir),
                             delete=is_rank_zero(), identity=identity_of(cfg))
+            from suite.resume import check_same_recipe
+
+            check_same_recipe(cfg, run_dir, resume=bool(cfg.get("resume")), slurm_restart=slurm_restart(run_dir))
         composed = compose(cfg, overrides, out_dir)
         if cfg.mode == "summary":
             from suite.summary import print_summaries

@@ -142,6 +142,44 @@ def test_resuming_a_finished_run_keeps_its_record(env, tmp_path):
     assert tested["train_samples_per_sec"] == pytest.approx(first["train_samples_per_sec"], rel=1e-9)
 
 
+def test_a_checkpoint_is_trained_on_only_under_its_own_recipe(env, tmp_path):
+    """Lightning restores a checkpoint's optimizer and scheduler states: resumed with optim.optimizer.lr=0.5 the run
+    went on at 0.01 while resolved_config.yaml and the checkpoint's hyper-parameters said 0.5. Such a command is
+    refused before anything is written, naming the value and the ways on: the run's value to continue it, or a new
+    run from its weights (model.weights=, which does train at 0.5); ckpt_path=<file> the same. A longer
+    trainer.max_epochs is not refused, but the cosine schedule keeps its T_max=1 from the checkpoint (past it the
+    rate rises back to 0.01, as the restored scheduler does), and the run's record now says T_max=1, not 2."""
+    first = tmp_path / "first"
+    run([*TINY, "logger=csv", f"hydra.run.dir={first}"], env)
+    before = {p: p.read_bytes() for p in [first / "resolved_config.yaml", first / "checkpoints" / "last.ckpt"]}
+    changed = ["optim.optimizer.lr=0.5", "trainer.max_epochs=2", "logger=csv"]
+    err = user_error([*TINY, *changed, "resume=true", f"hydra.run.dir={first}"], env,
+                     f"hydra.run.dir={first} holds a run trained with optim.optimizer.lr=0.01 (this command: 0.5). ",
+                     "(optim.optimizer.lr=0.01)", f"model.weights={first}/checkpoints/last.ckpt")
+    assert "resuming" not in err and "T_max" not in err
+    assert {p: p.read_bytes() for p in before} == before  # nothing written
+    ckpt = first / "checkpoints" / "last.ckpt"
+    user_error([*TINY, *changed, f"ckpt_path={ckpt}", f"hydra.run.dir={tmp_path / 'second'}"], env,
+               f"ckpt_path={ckpt} was trained with optim.optimizer.lr=0.01 (this command: 0.5)",
+               f"model.weights={ckpt}")
+
+    def rates(folder):
+        rows = (folder / "csv" / "metrics.csv").read_text().splitlines()
+        column = rows[0].split(",").index("lr-SGD")
+        return [float(r.split(",")[column]) for r in rows[1:] if r.split(",")[column]]
+
+    longer = run([*TINY, "trainer.max_epochs=3", "logger=csv", "resume=true", f"hydra.run.dir={first}"], env)
+    said = longer.stdout + longer.stderr
+    assert "goes on with the schedule of the checkpoint it resumes: optim.scheduler.T_max=1" in said
+    assert "trainer.max_epochs=3 changes where it stops" in said
+    assert "T_max: 1\n" in (first / "resolved_config.yaml").read_text()
+    assert rates(first) == pytest.approx([0.01, 1e-4, 0.01])  # cosine with T_max=1: down, then back up
+
+    third = tmp_path / "third"
+    run([*TINY, *changed, f"model.weights={ckpt}", f"hydra.run.dir={third}"], env)  # what the message advises
+    assert rates(third) == pytest.approx([0.5, 0.5 / 2 + 1e-4 / 2])  # this command's rate, a schedule of 2 epochs
+
+
 @pytest.mark.xdist_group("resume")
 def test_gan_resumed_mid_epoch_continues_where_it_stopped(env, tmp_path):
     """GAN checkpoints fall mid-epoch (validation every 2 steps of a 224-step epoch): stopping at step 2 and
