@@ -32,7 +32,8 @@ def exit_with_message(message: str) -> None:
 # bug's traceback) is printed when it fails, the next job starts, and the sweep's end lists the failed jobs and exits
 # non-zero (:func:`end_sweep`). It used to end at the first failed job, and an overnight sweep of 21 runs stopped at
 # the second with 19 never started. An interruption (SIGTERM, Ctrl-C: a SystemExit) still ends the whole sweep. The
-# submitit launchers (hydra/launcher=local, slurm) run each job as its own process or cluster job already.
+# submitit launchers (hydra/launcher=local, slurm) run each job as its own process or cluster job: there the
+# submitting process records the failed ones (suite/launchers.py) for the same end.
 class SweepJob(NamedTuple):
     number: int
     folder: str
@@ -56,7 +57,7 @@ def in_process_sweep(hydra_cfg) -> bool:
 
 def sweep_job_ended(hydra_cfg, err: BaseException | None = None, message: str | None = None) -> None:
     """Record how a job of an in-process sweep ended: finished (``err`` None), with a user error (``message``, printed
-    as a single run prints it) or with a bug (its traceback printed). The job's memory is released for the next."""
+    as a single run prints it) or with a bug (its traceback printed)."""
     global SWEEP_BASE
     SWEEP_BASE = str(hydra_cfg.sweep.dir)
     error, bug = None, False
@@ -86,9 +87,9 @@ def release_memory() -> None:
 
 
 def end_sweep() -> int | None:
-    """At the end of an in-process sweep with failed jobs: print them, one line each (the job, the overrides that
-    set it apart, the first sentence of its message), and how to run them again; returns the exit code (2, or 1
-    when one failed with a bug), None when none failed."""
+    """At the end of a sweep with failed jobs (:data:`SWEEP_JOBS`): print them, one line each (the job, the
+    overrides that set it apart, the first sentence of its message, its log), and how to run them again; returns the
+    exit code (2, or 1 when one failed with a bug), None when none failed."""
     failed = [job for job in SWEEP_JOBS if job.error is not None]
     if not failed:
         return None

@@ -253,8 +253,8 @@ def build_loggers(cfg: Mapping, save_dir: str | Path, config: Mapping, run_id: s
 def close_loggers(loggers, exit_code: int = 0) -> None:
     """Finish W&B runs explicitly: in a Hydra multirun every job shares one process, and an unfinished
     run would otherwise be reused by the next job's ``wandb.init`` (a sweep goes on past a failed run:
-    ``suite.cli.SweepJobs``). ``exit_code``: the run's, non-zero when it failed or was interrupted (W&B then
-    shows it as failed). Closing twice does nothing the second time."""
+    ``suite.cli.sweep_job_ended``). ``exit_code``: the run's, non-zero when it failed or was interrupted (W&B
+    then shows it as failed). Closing twice does nothing the second time."""
     for logger in loggers:
         if getattr(logger, "_suite_closed", False):
             continue
