@@ -192,7 +192,11 @@ def test_a_sweep_goes_on_past_a_failed_job(env, tmp_path):
     failed, finished = tmp_path / "0_modelnet_external", tmp_path / "1_modelnet_external"
     assert not (failed / "metrics.json").exists()
     kept = (finished / "metrics.json").read_bytes()
-    assert 0.0 <= json.loads(kept)["test/oa"] <= 1.0
+    alone = tmp_path / "alone"  # the finished job run by itself: the failed one before it left nothing behind
+    run([*TINY, "logger=none", f"hydra.run.dir={alone}"], env)
+    by_itself, in_sweep = (quality_metrics(json.loads(m)) for m in [(alone / "metrics.json").read_bytes(), kept])
+    assert by_itself.keys() < in_sweep.keys()  # the sweep's also logs lr-SGD (a logger's learning rate monitor)
+    assert {k: in_sweep[k] for k in by_itself} == pytest.approx(by_itself, abs=1e-6)
 
     def wandb_run_of(job):
         (wandb_file,) = (job / "wandb").glob("offline-run-*/run-*.wandb")
