@@ -123,6 +123,35 @@ def check_same_recipe(cfg, run_dir: Path, *, resume: bool, slurm_restart: bool) 
         "(the GAN: model.g_weights=), without resume=true or ckpt_path, in a new folder.")
 
 
+def keep_checkpoint_rates(ckpt: str, optim) -> None:
+    """A run trained on from checkpoint ``ckpt`` keeps its learning rates: with ``optim.scale_lr``, a resumed run on
+    another number of processes (or another ``trainer.accumulate_grad_batches``: another global batch) scaled them
+    anew in ``optim`` (the module's hyper-parameters, what checkpoints and W&B record), but Lightning restores the
+    optimizer's rates from the checkpoint, and those are what it trains with. ``optim``'s rates are put back to the
+    checkpoint's, with a warning, so that the record says what is used."""
+    from omegaconf import OmegaConf
+
+    from suite.checkpoint_io import safe_torch_load
+
+    saved = (safe_torch_load(ckpt, f"ckpt_path={ckpt}", mmap=True).get("hyper_parameters") or {}).get("optim")
+    if not isinstance(saved, dict):
+        return  # a checkpoint without the run's optim (older, or not run.py's): nothing to compare
+    plain = OmegaConf.to_container(optim, resolve=True) if OmegaConf.is_config(optim) else optim
+    before, now = flat(dict(saved)), flat(dict(plain))
+    differ = sorted(k for k in set(before) & set(now) if k.rsplit(".", 1)[-1] == "lr" and before[k] != now[k])
+    for key in differ:
+        node = optim
+        for part in key.split(".")[:-1]:
+            node = node[part]
+        node["lr"] = before[key]
+    if differ:
+        log.warning("This run goes on with the learning rates of the checkpoint it resumes: %s (optim.scale_lr=%s "
+                    "gave %s for this run's global batch). The optimizer's rates are restored from the checkpoint; "
+                    "to train with the new ones, start a new run from its weights (model.weights=<checkpoint>).",
+                    ", ".join(f"optim.{k}={before[k]:.6g}" for k in differ), now.get("scale_lr"),
+                    ", ".join(f"{now[k]:.6g}" for k in differ))
+
+
 def flat(tree, prefix: str = "") -> dict:
     """A nested config container as ``{"a.b": leaf}``."""
     if not isinstance(tree, dict):

@@ -155,6 +155,10 @@ def fit_and_test(cfg: DictConfig, composed, run_dir: Path, out_dir: Path, starte
             from suite.distributed import apply_lr_scaling
 
             apply_lr_scaling(module.hparams.optim, trainer, int(datamodule.batch_size))
+            if ckpt:  # trained on from a checkpoint: its optimizer's rates, restored by Lightning, are the run's
+                from suite.resume import keep_checkpoint_rates
+
+                keep_checkpoint_rates(ckpt, module.hparams.optim)
 
         metrics: dict[str, float] = {}
         try:

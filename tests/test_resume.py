@@ -148,18 +148,21 @@ def test_a_checkpoint_is_trained_on_only_under_its_own_recipe(env, tmp_path):
     refused before anything is written, naming the value and the ways on: the run's value to continue it, or a new
     run from its weights (model.weights=, which does train at 0.5); ckpt_path=<file> the same. A longer
     trainer.max_epochs is not refused, but the cosine schedule keeps its T_max=1 from the checkpoint (past it the
-    rate rises back to 0.01, as the restored scheduler does), and the run's record now says T_max=1, not 2."""
+    rate rises back to 0.01, as the restored scheduler does), and the run's record now says T_max=1, not 2. With
+    optim.scale_lr, a resumed run on another global batch (here twice the accumulation) keeps the checkpoint's rate,
+    0.01, and now records it: its checkpoints' hyper-parameters said 0.02, scaled anew but never used."""
+    recipe = [*TINY, "optim.scale_lr=linear", "optim.base_batch_size=4"]  # x 1 at data.batch_size=4
     first = tmp_path / "first"
-    run([*TINY, "logger=csv", f"hydra.run.dir={first}"], env)
+    run([*recipe, "logger=csv", f"hydra.run.dir={first}"], env)
     before = {p: p.read_bytes() for p in [first / "resolved_config.yaml", first / "checkpoints" / "last.ckpt"]}
     changed = ["optim.optimizer.lr=0.5", "trainer.max_epochs=2", "logger=csv"]
-    err = user_error([*TINY, *changed, "resume=true", f"hydra.run.dir={first}"], env,
+    err = user_error([*recipe, *changed, "resume=true", f"hydra.run.dir={first}"], env,
                      f"hydra.run.dir={first} holds a run trained with optim.optimizer.lr=0.01 (this command: 0.5). ",
                      "(optim.optimizer.lr=0.01)", f"model.weights={first}/checkpoints/last.ckpt")
     assert "resuming" not in err and "T_max" not in err
     assert {p: p.read_bytes() for p in before} == before  # nothing written
     ckpt = first / "checkpoints" / "last.ckpt"
-    user_error([*TINY, *changed, f"ckpt_path={ckpt}", f"hydra.run.dir={tmp_path / 'second'}"], env,
+    user_error([*recipe, *changed, f"ckpt_path={ckpt}", f"hydra.run.dir={tmp_path / 'second'}"], env,
                f"ckpt_path={ckpt} was trained with optim.optimizer.lr=0.01 (this command: 0.5)",
                f"model.weights={ckpt}")
 
@@ -168,15 +171,19 @@ def test_a_checkpoint_is_trained_on_only_under_its_own_recipe(env, tmp_path):
         column = rows[0].split(",").index("lr-SGD")
         return [float(r.split(",")[column]) for r in rows[1:] if r.split(",")[column]]
 
-    longer = run([*TINY, "trainer.max_epochs=3", "logger=csv", "resume=true", f"hydra.run.dir={first}"], env)
+    longer = run([*recipe, "trainer.max_epochs=3", "++trainer.accumulate_grad_batches=2", "logger=csv",
+                  "resume=true", f"hydra.run.dir={first}"], env)
     said = longer.stdout + longer.stderr
+    assert "goes on with the learning rates of the checkpoint it resumes: optim.optimizer.lr=0.01 " \
+           "(optim.scale_lr=linear gave 0.02" in said
+    assert torch.load(ckpt, weights_only=True)["hyper_parameters"]["optim"]["optimizer"]["lr"] == 0.01
     assert "goes on with the schedule of the checkpoint it resumes: optim.scheduler.T_max=1" in said
     assert "trainer.max_epochs=3 changes where it stops" in said
     assert "T_max: 1\n" in (first / "resolved_config.yaml").read_text()
     assert rates(first) == pytest.approx([0.01, 1e-4, 0.01])  # cosine with T_max=1: down, then back up
 
     third = tmp_path / "third"
-    run([*TINY, *changed, f"model.weights={ckpt}", f"hydra.run.dir={third}"], env)  # what the message advises
+    run([*recipe, *changed, f"model.weights={ckpt}", f"hydra.run.dir={third}"], env)  # what the message advises
     assert rates(third) == pytest.approx([0.5, 0.5 / 2 + 1e-4 / 2])  # this command's rate, a schedule of 2 epochs
 
 
