@@ -189,29 +189,34 @@ def check_fit(path: str, saved: dict, module, config: dict) -> None:
     raise UserError(f"ckpt_path={path} does not fit this run's network ({shown}).{said}")
 
 
+def run_config_of(path: str) -> Path | None:
+    """The ``resolved_config.yaml`` of the run that wrote checkpoint ``path`` (``<run>/checkpoints/*.ckpt``, or
+    ``<run>/hpc_ckpt_<n>.ckpt``), or None when it is not beside it."""
+    ckpt = Path(path)
+    return next((c for c in (ckpt.parent.parent / "resolved_config.yaml", ckpt.parent / "resolved_config.yaml")
+                 if c.is_file()), None)
+
+
+def leaves(tree, prefix: str = ""):
+    """``(dotted key, value)`` of each leaf of a nested config container: ``{"a": {"b": 1}}`` -> ``("a.b", 1)``."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from leaves(value, f"{prefix}{key}.")
+    else:
+        yield prefix[:-1], tree
+
+
 def options_differing(path: str, config: dict) -> list[str]:
     """[the run config beside checkpoint ``path``, then ``key=<its value> (here <this run's>)`` for each model,
     task or data option that differs], or [] when there is no such config or nothing differs."""
     from omegaconf import OmegaConf
 
-    ckpt = Path(path)
-    for saved in (ckpt.parent.parent / "resolved_config.yaml", ckpt.parent / "resolved_config.yaml"):
-        if saved.is_file():
-            break
-    else:
+    if (saved := run_config_of(path)) is None:
         return []
     try:
         before = OmegaConf.to_container(OmegaConf.load(saved), resolve=False)
     except Exception:  # noqa: BLE001 - unreadable: the tensors' message stands alone
         return []
-
-    def leaves(tree, prefix=""):
-        if isinstance(tree, dict):
-            for key, value in tree.items():
-                yield from leaves(value, f"{prefix}{key}.")
-        else:
-            yield prefix[:-1], tree
-
     out = []
     for section in ("model", "task", "data"):
         was, now = dict(leaves(before.get(section) or {}, f"{section}.")), dict(leaves(config.get(section) or {},

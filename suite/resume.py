@@ -79,20 +79,21 @@ def check_same_recipe(cfg, run_dir: Path, *, resume: bool, slurm_restart: bool) 
     suite added)."""
     from omegaconf import OmegaConf
 
+    from suite.checkpoints import leaves, run_config_of
+
     ckpt = cfg.get("ckpt_path")
     if ckpt not in (None, "last"):
-        where, folders = f"ckpt_path={ckpt} was", [Path(ckpt).parent.parent, Path(ckpt).parent]
+        where, saved = f"ckpt_path={ckpt} was", run_config_of(ckpt)
     elif (resume or ckpt == "last" or slurm_restart) and newest_checkpoint(run_dir) is not None:
-        where, folders = f"hydra.run.dir={run_dir} holds a run", [run_dir]
+        where, saved = f"hydra.run.dir={run_dir} holds a run", run_dir / "resolved_config.yaml"
     else:
         return  # nothing loaded: a fresh start
-    saved = next((f / "resolved_config.yaml" for f in folders if (f / "resolved_config.yaml").is_file()), None)
     try:
-        before = flat(OmegaConf.to_container(OmegaConf.load(saved).optim, resolve=True))
+        before = dict(leaves(OmegaConf.to_container(OmegaConf.load(saved).optim, resolve=True)))
     except Exception:  # noqa: BLE001 - no readable config beside the checkpoint: nothing to compare
         return
-    now = flat(OmegaConf.to_container(cfg.optim, resolve=True))
-    given = flat(OmegaConf.to_container(cfg.optim, resolve=False))
+    now = dict(leaves(OmegaConf.to_container(cfg.optim, resolve=True)))
+    given = dict(leaves(OmegaConf.to_container(cfg.optim, resolve=False)))
     differ = sorted(k for k in set(before) & set(now) if before[k] != now[k])
 
     def follows(key):  # the trainer option this value is an interpolation of (T_max: ${trainer.max_epochs}), or None
@@ -132,12 +133,13 @@ def keep_checkpoint_rates(ckpt: str, optim) -> None:
     from omegaconf import OmegaConf
 
     from suite.checkpoint_io import safe_torch_load
+    from suite.checkpoints import leaves
 
     saved = (safe_torch_load(ckpt, f"ckpt_path={ckpt}", mmap=True).get("hyper_parameters") or {}).get("optim")
     if not isinstance(saved, dict):
         return  # a checkpoint without the run's optim (older, or not run.py's): nothing to compare
     plain = OmegaConf.to_container(optim, resolve=True) if OmegaConf.is_config(optim) else optim
-    before, now = flat(dict(saved)), flat(dict(plain))
+    before, now = dict(leaves(dict(saved))), dict(leaves(dict(plain)))
     differ = sorted(k for k in set(before) & set(now) if k.rsplit(".", 1)[-1] == "lr" and before[k] != now[k])
     for key in differ:
         node = optim
@@ -150,16 +152,6 @@ def keep_checkpoint_rates(ckpt: str, optim) -> None:
                     "to train with the new ones, start a new run from its weights (model.weights=<checkpoint>).",
                     ", ".join(f"optim.{k}={before[k]:.6g}" for k in differ), now.get("scale_lr"),
                     ", ".join(f"{now[k]:.6g}" for k in differ))
-
-
-def flat(tree, prefix: str = "") -> dict:
-    """A nested config container as ``{"a.b": leaf}``."""
-    if not isinstance(tree, dict):
-        return {prefix: tree}
-    out = {}
-    for key, value in tree.items():
-        out.update(flat(value, f"{prefix}{key}." if isinstance(value, dict) else f"{prefix}{key}"))
-    return out
 
 
 def wandb_run_id(out_dir: Path, resuming: bool) -> str:
