@@ -66,17 +66,40 @@ def newest_checkpoint(out_dir: Path) -> Path | None:
     return max(candidates, key=lambda p: p.stat().st_mtime) if candidates else None
 
 
+# The config sections that make up a run's recipe, compared when a run trains on from a checkpoint
+# (:func:`check_same_recipe`); ``attn`` is checked against the checkpoint itself (suite.checkpoints), the seed and
+# data set by suite.run_dirs.check_same_run.
+RECIPE = ("optim", "model", "task", "data")
+# Leaves a run may change when it trains on: where files are and how they are read (the OPERATIONAL keys of
+# suite.checkpoints, data.batch_size included: the advice for a run out of memory is a smaller batch, then
+# resume=true), the weights a fresh run starts from (a checkpoint replaces them), what is logged, and how the
+# network is evaluated (tests and validation, whose settings each record's protocol names).
+START_ONLY = {"pretrained", "d_weights", "g_ema_weights"}
+EVALUATION = {"eval", "metrics", "val_samples", "test_samples", "grid_per_class", "log_samples", "log_images"}
+
+
+def free_to_change(key: str) -> bool:
+    """Whether leaf ``key`` (``data.num_workers``, ``task.eval.votes``) may differ in a run that trains on."""
+    from suite.checkpoints import OPERATIONAL
+
+    parts = key.split(".")
+    return parts[-1] in OPERATIONAL | START_ONLY or any(part in EVALUATION for part in parts)
+
+
 def check_same_recipe(cfg, run_dir: Path, *, resume: bool, slurm_restart: bool) -> None:
     """Refuse a training run that loads a checkpoint (``resume=true``, ``ckpt_path=last``, a requeued job, or
-    ``ckpt_path=<file>``) under other ``optim`` values than that checkpoint's run was trained with (its
-    ``resolved_config.yaml``). Lightning restores the optimizer's and scheduler's states from the checkpoint (their
-    learning rates, momentum, weight decay, the schedule's length): the new values were recorded as the run's
-    (``resolved_config.yaml``, the checkpoints' hyper-parameters, W&B) but never used. Resumed with
-    ``optim.optimizer.lr=0.5`` a run went on at 0.01, and its record said 0.5. A value that follows a ``trainer``
-    option (``T_max: ${trainer.max_epochs}``: the run's length, which a resumed run may change, to stop sooner or go
-    on longer) is not refused: the checkpoint's value is put in ``cfg`` (what the run records) with a warning, since
-    it is what the restored scheduler uses. Keys only one side has are not compared (a key a later version of the
-    suite added)."""
+    ``ckpt_path=<file>``) under another recipe than that checkpoint's run was trained with (the :data:`RECIPE`
+    values of its ``resolved_config.yaml``, less those :func:`free_to_change`). Lightning restores the optimizer's
+    and scheduler's states from the checkpoint (their learning rates, momentum, weight decay, the schedule's
+    length): new ``optim`` values were recorded as the run's (``resolved_config.yaml``, the checkpoints'
+    hyper-parameters, W&B) but never used. Resumed with ``optim.optimizer.lr=0.5`` a run went on at 0.01, and its
+    record said 0.5. New ``model``, ``task`` or ``data`` values (a dropout, the label smoothing, the number of
+    points, an augmentation: what a sweep re-run in its folder with its values in another order gives each job)
+    were used from then on, and the record named them alone: half of the run was trained under values it does not
+    mention. A value that follows a ``trainer`` option (``T_max: ${trainer.max_epochs}``: the run's length, which a
+    resumed run may change, to stop sooner or go on longer) is not refused: the checkpoint's value is put in
+    ``cfg`` (what the run records) with a warning, since it is what the restored scheduler uses. Keys only one side
+    has are not compared (a key a later version of the suite added)."""
     from omegaconf import OmegaConf
 
     from suite.checkpoints import leaves, run_config_of
@@ -88,40 +111,54 @@ def check_same_recipe(cfg, run_dir: Path, *, resume: bool, slurm_restart: bool) 
         where, saved = f"hydra.run.dir={run_dir} holds a run", run_dir / "resolved_config.yaml"
     else:
         return  # nothing loaded: a fresh start
+
+    def recipe(config, resolve: bool = True) -> dict:  # {dotted key: value} of the RECIPE sections
+        return {key: value for section in RECIPE if config.get(section) is not None
+                for key, value in leaves(OmegaConf.to_container(config[section], resolve=resolve), f"{section}.")}
+
     try:
-        before = dict(leaves(OmegaConf.to_container(OmegaConf.load(saved).optim, resolve=True)))
+        before = recipe(OmegaConf.load(saved))
     except Exception:  # noqa: BLE001 - no readable config beside the checkpoint: nothing to compare
         return
-    now = dict(leaves(OmegaConf.to_container(cfg.optim, resolve=True)))
-    given = dict(leaves(OmegaConf.to_container(cfg.optim, resolve=False)))
-    differ = sorted(k for k in set(before) & set(now) if before[k] != now[k])
+    now, given = recipe(cfg), recipe(cfg, resolve=False)
+    differ = sorted(k for k in set(before) & set(now) if before[k] != now[k] and not free_to_change(k))
 
     def follows(key):  # the trainer option this value is an interpolation of (T_max: ${trainer.max_epochs}), or None
         source = given.get(key)
-        if isinstance(source, str) and source.startswith("${trainer.") and source.endswith("}"):
+        if key.startswith("optim.") and isinstance(source, str) and source.startswith("${trainer.") \
+                and source.endswith("}"):
             return source[2:-1]
         return None
 
     kept = [k for k in differ if follows(k)]
+    # A value interpolated from another (task.input_points: ${data.npoints}) differs with its source, which is named
+    differ = [k for k in differ if k not in kept]
+    named = [k for k in differ if not (isinstance(given.get(k), str) and "${" in given[k])] or differ
+    if named:
+        said = ", ".join(f"{k}={before[k]!r} (this command: {now[k]!r})" for k in named[:8]) + (
+            f", and {len(named) - 8} more" if len(named) > 8 else "")
+        why = []
+        if any(k.startswith("optim.") for k in named):
+            why.append("Training from that checkpoint goes on with its own optimizer and schedule, restored from it: "
+                       "this command's optim values would be recorded as the run's and not used.")
+        if any(not k.startswith("optim.") for k in named):
+            why.append("It would train on under this command's model, task and data values, and its record "
+                       "(resolved_config.yaml, metrics.json, W&B) would name them alone, for a network trained "
+                       "under both.")
+        weights = ckpt if ckpt not in (None, "last") else str(run_dir / "checkpoints" / "last.ckpt")
+        raise UserError(
+            f"{where} trained with {said}. {' '.join(why)} To continue it, pass the values it was trained with "
+            f"({' '.join(f'{k}={before[k]}' for k in named)}). To train on from its weights under this command's "
+            f"values, start a new run from them instead: `model.weights={weights}` (the GAN: model.g_weights=), "
+            "without resume=true or ckpt_path, in a new folder.")
     for key in kept:  # the run's length changed: the schedule keeps the checkpoint's, and the record says so
-        OmegaConf.update(cfg, f"optim.{key}", before[key], merge=False)
+        OmegaConf.update(cfg, key, before[key], merge=False)
     if kept:
         log.warning("This run goes on with the schedule of the checkpoint it resumes: %s. %s changes where it stops, "
                     "not the schedule's length (past its end a scheduler does what it does there: a cosine rises "
                     "back). To train on under a schedule of the new length, start a new run from its weights "
-                    "(model.weights=<checkpoint>).", ", ".join(f"optim.{k}={before[k]!r}" for k in kept),
+                    "(model.weights=<checkpoint>).", ", ".join(f"{k}={before[k]!r}" for k in kept),
                     " and ".join(sorted({f"{follows(k)}={now[k]!r}" for k in kept})))
-    differ = [k for k in differ if k not in kept]
-    if not differ:
-        return
-    said = ", ".join(f"optim.{k}={before[k]!r} (this command: {now[k]!r})" for k in differ)
-    weights = ckpt if ckpt not in (None, "last") else str(run_dir / "checkpoints" / "last.ckpt")
-    raise UserError(
-        f"{where} trained with {said}. Training from that checkpoint goes on with its own optimizer and schedule, "
-        "restored from it: this command's values would be recorded as the run's and not used. To continue it, pass "
-        f"the values it was trained with ({' '.join(f'optim.{k}={before[k]}' for k in differ)}). To train on from "
-        f"its weights under this command's values, start a new run from them instead: `model.weights={weights}` "
-        "(the GAN: model.g_weights=), without resume=true or ckpt_path, in a new folder.")
 
 
 def keep_checkpoint_rates(ckpt: str, optim) -> None:

@@ -148,9 +148,10 @@ def test_a_checkpoint_is_trained_on_only_under_its_own_recipe(env, tmp_path):
     refused before anything is written, naming the value and the ways on: the run's value to continue it, or a new
     run from its weights (model.weights=, which does train at 0.5); ckpt_path=<file> the same. A longer
     trainer.max_epochs is not refused, but the cosine schedule keeps its T_max=1 from the checkpoint (past it the
-    rate rises back to 0.01, as the restored scheduler does), and the run's record now says T_max=1, not 2. With
-    optim.scale_lr, a resumed run on another global batch (here twice the accumulation) keeps the checkpoint's rate,
-    0.01, and now records it: its checkpoints' hyper-parameters said 0.02, scaled anew but never used."""
+    rate rises back to 0.01, as the restored scheduler does), and the run's record now says T_max=1, not 2. New model,
+    task or data values (a dropout, the number of points) are refused the same way; those of its evaluation are not.
+    With optim.scale_lr, a resumed run on another global batch (here twice the accumulation) keeps the checkpoint's
+    rate, 0.01, and now records it: its checkpoints' hyper-parameters said 0.02, scaled anew but never used."""
     recipe = [*TINY, "optim.scale_lr=linear", "optim.base_batch_size=4"]  # x 1 at data.batch_size=4
     first = tmp_path / "first"
     run([*recipe, "logger=csv", f"hydra.run.dir={first}"], env)
@@ -165,6 +166,17 @@ def test_a_checkpoint_is_trained_on_only_under_its_own_recipe(env, tmp_path):
     user_error([*recipe, *changed, f"ckpt_path={ckpt}", f"hydra.run.dir={tmp_path / 'second'}"], env,
                f"ckpt_path={ckpt} was trained with optim.optimizer.lr=0.01 (this command: 0.5)",
                f"model.weights={ckpt}")
+    # model, task and data values are the recipe too: a run resumed with them trained on under them, and recorded
+    # them alone (the order of a sweep's values changed between its first run and the one that finishes it)
+    err = user_error([*recipe, "data.npoints=128", "model.dropout=0.1", "task.label_smoothing=0", "data.num_workers=1",
+                      "eval.votes=2", "logger=csv", "resume=true", f"hydra.run.dir={first}"], env,
+                     f"hydra.run.dir={first} holds a run trained with data.npoints=256 (this command: 128), "
+                     "model.dropout=0.5 (this command: 0.1), task.label_smoothing=0.2 (this command: 0). It would "
+                     "train on under this command's model, task and data values",
+                     "(data.npoints=256 model.dropout=0.5 task.label_smoothing=0.2)",
+                     f"model.weights={first}/checkpoints/last.ckpt")
+    assert "input_points" not in err and "num_workers" not in err and "votes" not in err and "optim" not in err
+    assert {p: p.read_bytes() for p in before} == before
 
     def rates(folder):
         rows = (folder / "csv" / "metrics.csv").read_text().splitlines()
@@ -172,6 +184,7 @@ def test_a_checkpoint_is_trained_on_only_under_its_own_recipe(env, tmp_path):
         return [float(r.split(",")[column]) for r in rows[1:] if r.split(",")[column]]
 
     longer = run([*recipe, "trainer.max_epochs=3", "++trainer.accumulate_grad_batches=2", "logger=csv",
+                  "eval.votes=2", "task.log_samples=2",  # how it is tested and logged may change
                   "resume=true", f"hydra.run.dir={first}"], env)
     said = longer.stdout + longer.stderr
     assert "goes on with the learning rates of the checkpoint it resumes: optim.optimizer.lr=0.01 " \
