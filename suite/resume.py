@@ -86,6 +86,53 @@ def free_to_change(key: str) -> bool:
     return parts[-1] in OPERATIONAL | START_ONLY or any(part in EVALUATION for part in parts)
 
 
+def recipe_differences(cfg, saved) -> tuple[dict, dict, dict, list[str]] | None:
+    """``(before, now, given, differ)``: the :data:`RECIPE` leaves of the run config ``saved`` (a checkpoint's run's
+    ``resolved_config.yaml``) and of ``cfg`` (resolved, and as given), and the keys whose values differ, less those
+    :func:`free_to_change`; None when ``saved`` cannot be read."""
+    from omegaconf import OmegaConf
+
+    from suite.checkpoints import leaves
+
+    def recipe(config, resolve: bool = True) -> dict:  # {dotted key: value} of the RECIPE sections
+        return {key: value for section in RECIPE if config.get(section) is not None
+                for key, value in leaves(OmegaConf.to_container(config[section], resolve=resolve), f"{section}.")}
+
+    try:
+        before = recipe(OmegaConf.load(saved))
+    except Exception:  # noqa: BLE001 - missing or unreadable
+        return None
+    now, given = recipe(cfg), recipe(cfg, resolve=False)
+    return before, now, given, sorted(k for k in set(before) & set(now) if before[k] != now[k]
+                                      and not free_to_change(k))
+
+
+def sources(keys: list[str], given: dict) -> list[str]:
+    """``keys`` less the values interpolated from another (``task.input_points: ${data.npoints}`` differs with its
+    source, which is named), unless only those differ."""
+    return [k for k in keys if not (isinstance(given.get(k), str) and "${" in given[k])] or keys
+
+
+def warn_tested_recipe(cfg, ckpt: str) -> None:
+    """Warn when ``mode=test`` (``eval``) tests checkpoint ``ckpt`` under other ``model``, ``task`` or ``data``
+    values than its run was trained with (a number of neighbours, of points, an augmentation of the test data): the
+    weights fit, so nothing failed, and a test command that left out an option its training run was given
+    (``model.neighbours=16``, an ``experiment=``) measured the network under the defaults, silently. Testing under
+    other values is an experiment of its own (robustness to fewer points), so it is not refused; the record
+    (``resolved_config.yaml`` of the test) names the values it used."""
+    from suite.checkpoints import run_config_of
+
+    if (saved := run_config_of(ckpt)) is None or (found := recipe_differences(cfg, saved)) is None:
+        return
+    before, now, given, differ = found
+    named = sources([k for k in differ if not k.startswith("optim.")], given)
+    if named:
+        log.warning("%s is tested under other values than its run (%s) was trained with: %s. To test it as it was "
+                    "trained, pass its values (%s).", ckpt, saved.parent,
+                    ", ".join(f"{k}={before[k]!r} (this command: {now[k]!r})" for k in named),
+                    " ".join(f"{k}={before[k]}" for k in named))
+
+
 def check_same_recipe(cfg, run_dir: Path, *, resume: bool, slurm_restart: bool) -> None:
     """Refuse a training run that loads a checkpoint (``resume=true``, ``ckpt_path=last``, a requeued job, or
     ``ckpt_path=<file>``) under another recipe than that checkpoint's run was trained with (the :data:`RECIPE`
@@ -102,7 +149,7 @@ def check_same_recipe(cfg, run_dir: Path, *, resume: bool, slurm_restart: bool) 
     has are not compared (a key a later version of the suite added)."""
     from omegaconf import OmegaConf
 
-    from suite.checkpoints import leaves, run_config_of
+    from suite.checkpoints import run_config_of
 
     ckpt = cfg.get("ckpt_path")
     if ckpt not in (None, "last"):
@@ -112,16 +159,9 @@ def check_same_recipe(cfg, run_dir: Path, *, resume: bool, slurm_restart: bool) 
     else:
         return  # nothing loaded: a fresh start
 
-    def recipe(config, resolve: bool = True) -> dict:  # {dotted key: value} of the RECIPE sections
-        return {key: value for section in RECIPE if config.get(section) is not None
-                for key, value in leaves(OmegaConf.to_container(config[section], resolve=resolve), f"{section}.")}
-
-    try:
-        before = recipe(OmegaConf.load(saved))
-    except Exception:  # noqa: BLE001 - no readable config beside the checkpoint: nothing to compare
-        return
-    now, given = recipe(cfg), recipe(cfg, resolve=False)
-    differ = sorted(k for k in set(before) & set(now) if before[k] != now[k] and not free_to_change(k))
+    if (found := recipe_differences(cfg, saved)) is None:
+        return  # no readable config beside the checkpoint: nothing to compare
+    before, now, given, differ = found
 
     def follows(key):  # the trainer option this value is an interpolation of (T_max: ${trainer.max_epochs}), or None
         source = given.get(key)
@@ -131,9 +171,7 @@ def check_same_recipe(cfg, run_dir: Path, *, resume: bool, slurm_restart: bool) 
         return None
 
     kept = [k for k in differ if follows(k)]
-    # A value interpolated from another (task.input_points: ${data.npoints}) differs with its source, which is named
-    differ = [k for k in differ if k not in kept]
-    named = [k for k in differ if not (isinstance(given.get(k), str) and "${" in given[k])] or differ
+    named = sources([k for k in differ if k not in kept], given)
     if named:
         said = ", ".join(f"{k}={before[k]!r} (this command: {now[k]!r})" for k in named[:8]) + (
             f", and {len(named) - 8} more" if len(named) > 8 else "")

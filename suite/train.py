@@ -140,6 +140,10 @@ def fit_and_test(cfg: DictConfig, composed, run_dir: Path, out_dir: Path, starte
     identity = {"task": cfg.task.name, "attn": config["attn"]}
     if ckpt:
         check_checkpoint(ckpt, identity, module, config)
+        if cfg.mode != "train" and is_rank_zero():
+            from suite.resume import warn_tested_recipe
+
+            warn_tested_recipe(cfg, ckpt)
     # A resumed run (ckpt_path=last, resume=true, a requeued SLURM job) logs into the W&B run it started, whose id
     # is kept beside its checkpoints, and keeps its CSV history up to the step it resumes from.
     resuming = cfg.mode == "train" and ckpt is not None

@@ -287,11 +287,20 @@ def test_test_mode_reproduces_the_tested_checkpoint(wandb_run, env, tmp_path):
     out, _ = wandb_run
     trained = json.loads((out / "metrics.json").read_text())
     # One epoch: the best checkpoint is the last one, so testing last.ckpt must give the same numbers.
-    run([*TINY, "mode=test", f"ckpt_path={out / 'checkpoints' / 'last.ckpt'}", "logger=none",
-         f"hydra.run.dir={tmp_path}"], env)
+    last = out / "checkpoints" / "last.ckpt"
+    proc = run([*TINY, "mode=test", f"ckpt_path={last}", "logger=none", "data.eval_batch_size=5",
+                f"hydra.run.dir={tmp_path}"], env)
+    assert "tested under other values" not in proc.stdout + proc.stderr
     tested = json.loads((tmp_path / "metrics.json").read_text())
     assert tested["test/oa"] == pytest.approx(trained["test/oa"])
     assert tested["test/loss"] == pytest.approx(trained["test/loss"], rel=1e-5)
+    # A test command that leaves out a training option the weights do not depend on (experiment=demo's 16 neighbours)
+    # tested the network under the default, silently: now it says so (not refused: an experiment of its own).
+    proc = run([*TINY, "model.neighbours=8", "mode=test", f"ckpt_path={last}", "logger=none",
+                f"hydra.run.dir={tmp_path / 'other'}"], env)
+    assert (f"{last} is tested under other values than its run ({out}) was trained with: model.neighbours=16 "
+            "(this command: 8). To test it as it was trained, pass its values (model.neighbours=16).") \
+        in proc.stdout + proc.stderr
 
 
 @pytest.mark.xdist_group("runs")
