@@ -107,15 +107,22 @@ def recipe_differences(cfg, saved) -> tuple[dict, dict, dict, list[str]] | None:
                                       and not free_to_change(k))
 
 
-def sources(keys: list[str], given: dict) -> list[str]:
-    """``keys`` less the values interpolated from another (``task.input_points: ${data.npoints}`` differs with its
-    source, which is named), unless only those differ."""
-    return [k for k in keys if not (isinstance(given.get(k), str) and "${" in given[k])] or keys
+def sources(keys: list[str], given: dict, before: dict) -> list[str]:
+    """``keys`` with each value interpolated from another (``task.input_points: ${data.npoints}``) replaced by its
+    source, the option a user passes; one that is not a plain option of the recipe is kept as it is."""
+    out = []
+    for key in keys:
+        source = given.get(key)
+        if isinstance(source, str) and source.startswith("${") and source.endswith("}") and source[2:-1] in before:
+            key = source[2:-1]
+        if key not in out:
+            out.append(key)
+    return out
 
 
 def warn_tested_recipe(cfg, ckpt: str) -> None:
-    """Warn when ``mode=test`` (``eval``) tests checkpoint ``ckpt`` under other ``model``, ``task`` or ``data``
-    values than its run was trained with (a number of neighbours, of points, an augmentation of the test data): the
+    """Warn when ``mode=test`` (``eval``) tests checkpoint ``ckpt`` under other ``model`` or ``task`` values than
+    its run was trained with (a number of neighbours, of points: ``task.input_points``): the
     weights fit, so nothing failed, and a test command that left out an option its training run was given
     (``model.neighbours=16``, an ``experiment=``) measured the network under the defaults, silently. Testing under
     other values is an experiment of its own (robustness to fewer points), so it is not refused; the record
@@ -125,7 +132,8 @@ def warn_tested_recipe(cfg, ckpt: str) -> None:
     if (saved := run_config_of(ckpt)) is None or (found := recipe_differences(cfg, saved)) is None:
         return
     before, now, given, differ = found
-    named = sources([k for k in differ if not k.startswith("optim.")], given)
+    # the network and its task's computation; data values are mostly the training split's (its augmentation, size)
+    named = sources([k for k in differ if k.startswith(("model.", "task."))], given, before)
     if named:
         log.warning("%s is tested under other values than its run (%s) was trained with: %s. To test it as it was "
                     "trained, pass its values (%s).", ckpt, saved.parent,
@@ -171,7 +179,7 @@ def check_same_recipe(cfg, run_dir: Path, *, resume: bool, slurm_restart: bool) 
         return None
 
     kept = [k for k in differ if follows(k)]
-    named = sources([k for k in differ if k not in kept], given)
+    named = sources([k for k in differ if k not in kept], given, before)
     if named:
         said = ", ".join(f"{k}={before[k]!r} (this command: {now[k]!r})" for k in named[:8]) + (
             f", and {len(named) - 8} more" if len(named) > 8 else "")
