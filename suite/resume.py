@@ -195,8 +195,9 @@ def check_same_recipe(cfg, run_dir: Path, *, resume: bool, slurm_restart: bool) 
         raise UserError(
             f"{where} trained with {said}. {' '.join(why)} To continue it, pass the values it was trained with "
             f"({' '.join(f'{k}={before[k]}' for k in named)}). To train on from its weights under this command's "
-            f"values, start a new run from them instead: `model.weights={weights}` (the GAN: model.g_weights=), "
-            "without resume=true or ckpt_path, in a new folder.")
+            f"values, start a new run from them instead: `model.weights={weights}` (the GAN: "
+            f"`model.g_weights={weights} model.d_weights={weights}`), without resume=true or ckpt_path, in a new "
+            "folder.")
     for key in kept:  # the run's length changed: the schedule keeps the checkpoint's, and the record says so
         OmegaConf.update(cfg, key, before[key], merge=False)
     if kept:
