@@ -35,14 +35,27 @@ def adjust_trainer_kwargs(trainer: MutableMapping, module) -> None:
         trainer["sync_batchnorm"] = False
 
 
-def check_launch(trainer) -> None:
+def check_launch(trainer, strategy: str | None = None) -> None:
     """Refuse a local multirun that would start DDP processes itself: Lightning re-runs the command line per
-    process, which inside ``-m`` would start the whole sweep again."""
+    process, which inside ``-m`` would start the whole sweep again. Refuse a strategy that spawns or forks its
+    processes (``strategy``: the ``trainer.strategy`` given, for the message)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
     from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
+    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+
     launcher = getattr(trainer.strategy, "launcher", None)
+    if isinstance(launcher, _MultiProcessingLauncher):
+        # The run (its checks, callbacks, record) lives in this process; spawned or forked processes train apart
+        raise UserError(
+            f"trainer.strategy={strategy or type(trainer.strategy).__name__} starts its processes from this one "
+            f"(start method '{launcher._start_method}', as ddp_spawn, ddp_fork and ddp_notebook do), and a run of "
+            "the suite is not built for that: ddp_spawn cannot start (this run's state cannot be pickled), and under "
+            "ddp_fork the training happened in the forked processes while this one, which writes the run's record, "
+            "saw none of it. Use trainer=ddp (Lightning's ddp strategy, which starts each process by running this command "
+            "again; under SLURM or torchrun the processes are started for it), e.g. `python run.py trainer=ddp "
+            "trainer.devices=2`.")
     starts_processes = (isinstance(launcher, _SubprocessScriptLauncher) and trainer.world_size > 1
                         and not trainer.strategy.cluster_environment.creates_processes_externally)
     if starts_processes and HydraConfig.get().mode == RunMode.MULTIRUN:

@@ -318,7 +318,7 @@ def build_trainer(config: dict, module, out_dir: Path, loggers: list, identity: 
     plugins = list(trainer_kwargs.pop("plugins", None) or []) + [SafeCheckpointIO()]
     trainer = L.Trainer(**trainer_kwargs, callbacks=callbacks, logger=loggers or False, plugins=plugins,
                         default_root_dir=str(out_dir))
-    check_launch(trainer)
+    check_launch(trainer, str(trainer_kwargs.get("strategy") or "") or None)
     return trainer, {"best": best, "guard": guard, "meter": meter, "compiler": compiler, "record": record,
                      "stop": stop}
 

@@ -98,6 +98,14 @@ def test_bad_scaling_rule_and_ddp_inside_a_local_multirun_are_refused(env, tmp_p
                "optim.scale_lr", "linear", "sqrt")
     user_error(["-m", *TINY, *DDP, "attn=self,external", f"hydra.sweep.dir={tmp_path / 'b'}"], env,
                "trainer=ddp", "multirun", "hydra/launcher=slurm")
+    # Strategies that start their processes from this one: ddp_spawn failed with a traceback (a lock cannot be
+    # pickled), ddp_fork trained in the forked processes and then said "took no training step" (exit 2, the wrong
+    # message), the run's record having seen none of it.
+    for strategy, method in (("ddp_spawn", "spawn"), ("ddp_fork", "fork")):
+        user_error([*TINY, *DDP, f"++trainer.strategy={strategy}", "logger=none",
+                    f"hydra.run.dir={tmp_path / strategy}"], env,
+                   f"trainer.strategy={strategy} starts its processes from this one (start method '{method}'",
+                   "Use trainer=ddp")
 
 
 # A config callback, importable by every process (Lightning starts the others as `python run.py ...`, so it lives in
