@@ -53,9 +53,9 @@ def check_launch(trainer, strategy: str | None = None) -> None:
             f"(start method '{launcher._start_method}', as ddp_spawn, ddp_fork and ddp_notebook do), and a run of "
             "the suite is not built for that: ddp_spawn cannot start (this run's state cannot be pickled), and under "
             "ddp_fork the training happened in the forked processes while this one, which writes the run's record, "
-            "saw none of it. Use trainer=ddp (Lightning's ddp strategy, which starts each process by running this command "
-            "again; under SLURM or torchrun the processes are started for it), e.g. `python run.py trainer=ddp "
-            "trainer.devices=2`.")
+            "saw none of it. Use trainer=ddp (Lightning's ddp strategy, which starts each process by running this "
+            "command again; under SLURM or torchrun the processes are started for it), e.g. `python run.py "
+            "trainer=ddp trainer.devices=2`.")
     starts_processes = (isinstance(launcher, _SubprocessScriptLauncher) and trainer.world_size > 1
                         and not trainer.strategy.cluster_environment.creates_processes_externally)
     if starts_processes and HydraConfig.get().mode == RunMode.MULTIRUN:
