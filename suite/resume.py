@@ -353,6 +353,31 @@ def reseed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+class SupersededRecord(L.pytorch.callbacks.Callback):
+    """A finished run resumed to train longer (``resume=true`` with a higher ``trainer.max_epochs``) sets its
+    ``metrics.json`` aside as ``metrics-step<N>.json`` (N: the step it had finished at) when it takes its first
+    training step, on the first process. The file stayed in place while the run trained on: killed before its new
+    end, the folder held the record of its earlier end beside a ``resolved_config.yaml`` of the new length and
+    checkpoints far past it, and ``mode=report`` (or a job script that takes ``metrics.json`` as "finished") counted
+    it as a finished run of the new length with the earlier numbers. Resumed at its end with nothing to train (the
+    same length), nothing is moved and the record is kept (:func:`suite.train.finished_already`)."""
+
+    def __init__(self, out_dir: Path):
+        self.out_dir = Path(out_dir)
+        self.checked = False
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.checked:
+            return
+        self.checked = True
+        record = self.out_dir / "metrics.json"
+        if trainer.is_global_zero and record.is_file():
+            kept = self.out_dir / f"metrics-step{trainer.global_step}.json"
+            record.replace(kept)
+            log.info("this run had finished at step %d and trains on: the record of that end is kept as %s, and "
+                     "metrics.json is written when it ends again", trainer.global_step, kept)
+
+
 class FitState(L.pytorch.callbacks.Callback):
     """A callback whose checkpointed state is the fit's record: restored when a fit resumes from a checkpoint,
     left alone when a checkpoint is tested. Subclasses load it in :meth:`load_fit_state`.

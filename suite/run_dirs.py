@@ -141,7 +141,7 @@ def check_fresh_run(run_dir: Path, *, resume: bool, ckpt_path: str | None, overw
     if not delete:
         return
     log.warning("overwrite=true: deleting the previous run's results in %s (%s)", run_dir, ", ".join(found))
-    for path in [*run_dir.glob("hpc_ckpt_*.ckpt"), run_dir / "metrics.json"]:
+    for path in [*run_dir.glob("hpc_ckpt_*.ckpt"), run_dir / "metrics.json", *run_dir.glob("metrics-step*.json")]:
         path.unlink(missing_ok=True)
     tests = [p.name for p in run_dir.glob("test-*") if p.is_dir()]  # the records of tests of its checkpoints
     for folder in ("checkpoints", "csv", "wandb_fallback", *tests):

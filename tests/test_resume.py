@@ -142,6 +142,43 @@ def test_resuming_a_finished_run_keeps_its_record(env, tmp_path):
     assert tested["train_samples_per_sec"] == pytest.approx(first["train_samples_per_sec"], rel=1e-9)
 
 
+SIGTERM_AFTER_A_STEP = """
+import os, signal
+import lightning as L
+
+class SigtermAfterAStep(L.Callback):  # as a scheduler stops a job: SIGTERM, here after one training step
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        os.kill(os.getpid(), signal.SIGTERM)
+"""
+
+
+def test_a_finished_run_that_trains_on_sets_its_record_aside(env, tmp_path):
+    """`resume=true trainer.max_epochs=<more>` trains a finished run longer. Its metrics.json stayed in place while
+    it trained: stopped before its new end, the folder held the earlier end's numbers beside a resolved_config.yaml
+    of the new length and checkpoints past it, and mode=report read it as a finished run of the new length. The
+    record is now set aside as metrics-step<N>.json at the first step, byte for byte; the report leaves the stopped
+    run out; metrics.json comes back when the run ends again."""
+    (tmp_path / "sigterm_after_a_step.py").write_text(SIGTERM_AFTER_A_STEP)
+    env = {**env, "PYTHONPATH": os.pathsep.join([str(tmp_path), *filter(None, [env.get("PYTHONPATH")])])}
+    folder = tmp_path / "run"
+    args = [*TINY, "logger=csv", f"hydra.run.dir={folder}"]
+    run(args, env)
+    written = (folder / "metrics.json").read_bytes()
+    step = torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
+    stopped = run([*args, "trainer.max_epochs=3", "resume=true",
+                   "+callbacks.stop._target_=sigterm_after_a_step.SigtermAfterAStep"], env, check=False)
+    assert stopped.returncode == 143, stopped.stderr[-2000:]
+    assert not (folder / "metrics.json").exists()
+    assert (folder / f"metrics-step{step}.json").read_bytes() == written
+    assert f"the record of that end is kept as {folder / f'metrics-step{step}.json'}" in stopped.stdout + stopped.stderr
+    report = run(["mode=report", f"report.runs={folder}", f"report.out={tmp_path / 'report'}", "logger=none"], env,
+                 check=False)
+    assert report.returncode == 2 and f"{folder}: no metrics.json" in report.stderr
+    run([*args, "trainer.max_epochs=3", "resume=true"], env)
+    assert json.loads((folder / "metrics.json").read_text())["test/oa"] >= 0
+    assert (folder / f"metrics-step{step}.json").read_bytes() == written
+
+
 def test_a_checkpoint_is_trained_on_only_under_its_own_recipe(env, tmp_path):
     """Lightning restores a checkpoint's optimizer and scheduler states: resumed with optim.optimizer.lr=0.5 the run
     went on at 0.01 while resolved_config.yaml and the checkpoint's hyper-parameters said 0.5. Such a command is
