@@ -69,20 +69,26 @@ def newest_checkpoint(out_dir: Path) -> Path | None:
 # The config sections that make up a run's recipe, compared when a run trains on from a checkpoint
 # (:func:`check_same_recipe`); ``attn`` is checked against the checkpoint itself (suite.checkpoints), the seed and
 # data set by suite.run_dirs.check_same_run.
-RECIPE = ("optim", "model", "task", "data")
+RECIPE = ("optim", "model", "task", "data", "monitor")
 # Leaves a run may change when it trains on: where files are and how they are read (the OPERATIONAL keys of
 # suite.checkpoints, data.batch_size included: the advice for a run out of memory is a smaller batch, then
 # resume=true), the weights a fresh run starts from (a checkpoint replaces them), what is logged, and how the
-# network is evaluated (tests and validation, whose settings each record's protocol names).
+# network is tested (whose settings each record's protocol names), less the options validation uses too
+# (a task's ``validation_options``: they decide which checkpoint is the best).
 START_ONLY = {"pretrained", "d_weights", "g_ema_weights"}
 EVALUATION = {"eval", "metrics", "val_samples", "test_samples", "grid_per_class", "log_samples", "log_images"}
 
 
-def free_to_change(key: str) -> bool:
-    """Whether leaf ``key`` (``data.num_workers``, ``task.eval.votes``) may differ in a run that trains on."""
+def free_to_change(key: str, validation: tuple[str, ...] = ()) -> bool:
+    """Whether leaf ``key`` (``data.num_workers``, ``task.eval.votes``) may differ in a run that trains on;
+    ``validation``: the task's ``validation_options`` (``eval.mode``), which may not (also as ``task.eval.mode``,
+    the task's copy)."""
     from suite.checkpoints import OPERATIONAL
 
     parts = key.split(".")
+    bare = key.removeprefix("task.")
+    if any(bare == option or bare.startswith(option + ".") for option in validation):
+        return False
     return parts[-1] in OPERATIONAL | START_ONLY or any(part in EVALUATION for part in parts)
 
 
@@ -103,20 +109,35 @@ def recipe_differences(cfg, saved) -> tuple[dict, dict, dict, list[str]] | None:
     except Exception:  # noqa: BLE001 - missing or unreadable
         return None
     now, given = recipe(cfg), recipe(cfg, resolve=False)
+    validation = validation_options(cfg)
     return before, now, given, sorted(k for k in set(before) & set(now) if before[k] != now[k]
-                                      and not free_to_change(k))
+                                      and not free_to_change(k, validation))
 
 
-def sources(keys: list[str], given: dict, before: dict) -> list[str]:
-    """``keys`` with each value interpolated from another (``task.input_points: ${data.npoints}``) replaced by its
-    source, the option a user passes; one that is not a plain option of the recipe is kept as it is."""
-    out = []
+def validation_options(cfg) -> tuple[str, ...]:
+    """The ``validation_options`` of the task ``cfg`` runs (tasks.base.Task), () when it cannot be imported."""
+    from hydra.utils import get_class
+
+    try:
+        return tuple(get_class(str(cfg.task._target_)).validation_options)
+    except Exception:  # noqa: BLE001 - not a task class: its own error comes when it is built
+        return ()
+
+
+def sources(keys: list[str], given: dict) -> dict[str, str]:
+    """{the option a user passes: the key of ``keys`` it sets}: a value interpolated from another option, itself or
+    through a parent (``task.input_points: ${data.npoints}``, ``task.eval: ${eval}``), is named by that option."""
+    import re
+
+    out: dict[str, str] = {}
     for key in keys:
-        source = given.get(key)
-        if isinstance(source, str) and source.startswith("${") and source.endswith("}") and source[2:-1] in before:
-            key = source[2:-1]
-        if key not in out:
-            out.append(key)
+        parts, name = key.split("."), key
+        for n in range(len(parts), 0, -1):  # the leaf, then each parent
+            found = re.fullmatch(r"\$\{([A-Za-z_][\w.]*)\}", str(given.get(".".join(parts[:n]), "")))
+            if found:
+                name = ".".join([found.group(1), *parts[n:]])
+                break
+        out.setdefault(name, key)
     return out
 
 
@@ -133,12 +154,12 @@ def warn_tested_recipe(cfg, ckpt: str) -> None:
         return
     before, now, given, differ = found
     # the network and its task's computation; data values are mostly the training split's (its augmentation, size)
-    named = sources([k for k in differ if k.startswith(("model.", "task."))], given, before)
+    named = sources([k for k in differ if k.startswith(("model.", "task."))], given)
     if named:
         log.warning("%s is tested under other values than its run (%s) was trained with: %s. To test it as it was "
                     "trained, pass its values (%s).", ckpt, saved.parent,
-                    ", ".join(f"{k}={before[k]!r} (this command: {now[k]!r})" for k in named),
-                    " ".join(f"{k}={before[k]}" for k in named))
+                    ", ".join(f"{n}={before[k]!r} (this command: {now[k]!r})" for n, k in named.items()),
+                    " ".join(f"{n}={before[k]}" for n, k in named.items()))
 
 
 def check_same_recipe(cfg, run_dir: Path, *, resume: bool, slurm_restart: bool) -> None:
@@ -179,23 +200,23 @@ def check_same_recipe(cfg, run_dir: Path, *, resume: bool, slurm_restart: bool) 
         return None
 
     kept = [k for k in differ if follows(k)]
-    named = sources([k for k in differ if k not in kept], given, before)
+    named = sources([k for k in differ if k not in kept], given)
     if named:
-        said = ", ".join(f"{k}={before[k]!r} (this command: {now[k]!r})" for k in named[:8]) + (
+        said = ", ".join(f"{n}={before[k]!r} (this command: {now[k]!r})" for n, k in list(named.items())[:8]) + (
             f", and {len(named) - 8} more" if len(named) > 8 else "")
         why = []
-        if any(k.startswith("optim.") for k in named):
+        if any(k.startswith("optim.") for k in named.values()):
             why.append("Training from that checkpoint goes on with its own optimizer and schedule, restored from it: "
                        "this command's optim values would be recorded as the run's and not used.")
-        if any(not k.startswith("optim.") for k in named):
-            why.append("It would train on under this command's model, task and data values, and its record "
-                       "(resolved_config.yaml, metrics.json, W&B) would name them alone, for a network trained "
-                       "under both.")
+        if any(not k.startswith("optim.") for k in named.values()):
+            why.append("It would train on under this command's model, task, data or validation values, and its "
+                       "record (resolved_config.yaml, metrics.json, W&B) would name them alone, for a network "
+                       "trained under both (its best checkpoint chosen among validations under both).")
         weights = ckpt if ckpt not in (None, "last") else str(run_dir / "checkpoints" / "last.ckpt")
         raise UserError(
             f"{where} trained with {said}. {' '.join(why)} To continue it, pass the values it was trained with "
-            f"({' '.join(f'{k}={before[k]}' for k in named)}). To train on from its weights under this command's "
-            f"values, start a new run from them instead: `model.weights={weights}` (the GAN: "
+            f"({' '.join(f'{n}={before[k]}' for n, k in named.items())}). To train on from its weights under this "
+            f"command's values, start a new run from them instead: `model.weights={weights}` (the GAN: "
             f"`model.g_weights={weights} model.d_weights={weights}`), without resume=true or ckpt_path, in a new "
             "folder.")
     for key in kept:  # the run's length changed: the schedule keeps the checkpoint's, and the record says so

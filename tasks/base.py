@@ -11,6 +11,8 @@ subclass that fills these in (nothing is looked up with ``getattr``):
   by default those of ``summaries()``;
 - ``ddp_find_unused_parameters``: whether DDP must look for parameters without gradients (a GAN's D update
   leaves G out);
+- ``validation_options``: the ``eval.*`` / ``metrics.*`` options its validation uses (a resumed run keeps
+  them: they decide the best checkpoint);
 - ``weights_options``: which ``model.<option>=PATH`` loads published weights into which of its networks
   (``{"weights": "net"}`` by default); the runtime takes these options out of ``model`` before building the
   task and then calls :meth:`Task.load_weights` (``tasks/nets/weights.py`` reads the files).
@@ -52,6 +54,10 @@ class Task(L.LightningModule):
     also_best: ClassVar[Mapping[str, str]] = {}
     # model.<option> -> the attribute (dotted) of the network its weights file is loaded into.
     weights_options: ClassVar[Mapping[str, str]] = {"weights": "net"}
+    # Evaluation options (under eval / metrics) that validation uses too, so that they decide the best checkpoint:
+    # a run trains on from a checkpoint only under its own (suite.resume.check_same_recipe), while options of the
+    # test alone (a number of votes) may change.
+    validation_options: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

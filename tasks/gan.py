@@ -115,6 +115,8 @@ class GAN(Task):
     layout = "grid"
     # StudioGAN releases G, D and G_ema as separate files; G's weights also start the EMA unless it has its own.
     weights_options = {"g_weights": "G", "d_weights": "D", "g_ema_weights": "G_ema.module"}
+    # validation's FID and IS (the best checkpoint's choice) depend on these
+    validation_options = ("metrics.num_samples", "metrics.reference_samples", "metrics.isc_splits")
 
     # Under DDP each backward pass leaves one network without gradients (D's update does not reach G).
     ddp_find_unused_parameters = True

@@ -64,6 +64,7 @@ def param_groups(net: nn.Module, weight_decay: float) -> list[dict]:
 class Segmentation(Task):
     layout = "grid"
     weights_options = {}  # model.weights is the backbone's, loaded by SegNet itself
+    validation_options = ("eval.mode", "eval.stride", "eval.scales", "eval.flip")  # validation infers as the test
 
     def __init__(self, num_classes: int, class_names: Sequence[str], model: Mapping, attn: Mapping,
                  optim: Mapping, mean: Sequence[float] = (0.485, 0.456, 0.406),

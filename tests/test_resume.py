@@ -209,7 +209,7 @@ def test_a_checkpoint_is_trained_on_only_under_its_own_recipe(env, tmp_path):
                       "eval.votes=2", "logger=csv", "resume=true", f"hydra.run.dir={first}"], env,
                      f"hydra.run.dir={first} holds a run trained with data.npoints=256 (this command: 128), "
                      "model.dropout=0.5 (this command: 0.1), task.label_smoothing=0.2 (this command: 0). It would "
-                     "train on under this command's model, task and data values",
+                     "train on under this command's model, task, data or validation values",
                      "(data.npoints=256 model.dropout=0.5 task.label_smoothing=0.2)",
                      f"model.weights={first}/checkpoints/last.ckpt")
     assert "input_points" not in err and "num_workers" not in err and "votes" not in err and "optim" not in err
@@ -246,6 +246,11 @@ def test_gan_resumed_mid_epoch_continues_where_it_stopped(env, tmp_path):
             "trainer.accelerator=cpu"]  # the CPU; on a GPU: tests/gpu/test_cuda_tasks.py
     run([*args, "trainer.max_steps=6", f"hydra.run.dir={tmp_path / 'straight'}"], env)
     run([*args, "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'split'}"], env)
+    # Validation's FID of another number of samples would choose the best checkpoint among FIDs of two sizes (FID
+    # is biased by it): refused.
+    user_error([*args, "trainer.max_steps=6", "metrics.num_samples=8", "ckpt_path=last",
+                f"hydra.run.dir={tmp_path / 'split'}"], env,
+               "holds a run trained with metrics.num_samples=4 (this command: 8)", "(metrics.num_samples=4)")
     proc = run([*args, "trainer.max_steps=6", "ckpt_path=last", f"hydra.run.dir={tmp_path / 'split'}"], env)
     assert "resuming from" in proc.stdout + proc.stderr
     a = quality_metrics(json.loads((tmp_path / "straight" / "metrics.json").read_text()))
@@ -258,6 +263,22 @@ def test_gan_resumed_mid_epoch_continues_where_it_stopped(env, tmp_path):
     assert steps[0]["global_step"] == steps[1]["global_step"] == 6
     for key, value in steps[0]["state_dict"].items():  # G, D and the EMA generator, bit for bit
         assert torch.equal(value, steps[1]["state_dict"][key]), key
+
+
+def test_what_a_resumed_run_may_change():
+    """Where files are, batch sizes, logging and the test's options may change when a run trains on; the options a
+    task's validation uses too (they choose the best checkpoint) may not, also as the task's interpolated copy."""
+    from suite.resume import free_to_change
+    from tasks.segmentation import Segmentation
+
+    validation = Segmentation.validation_options
+    assert all(free_to_change(k, validation) for k in (
+        "data.root", "data.num_workers", "data.batch_size", "model.weights", "model.pretrained", "task.log_images",
+        "task.eval.every_n_steps", "data.val_samples"))
+    assert not any(free_to_change(k, validation) for k in (
+        "task.eval.mode", "task.eval.scales", "task.eval.flip", "model.dropout", "data.crop_size", "task.aux_weight"))
+    assert free_to_change("task.eval.scales") and not free_to_change("task.metrics.num_samples",
+                                                                     ("metrics.num_samples",))
 
 
 def test_history_survives_a_kill_while_its_header_widens(tmp_path, monkeypatch):
