@@ -645,6 +645,12 @@ class PCT(FoldingNetwork):
                             "(every point may be sampled).")
         if len(samples) != 2 or any(int(s) < 1 for s in samples):
             raise UserError(f"model.samples={list(samples)} must be two positive point counts, e.g. [512, 256].")
+        if embedding == "neighbor" and (samples[1] > samples[0] or not 1 <= neighbours <= samples[0]):
+            # the second stage samples its centres, and groups their neighbours, among the first stage's centres
+            raise UserError(f"model.samples={list(samples)} with model.neighbours={neighbours}: the second stage "
+                            "picks its centres and their neighbours among the first stage's centres, so it needs "
+                            "model.samples[1] <= model.samples[0] and 1 <= model.neighbours <= model.samples[0] "
+                            "(PCT: [512, 256] and 32).")
         self.embedding = embedding
         if embedding == "neighbor":
             self.embed = nn.Sequential(conv_bn(3, 64), conv_bn(64, 64))

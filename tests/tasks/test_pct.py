@@ -58,6 +58,10 @@ def test_bad_model_options_name_the_option():
         PCT(5, {"name": "offset"}, embedding="graph")
     with pytest.raises(attention.UserError, match="attn.heads"):
         PCT(5, {"name": "self", "heads": 3})
+    # the second stage samples among the first stage's centres: an FPS error or a kNN traceback before
+    for samples, neighbours in (([32, 64], 8), ([32, 16], 40), ([32, 16], 0)):
+        with pytest.raises(attention.UserError, match=r"model.samples\[1\] <= model.samples\[0\] and 1 <= "):
+            PCT(5, {"name": "offset"}, samples=samples, neighbours=neighbours)
 
 
 def test_label_smoothing_matches_reference_cal_loss():
