@@ -152,14 +152,22 @@ class OptimOptions:
 
 @dataclass
 class ModelOptions:
-    """The point networks' sampling options (``model`` of task=modelnet / shapenet; the other tasks' networks have
-    none of these keys): checked here, before any data is read, as the networks would only fail in their first
-    forward pass (``knn`` of 0 neighbours)."""
+    """The task networks' sizes and rates that the networks would only refuse in their first forward pass (``knn``
+    of 0 neighbours) or with torch's traceback (a dropout of 1.5), or take silently (a GAN without a latent): the
+    point networks' sampling (task=modelnet / shapenet), the heads' dropout (and segmentation's head width), the
+    GAN's latent and widths, the backbones' stochastic depth. Checked here, before any data is read; a task's network without a key skips it."""
 
     WHERE = "the model block of configs/task/<task>.yaml (or of the experiment file that sets it)"
 
     samples: list[int] = option("[512,256]", ge=1, note="the farthest-point-sampled centres of each stage")
     neighbours: int = option(32, ge=1, note="the nearest neighbours grouped around each centre")
+    dropout: float = option(0.5, ge=0, lt=1, note="the probability of zeroing an activation in the head")
+    head_channels: int = option(512, ge=1, note="the segmentation head's width")
+    z_dim: int = option(128, ge=1, note="the GAN's latent size")
+    g_channels: int = option(256, ge=1, note="the GAN generator's width")
+    d_channels: int = option(128, ge=1, note="the GAN discriminator's width")
+    drop_path_rate: float = option(0.1, ge=0, lt=1, note="stochastic depth of the transformer backbones")
+    token_drop: float = option(0.1, ge=0, lt=1, note="EAMLP's dropout on its token blocks")
 
 
 @dataclass

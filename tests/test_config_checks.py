@@ -101,6 +101,10 @@ def test_checkpoint_that_is_no_torch_file_is_named(env, absent_data, tmp_path): 
     (["task=gan", "data.val_samples=0"], ["data.val_samples=0"]),
     (["model.neighbours=0"], ["model.neighbours=0", "an integer >= 1", "`python run.py model.neighbours=32`"]),
     (["model.samples=[512,0]"], ["model.samples=[512, 0]", "a list of integers, each >= 1"]),
+    (["model.dropout=1.5"], ["model.dropout=1.5", "a number >= 0 and < 1"]),  # torch's traceback before
+    (["task=gan", "model.z_dim=0"], ["model.z_dim=0", "an integer >= 1"]),  # trained a GAN without a latent
+    (["task=segmentation", "data=blobs", "model.head_channels=0"], ["model.head_channels=0"]),
+    (["task=classification", "model.drop_path_rate=1"], ["model.drop_path_rate=1", "< 1"]),
     (["++trainer.limit_train_batches=1.5"], ["`python run.py ++trainer.limit_train_batches=0.25`"]),
     (["trainer.compile=maybe"], ["trainer.compile='maybe'", "true or false"]),
     (["trainer.compile_mode=fast"], ["trainer.compile_mode='fast'", "'reduce-overhead', 'max-autotune'"]),
