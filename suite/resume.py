@@ -99,6 +99,7 @@ def recipe_differences(cfg, saved) -> tuple[dict, dict, dict, list[str]] | None:
     from omegaconf import OmegaConf
 
     from suite.checkpoints import leaves
+    from suite.secrets import redact
 
     def recipe(config, resolve: bool = True) -> dict:  # {dotted key: value} of the RECIPE sections
         return {key: value for section in RECIPE if config.get(section) is not None
@@ -108,7 +109,9 @@ def recipe_differences(cfg, saved) -> tuple[dict, dict, dict, list[str]] | None:
         before = recipe(OmegaConf.load(saved))
     except Exception:  # noqa: BLE001 - missing or unreadable
         return None
-    now, given = recipe(cfg), recipe(cfg, resolve=False)
+    # this run's values as its resolved_config.yaml would hold them (credentials redacted: suite/secrets.py)
+    now = {k: redact(v, key=k.rsplit(".", 1)[-1]) for k, v in recipe(cfg).items()}
+    given = recipe(cfg, resolve=False)
     validation = validation_options(cfg)
     return before, now, given, sorted(k for k in set(before) & set(now) if before[k] != now[k]
                                       and not free_to_change(k, validation))

@@ -281,6 +281,26 @@ def test_what_a_resumed_run_may_change():
                                                                      ("metrics.num_samples",))
 
 
+
+def test_the_recipe_compares_credentials_as_they_were_written(tmp_path, monkeypatch):
+    """resolved_config.yaml holds credentials redacted (suite/secrets.py): this run's values are compared in that
+    form, so an option holding a token, or the value of a credential-like variable, does not differ from itself."""
+    from omegaconf import OmegaConf
+
+    from suite.resume import recipe_differences
+    from suite.secrets import redact
+
+    monkeypatch.setenv("MY_SERVICE_TOKEN", "tok-0123456789")
+    cfg = OmegaConf.create({"task": {"_target_": "tasks.modelnet.PointCloudClassification", "label_smoothing": 0.2},
+                            "model": {"api_key": "k-0123456789", "path": "/x/tok-0123456789", "dropout": 0.5}})
+    saved = tmp_path / "resolved_config.yaml"
+    saved.write_text(OmegaConf.to_yaml(OmegaConf.create(redact(OmegaConf.to_container(cfg)))))
+    assert "0123456789" not in saved.read_text()
+    assert recipe_differences(cfg, saved)[3] == []
+    cfg.model.dropout = 0.1
+    assert recipe_differences(cfg, saved)[3] == ["model.dropout"]
+
+
 def test_history_survives_a_kill_while_its_header_widens(tmp_path, monkeypatch):
     """A new metric name makes Lightning's CSV writer rewrite metrics.csv whole (a wider header). It opened the file
     for writing first, so a SIGKILL during the rewrite left it cut short, and the resumed run lost every row before
