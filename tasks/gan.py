@@ -110,6 +110,28 @@ def not_counted(optimizer):
         optimizer._on_before_step, optimizer._on_after_step = before, after
 
 
+def check_samples_folder(cfg) -> None:
+    """Refuse an ``eval.save_samples`` folder that holds files already, unless the run continues itself (a resumed
+    or requeued training run, which may have written part of them): the evaluation wrote ``<index>.png`` among them,
+    overwriting those of its numbers and leaving the others, so a folder scored again by another tool (the reason
+    to save them) mixed two evaluations, and an earlier evaluation's samples were lost."""
+    import os
+
+    folder = (cfg.get("eval") or {}).get("save_samples")
+    if not folder or not Path(str(folder)).is_dir():
+        return
+    continues = cfg.get("mode", "train") == "train" and (cfg.get("resume") or cfg.get("ckpt_path") or
+                                                         int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0)
+    held = sorted(p.name for p in Path(str(folder)).iterdir())
+    if held and not continues:
+        shown = ", ".join(held[:3]) + (f", ... ({len(held)} files)" if len(held) > 3 else "")
+        raise UserError(
+            f"eval.save_samples={folder} holds files already ({shown}): this evaluation's samples would be written "
+            "among them (000000.png, 000001.png, ...: those of the same numbers overwritten, the others left "
+            "beside them), and the folder would mix two evaluations. Give a new or empty folder, or delete this "
+            "one's files first.")
+
+
 class GAN(Task):
     """SAGAN-style conditional/unconditional GAN; batches ``{"image": (B, 3, H, W) in [-1, 1], "label": (B,)}``."""
     layout = "grid"
@@ -186,6 +208,7 @@ class GAN(Task):
                     f"draws subsets of that many images without replacement from the generated and the reference "
                     f"images. Lower it, set it to null (torch-fidelity's 1000, capped at the image counts), or turn "
                     f"KID off with metrics.kid=false.")
+        check_samples_folder(cfg)
         k = metrics.get("prc_neighborhood", 3)
         if metrics.get("prc", False) and (int(k) < 1 or any(int(k) >= v for v in counts.values())):
             raise UserError(

@@ -78,3 +78,29 @@ def test_first_of_each_drops_padding_duplicates():
     keep = first_of_each(index)
     assert index[keep].tolist() == [0, 1, 2, 3, 4]
     assert keep.tolist() == [1, 4, 2, 5, 0]
+
+
+def test_a_samples_folder_holding_files_is_refused(tmp_path, monkeypatch):
+    """eval.save_samples=DIR writes <index>.png: into a folder holding an earlier evaluation's 10 files, an
+    evaluation of 4 overwrote 4 of them and left 6, and the folder mixed the two. Refused when it holds anything,
+    unless the run continues itself (a resumed or requeued training run may have written part of them)."""
+    from omegaconf import OmegaConf
+
+    from attention.errors import UserError
+
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+
+    def checked(**cfg):
+        GAN.check_config(OmegaConf.create({"eval": {"save_samples": str(tmp_path / "samples")}, **cfg}))
+
+    checked(mode="eval")  # no folder yet
+    (tmp_path / "samples").mkdir()
+    checked(mode="eval")  # an empty one
+    (tmp_path / "samples" / "000000.png").write_bytes(b"")
+    for cfg in ({"mode": "eval"}, {"mode": "train"}, {"mode": "test", "ckpt_path": "x.ckpt"}):
+        with pytest.raises(UserError, match=r"eval.save_samples=.*samples holds files already \(000000.png\)"):
+            checked(**cfg)
+    checked(mode="train", resume=True)
+    checked(mode="train", ckpt_path="last")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    checked(mode="train")
