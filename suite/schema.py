@@ -155,7 +155,8 @@ class ModelOptions:
     """The task networks' sizes and rates that the networks would only refuse in their first forward pass (``knn``
     of 0 neighbours) or with torch's traceback (a dropout of 1.5), or take silently (a GAN without a latent): the
     point networks' sampling (task=modelnet / shapenet), the heads' dropout (and segmentation's head width), the
-    GAN's latent and widths, the backbones' stochastic depth. Checked here, before any data is read; a task's network without a key skips it."""
+    GAN's latent and widths, the backbones' stochastic depth. Checked here, before any data is read; a task's
+    network without a key skips it."""
 
     WHERE = "the model block of configs/task/<task>.yaml (or of the experiment file that sets it)"
 
