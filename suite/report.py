@@ -568,7 +568,19 @@ def versions_of(group: Group) -> dict:
             counts[key][str(value or "unknown")] += 1
     counts = {key: dict(seen) for key, seen in counts.items()}  # in the order first seen, as plain JSON objects
     return {**counts, "mixed": [k for k, seen in counts.items() if len(seen) > 1],
-            "uncommitted": any("+dirty" in version for version in counts["code"])}
+            "uncommitted": any("+dirty" in version for version in counts["code"]),
+            "resumed_under": changed_settings(group.runs)}
+
+
+def changed_settings(runs: list[Run]) -> list[str]:
+    """The settings (``batch_size``, ``precision``, ...) that some of ``runs`` changed when resumed
+    (``provenance.settings``: suite.resume.FitRecord): their configs hold the last part's alone."""
+    changed: list[str] = []
+    for run in runs:
+        parts = [p for p in (run.provenance or {}).get("settings") or [] if isinstance(p, dict)]
+        for part, after in zip(parts, parts[1:]):
+            changed += [k for k in after if k != "from_step" and after[k] != part.get(k) and k not in changed]
+    return changed
 
 
 def all_metrics(groups: list[Group], confidence: float) -> list[dict]:
@@ -631,7 +643,9 @@ def versions_text(rows: list[dict]) -> list[str]:
 
     def warnings(row: dict) -> list[str]:
         return ([f"its runs differ in {', '.join(row['mixed'])}"] if row["mixed"] else []) + (
-            ["uncommitted changes: the commit does not name the code"] if row["uncommitted"] else [])
+            ["uncommitted changes: the commit does not name the code"] if row["uncommitted"] else []) + (
+            [f"resumed under another {', '.join(row['resumed_under'])} (each part's: provenance.settings in "
+             "metrics.json)"] if row.get("resumed_under") else [])
 
     if not any(warnings(r) for r in rows) and len({text(r) for r in rows}) == 1:
         return [f"All runs: {text(rows[0])}."]

@@ -402,6 +402,18 @@ class SupersededRecord(L.pytorch.callbacks.Callback):
                      "metrics.json is written when it ends again", trainer.global_step, kept)
 
 
+# What a resumed run may train on under, besides its recipe (check_same_recipe), recorded per part by FitRecord
+PART_SETTINGS = ("batch_size", "processes", "accumulate_grad_batches", "precision", "gradient_clip_val")
+
+
+def part_settings(trainer) -> dict:
+    """The :data:`PART_SETTINGS` of the fit ``trainer`` runs (the batch per process, and what makes the global one)."""
+    batch = getattr(trainer.datamodule, "batch_size", None) if trainer.datamodule is not None else None
+    return {"batch_size": int(batch) if isinstance(batch, int) else None, "processes": int(trainer.world_size),
+            "accumulate_grad_batches": int(trainer.accumulate_grad_batches), "precision": str(trainer.precision),
+            "gradient_clip_val": trainer.gradient_clip_val}
+
+
 class FitState(L.pytorch.callbacks.Callback):
     """A callback whose checkpointed state is the fit's record: restored when a fit resumes from a checkpoint,
     left alone when a checkpoint is tested. Subclasses load it in :meth:`load_fit_state`.
@@ -438,6 +450,10 @@ class FitRecord(FitState):
     - ``steps``: the training steps taken in this process (0: the checkpoint was at the end of the fit already).
     - **The code** each part ran (``suite.run_record.code_version``): a run requeued after a commit continued under
       other code, and its ``metrics.json`` says so (:meth:`code`).
+    - **The settings** each part trained under that a resumed run may change (:data:`PART_SETTINGS`: the batch, the
+      number of processes, the accumulation, the precision, gradient clipping; the advice for a run out of memory
+      is a smaller batch or bf16, then ``resume=true``): its ``resolved_config.yaml`` holds the last part's alone,
+      so ``metrics.json`` lists every part's where they differ (:meth:`settings`) and ``mode=report`` flags it.
 
     Restored only when a fit resumes (:class:`FitState`): testing a checkpoint changes none of this."""
 
@@ -447,11 +463,23 @@ class FitRecord(FitState):
         self.saved: dict[str, float] = {}  # the fit's metrics in the checkpoint resumed from
         self.steps = 0
         self.earlier_code: list = []  # the code versions of the run's earlier parts (None: not recorded)
+        self.parts: list[dict] = []  # the settings of each part, with the step it started at
         self._trainer = None
 
     def setup(self, trainer, pl_module, stage):
         super().setup(trainer, pl_module, stage)
         self._trainer = trainer
+
+    def on_train_start(self, trainer, pl_module):
+        now = part_settings(trainer)
+        if self.parts and {k: v for k, v in self.parts[-1].items() if k != "from_step"} != now \
+                and trainer.is_global_zero:
+            log.warning("this run goes on under other settings than its part before: %s. Its resolved_config.yaml "
+                        "holds this part's; metrics.json lists each part's (provenance.settings).",
+                        ", ".join(f"{k} {self.parts[-1].get(k)} -> {v}" for k, v in now.items()
+                                  if self.parts[-1].get(k) != v))
+        if not self.parts or {k: v for k, v in self.parts[-1].items() if k != "from_step"} != now:
+            self.parts.append({"from_step": trainer.global_step, **now})
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.steps += 1
@@ -473,11 +501,17 @@ class FitRecord(FitState):
         parts = [*self.earlier_code, code_version()]
         return [v for i, v in enumerate(parts) if i == 0 or v != parts[i - 1]]
 
+    def settings(self) -> list[dict] | None:
+        """Each part's :data:`PART_SETTINGS` and the step it started at, when they changed between parts; None when
+        the run trained under one setting (or its earlier parts did not record theirs)."""
+        return [dict(p) for p in self.parts] if len(self.parts) > 1 else None
+
     def state_dict(self):
         metrics = floats(self._trainer.callback_metrics) if self._trainer is not None else {}
-        return {"seconds": self.seconds(), "metrics": metrics, "code": self.code()}
+        return {"seconds": self.seconds(), "metrics": metrics, "code": self.code(), "parts": self.parts}
 
     def load_fit_state(self, state_dict):
+        self.parts = [dict(p) for p in state_dict.get("parts", [])]  # none before they were recorded
         self.before = float(state_dict["seconds"])
         self.earlier_code = list(state_dict.get("code", [None]))  # a checkpoint from before this was recorded
         self.saved = {str(k): float(v) for k, v in state_dict.get("metrics", {}).items()}

@@ -237,15 +237,20 @@ def code_version() -> str | None:
     return commit + ("+dirty" if changes is None or changes else "")
 
 
-def provenance(device_type: str, code: list | None = None) -> dict:
+def provenance(device_type: str, code: list | None = None, settings: list | None = None) -> dict:
     """``metrics.json``'s ``provenance``: ``code``, the :func:`code_version` of each part of the run in order
-    (``suite.resume.FitRecord`` keeps the earlier parts'; default: this process's), ``torch``'s version, and
-    ``device``: the GPU's name, or ``cpu``. ``mode=report`` shows them per row and flags rows whose runs differ."""
+    (``suite.resume.FitRecord`` keeps the earlier parts'; default: this process's), ``torch``'s version,
+    ``device``: the GPU's name, or ``cpu``, and for a run resumed under another batch, number of processes,
+    accumulation, precision or clipping, ``settings``: each part's, with the step it started at. ``mode=report``
+    shows them per row and flags rows whose runs differ, or changed settings."""
     import torch
 
     device = torch.cuda.get_device_name() if device_type == "cuda" and torch.cuda.is_available() else device_type
-    return {"code": list(code) if code is not None else [code_version()], "torch": torch.__version__,
-            "device": device}
+    out = {"code": list(code) if code is not None else [code_version()], "torch": torch.__version__,
+           "device": device}
+    if settings:
+        out["settings"] = [dict(part) for part in settings]
+    return out
 
 
 def peak_memory(device_type: str) -> tuple[int, str]:
@@ -293,10 +298,10 @@ def eager_networks(compiled: bool):
 
 
 def record(module, config: dict, tested: str | None, device_type: str, wall_time: float, meter=None,
-           compiler=None, code: list | None = None) -> dict:
+           compiler=None, code: list | None = None, settings: list | None = None) -> dict:
     """The fields above for ``metrics.json`` (``wall_time``: the run's seconds, ``wall_time_s``; ``compiler``:
     the run's ``suite.compile.CompileNetworks``, or None when it compiled nothing; ``code``: the code version of
-    each of the run's parts, :func:`provenance`)."""
+    each of the run's parts, ``settings``: each part's where they changed, :func:`provenance`)."""
     out: dict = {"wall_time_s": wall_time}
     try:
         out["peak_memory_bytes"], out["peak_memory_source"] = peak_memory(device_type)
@@ -312,7 +317,7 @@ def record(module, config: dict, tested: str | None, device_type: str, wall_time
         log.warning("params/FLOPs not recorded in metrics.json: %s", err)
     out["protocol"] = protocol(config, tested)
     try:
-        out["provenance"] = provenance(device_type, code)
+        out["provenance"] = provenance(device_type, code, settings)
     except Exception as err:  # noqa: BLE001
         log.warning("provenance not recorded in metrics.json: %s", err)
     if compiler is not None:

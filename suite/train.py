@@ -192,7 +192,7 @@ def fit_and_test(cfg: DictConfig, composed, run_dir: Path, out_dir: Path, starte
         if trainer.is_global_zero:
             write_metrics(metrics, module, config, tested, trainer, parts["record"].seconds(),
                           parts["meter"] if cfg.mode == "train" else None, out_dir, loggers, parts["compiler"],
-                          parts["record"].code())
+                          parts["record"].code(), parts["record"].settings() if cfg.mode == "train" else None)
         close_loggers(loggers)
         return metrics
     except BaseException as err:
@@ -346,14 +346,16 @@ def finish_metrics(metrics: dict[str, float], guard, datamodule, trainer) -> dic
 
 
 def write_metrics(metrics: dict, module, config: dict, tested: str | None, trainer, wall_time: float, meter,
-                  out_dir: Path, loggers: list, compiler=None, code: list | None = None) -> None:
+                  out_dir: Path, loggers: list, compiler=None, code: list | None = None,
+                  settings: list | None = None) -> None:
     """``metrics.json`` (the metrics and, beside them, what mode=report needs: wall time, peak memory,
     params/FLOPs, throughput, protocol; with ``trainer.compile``, the compile time), printed too, and the run
     record sent to W&B."""
     from suite.checkpoint_io import atomic_write_text
     from suite.run_record import record
 
-    extra = record(module, config, tested, trainer.strategy.root_device.type, wall_time, meter, compiler, code)
+    extra = record(module, config, tested, trainer.strategy.root_device.type, wall_time, meter, compiler, code,
+                   settings)
     atomic_write_text(out_dir / "metrics.json", json.dumps({**metrics, **extra}, indent=2) + "\n")
     print("\n".join(f"{k:>24} {v:.4f}" for k, v in metrics.items()))
     print("\n".join(f"{k:>24} {v:.6g}" for k, v in extra.items() if isinstance(v, (int, float))))

@@ -231,6 +231,14 @@ def test_a_checkpoint_is_trained_on_only_under_its_own_recipe(env, tmp_path):
     assert "trainer.max_epochs=3 changes where it stops" in said
     assert "T_max: 1\n" in (first / "resolved_config.yaml").read_text()
     assert rates(first) == pytest.approx([0.01, 1e-4, 0.01])  # cosine with T_max=1: down, then back up
+    # Trained on under another accumulation: resolved_config.yaml holds the last part's, metrics.json each part's,
+    # and mode=report flags the row
+    assert "this run goes on under other settings than its part before: accumulate_grad_batches 1 -> 2" in said
+    parts = json.loads((first / "metrics.json").read_text())["provenance"]["settings"]
+    assert [(p["from_step"], p["accumulate_grad_batches"], p["batch_size"]) for p in parts] == [(0, 1, 4), (10, 2, 4)]
+    from suite.report import changed_settings, read_folders
+
+    assert changed_settings(read_folders([first])[0]) == ["accumulate_grad_batches"]
 
     third = tmp_path / "third"
     run([*recipe, *changed, f"model.weights={ckpt}", f"hydra.run.dir={third}"], env)  # what the message advises
