@@ -41,9 +41,8 @@ def check_launch(trainer, strategy: str | None = None) -> None:
     processes (``strategy``: the ``trainer.strategy`` given, for the message)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
-    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-
     from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
     launcher = getattr(trainer.strategy, "launcher", None)
     if isinstance(launcher, _MultiProcessingLauncher):

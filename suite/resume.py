@@ -146,8 +146,8 @@ def sources(keys: list[str], given: dict) -> dict[str, str]:
 
 def warn_tested_recipe(cfg, ckpt: str) -> None:
     """Warn when ``mode=test`` (``eval``) tests checkpoint ``ckpt`` under other ``model`` or ``task`` values than
-    its run was trained with (a number of neighbours, of points: ``task.input_points``): the
-    weights fit, so nothing failed, and a test command that left out an option its training run was given
+    its run was trained with (a number of neighbours; of points, through ``task.input_points``): the weights fit,
+    so nothing failed, and a test command that left out an option its training run was given
     (``model.neighbours=16``, an ``experiment=``) measured the network under the defaults, silently. Testing under
     other values is an experiment of its own (robustness to fewer points), so it is not refused; the record
     (``resolved_config.yaml`` of the test) names the values it used."""
@@ -190,7 +190,6 @@ def check_same_recipe(cfg, run_dir: Path, *, resume: bool, slurm_restart: bool) 
         where, saved = f"hydra.run.dir={run_dir} holds a run", run_dir / "resolved_config.yaml"
     else:
         return  # nothing loaded: a fresh start
-
     if (found := recipe_differences(cfg, saved)) is None:
         return  # no readable config beside the checkpoint: nothing to compare
     before, now, given, differ = found
@@ -472,14 +471,14 @@ class FitRecord(FitState):
 
     def on_train_start(self, trainer, pl_module):
         now = part_settings(trainer)
-        if self.parts and {k: v for k, v in self.parts[-1].items() if k != "from_step"} != now \
-                and trainer.is_global_zero:
+        before = {k: v for k, v in self.parts[-1].items() if k != "from_step"} if self.parts else None
+        if before == now:
+            return  # resumed under the settings of its part before: the same part goes on
+        if before is not None and trainer.is_global_zero:
             log.warning("this run goes on under other settings than its part before: %s. Its resolved_config.yaml "
                         "holds this part's; metrics.json lists each part's (provenance.settings).",
-                        ", ".join(f"{k} {self.parts[-1].get(k)} -> {v}" for k, v in now.items()
-                                  if self.parts[-1].get(k) != v))
-        if not self.parts or {k: v for k, v in self.parts[-1].items() if k != "from_step"} != now:
-            self.parts.append({"from_step": trainer.global_step, **now})
+                        ", ".join(f"{k} {before.get(k)} -> {v}" for k, v in now.items() if before.get(k) != v))
+        self.parts.append({"from_step": trainer.global_step, **now})
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.steps += 1
