@@ -92,10 +92,11 @@ def free_to_change(key: str, validation: tuple[str, ...] = ()) -> bool:
     return parts[-1] in OPERATIONAL | START_ONLY or any(part in EVALUATION for part in parts)
 
 
-def recipe_differences(cfg, saved) -> tuple[dict, dict, dict, list[str]] | None:
+def recipe_differences(cfg, saved, training: bool = True) -> tuple[dict, dict, dict, list[str]] | None:
     """``(before, now, given, differ)``: the :data:`RECIPE` leaves of the run config ``saved`` (a checkpoint's run's
     ``resolved_config.yaml``) and of ``cfg`` (resolved, and as given), and the keys whose values differ, less those
-    :func:`free_to_change`; None when ``saved`` cannot be read."""
+    :func:`free_to_change` (``training``: to train on, when the task's validation options are not; to test, they
+    are); None when ``saved`` cannot be read."""
     from omegaconf import OmegaConf
 
     from suite.checkpoints import leaves
@@ -112,7 +113,7 @@ def recipe_differences(cfg, saved) -> tuple[dict, dict, dict, list[str]] | None:
     # this run's values as its resolved_config.yaml would hold them (credentials redacted: suite/secrets.py)
     now = {k: redact(v, key=k.rsplit(".", 1)[-1]) for k, v in recipe(cfg).items()}
     given = recipe(cfg, resolve=False)
-    validation = validation_options(cfg)
+    validation = validation_options(cfg) if training else ()
     return before, now, given, sorted(k for k in set(before) & set(now) if before[k] != now[k]
                                       and not free_to_change(k, validation))
 
@@ -153,7 +154,7 @@ def warn_tested_recipe(cfg, ckpt: str) -> None:
     (``resolved_config.yaml`` of the test) names the values it used."""
     from suite.checkpoints import run_config_of
 
-    if (saved := run_config_of(ckpt)) is None or (found := recipe_differences(cfg, saved)) is None:
+    if (saved := run_config_of(ckpt)) is None or (found := recipe_differences(cfg, saved, training=False)) is None:
         return
     before, now, given, differ = found
     # the network and its task's computation; data values are mostly the training split's (its augmentation, size)

@@ -308,6 +308,13 @@ def test_the_recipe_compares_credentials_as_they_were_written(tmp_path, monkeypa
     cfg.model.dropout = 0.1
     assert recipe_differences(cfg, saved)[3] == ["model.dropout"]
 
+    # segmentation's validation infers with eval.scales: refused to train on under others, not warned to test with
+    seg = OmegaConf.create({"task": {"_target_": "tasks.segmentation.Segmentation", "eval": {"scales": [1.0]}}})
+    saved.write_text(OmegaConf.to_yaml(seg))
+    seg.task.eval.scales = [0.5, 1.0]
+    assert recipe_differences(seg, saved)[3] == ["task.eval.scales"]
+    assert recipe_differences(seg, saved, training=False)[3] == []
+
 
 def test_history_survives_a_kill_while_its_header_widens(tmp_path, monkeypatch):
     """A new metric name makes Lightning's CSV writer rewrite metrics.csv whole (a wider header). It opened the file
