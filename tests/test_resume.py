@@ -292,7 +292,8 @@ def test_what_a_resumed_run_may_change():
 
 def test_the_recipe_compares_credentials_as_they_were_written(tmp_path, monkeypatch):
     """resolved_config.yaml holds credentials redacted (suite/secrets.py): this run's values are compared in that
-    form, so an option holding a token, or the value of a credential-like variable, does not differ from itself."""
+    form, so an option holding a token, or the value of a credential-like variable, does not differ from itself.
+    Options of validation count to train on, not to test."""
     from omegaconf import OmegaConf
 
     from suite.resume import recipe_differences
