@@ -19,6 +19,10 @@ its own checks as a ``check_config(cfg)`` classmethod of ``tasks.base.Task`` (ca
   ``suite.schema``;
 - ``trainer.val_check_interval`` (batches) not a multiple of ``trainer.accumulate_grad_batches``; as a fraction of
   the epoch, checked when training starts (:func:`check_validation_batches`);
+- ``monitor`` (the metric and direction that choose the best checkpoint, which the test uses) naming a metric the
+  task's validation does not log, or the direction it does not improve in (``monitor.metric=val/loss
+  monitor.mode=max``), against the task's ``validation_metrics``: Lightning found the first at the end of the first
+  epoch (a traceback), and took the second as asked (the worst checkpoint tested, exit 0);
 - ``ckpt_path`` a file that is no torch checkpoint at all (``ckpt_path=/etc/passwd``);
 - a weights file of the task's ``weights_options`` (``model.weights=PATH``) that does not exist or is no torch
   file (whether its tensors fit the network is checked when they are loaded, after the data).
@@ -55,7 +59,34 @@ def validate_config(cfg: DictConfig, overrides: Iterable[str]) -> None:
     check_weights_files(cfg, task_cls)
     check_layout_options(cfg, overrides, task_cls.layout)
     check_eval_sizes(cfg)
+    check_monitor(cfg, task_cls)
     task_cls.check_config(cfg)
+
+
+def check_monitor(cfg: DictConfig, task_cls) -> None:
+    """``monitor.metric`` one of the metrics the task's validation logs, ``monitor.mode`` the direction it improves
+    in (module docstring). A task that declares no ``validation_metrics`` is not checked."""
+    monitor = cfg.get("monitor") or {}
+    metric, mode = monitor.get("metric"), monitor.get("mode")
+    logged = dict(task_cls.validation_metrics(cfg))
+    choices = ", ".join(f"{name} ({way})" for name, way in logged.items())
+    task = f"task={cfg.task.get('name', task_cls.__name__)}"
+    if mode not in ("max", "min"):
+        raise UserError(f"monitor.mode={mode!r} is not known: use max (a metric that improves upwards, such as an "
+                        "accuracy) or min (one that improves downwards, such as a loss)"
+                        + (f"; {task} validates {choices}." if logged else "."))
+    if not logged:
+        return
+    if metric not in logged:
+        raise UserError(f"monitor.metric={metric!r} is not a metric that {task}'s validation logs: it chooses the "
+                        "best checkpoint (the one the test uses), and the run would fail at its first validation, "
+                        f"its training until then lost. Choose one of {choices}, e.g. "
+                        f"`monitor.metric={next(iter(logged))} monitor.mode={next(iter(logged.values()))}`.")
+    if mode != logged[metric]:
+        better = "higher" if logged[metric] == "max" else "lower"
+        raise UserError(f"monitor.mode={mode} with monitor.metric={metric}, which is better {better}: the "
+                        f"\"best\" checkpoint, the one the test uses, would be the worst validation's. Use "
+                        f"`monitor.mode={logged[metric]}`.")
 
 
 def check_accumulation(trainer: DictConfig) -> None:

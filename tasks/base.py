@@ -13,6 +13,8 @@ subclass that fills these in (nothing is looked up with ``getattr``):
   leaves G out);
 - ``validation_options``: the ``eval.*`` / ``metrics.*`` options its validation uses (a resumed run keeps
   them: they decide the best checkpoint);
+- ``validation_metrics(cfg)``: the metrics each validation logs, with the direction they improve in: what
+  ``monitor`` may choose the best checkpoint by (checked at start-up, ``suite/validate.py``);
 - ``weights_options``: which ``model.<option>=PATH`` loads published weights into which of its networks
   (``{"weights": "net"}`` by default); the runtime takes these options out of ``model`` before building the
   task and then calls :meth:`Task.load_weights` (``tasks/nets/weights.py`` reads the files).
@@ -99,6 +101,13 @@ class Task(L.LightningModule):
     def check_config(cls, cfg) -> None:
         """Start-up checks of the composed config (``cfg``: the whole run config), before any data is read.
         Raise :class:`attention.errors.UserError` naming the option; the default checks nothing."""
+
+    @classmethod
+    def validation_metrics(cls, cfg) -> Mapping[str, str]:
+        """The metrics each validation of a run under ``cfg`` logs, each with the direction it improves in
+        (``"max"`` or ``"min"``): the choices of ``monitor.metric`` and the ``monitor.mode`` each needs. Empty (the
+        default): not declared, and ``monitor`` is not checked before the first validation."""
+        return {}
 
     @classmethod
     def released_weights(cls, cfg, option: str) -> str | None:

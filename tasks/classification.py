@@ -75,6 +75,10 @@ class ImageClassification(Task):
     layout = "grid"
 
     @classmethod
+    def validation_metrics(cls, cfg) -> Mapping[str, str]:
+        return {"val/top1": "max", "val/top5": "max", "val/loss": "min"}
+
+    @classmethod
     def check_config(cls, cfg) -> None:
         """Before any data is read (suite/validate.py): Mixup/CutMix pair each image with another of its batch."""
         scheduler = (cfg.get("optim") or {}).get("scheduler")

@@ -143,6 +143,12 @@ class GAN(Task):
     # Under DDP each backward pass leaves one network without gradients (D's update does not reach G).
     ddp_find_unused_parameters = True
 
+    @classmethod
+    def validation_metrics(cls, cfg) -> Mapping[str, str]:
+        metrics = cfg.get("metrics") or {}
+        return {"val/fid": "min", "val/is": "max", **({"val/kid": "min"} if metrics.get("kid") else {}),
+                **({"val/precision": "max", "val/recall": "max"} if metrics.get("prc") else {})}
+
     def __init__(self, num_classes: int, class_names: Sequence[str], resolution: int, model: Mapping,
                  attn: Mapping, optim: Mapping, loss: str = "hinge", d_steps: int = 5, ema: Mapping | None = None,
                  metrics: Mapping | None = None, eval: Mapping | None = None, grid_per_class: int = 8,

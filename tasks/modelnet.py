@@ -43,6 +43,10 @@ class PointCloudClassification(Task):
     layout = "points"
     also_best = {"val/oa": "max", "val/macc": "max"}  # PCT reports both
 
+    @classmethod
+    def validation_metrics(cls, cfg) -> Mapping[str, str]:
+        return {"val/oa": "max", "val/macc": "max", "val/loss": "min"}
+
     def __init__(self, num_classes: int, class_names: Sequence[str], model: Mapping, attn: Mapping,
                  optim: Mapping, label_smoothing: float = 0.2, log_samples: int = 8, input_points: int = 1024,
                  eval: Mapping | None = None, seed: int = 0, monitor: Mapping | None = None):

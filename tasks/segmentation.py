@@ -66,6 +66,10 @@ class Segmentation(Task):
     weights_options = {}  # model.weights is the backbone's, loaded by SegNet itself
     validation_options = ("eval.mode", "eval.stride", "eval.scales", "eval.flip")  # validation infers as the test
 
+    @classmethod
+    def validation_metrics(cls, cfg) -> Mapping[str, str]:
+        return {f"val/{k}": "max" for k in SCALARS}
+
     def __init__(self, num_classes: int, class_names: Sequence[str], model: Mapping, attn: Mapping,
                  optim: Mapping, mean: Sequence[float] = (0.485, 0.456, 0.406),
                  std: Sequence[float] = (0.229, 0.224, 0.225), palette=None, ignore_index: int = 255,

@@ -33,6 +33,10 @@ class PartSegmentation(Task):
     layout = "points"
     also_best = {"val/imiou": "max", "val/cmiou": "max"}  # both reported, as in PCT
 
+    @classmethod
+    def validation_metrics(cls, cfg) -> Mapping[str, str]:
+        return {"val/imiou": "max", "val/cmiou": "max", "val/loss": "min"}
+
     def __init__(self, num_parts: int, num_categories: int, category_names: Sequence[str],
                  category_parts: Sequence[Sequence[int]], model: Mapping, attn: Mapping, optim: Mapping,
                  normals: bool = False, restrict_to_category: bool = True, label_smoothing: float = 0.0,

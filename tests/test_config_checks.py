@@ -276,6 +276,39 @@ def test_checkpoint_files_are_told_from_other_files(tmp_path):
         validate_config(compose_run(["mode=test", f"ckpt_path={text}"]), [])
 
 
+@pytest.mark.parametrize("overrides, needles", [
+    # a typo trained a whole epoch and ended in Lightning's traceback at its validation
+    (["monitor.metric=val/acc"], ["monitor.metric='val/acc' is not a metric that task=modelnet's validation logs",
+                                  "val/oa (max), val/macc (max), val/loss (min)", "`monitor.metric=val/oa "
+                                  "monitor.mode=max`"]),
+    (["task=segmentation", "monitor.metric=val/loss"], ["task=segmentation", "val/miou (max)"]),  # it logs no loss
+    (["task=gan", "metrics.kid=false", "monitor.metric=val/kid"],  # KID not computed
+     ["Choose one of val/fid (min), val/is (max), e.g."]),
+    # taken as asked: the worst validation's checkpoint was tested, exit 0
+    (["monitor.metric=val/loss", "monitor.mode=max"], ["monitor.mode=max with monitor.metric=val/loss, which is "
+                                                       "better lower", "`monitor.mode=min`"]),
+    (["task=gan", "monitor.mode=max"], ["monitor.metric=val/fid, which is better lower"]),
+    (["task=shapenet", "monitor.mode=min"], ["monitor.metric=val/imiou, which is better higher",
+                                             "`monitor.mode=max`"]),
+    (["monitor.mode=maximum"], ["monitor.mode='maximum' is not known: use max", "val/oa (max)"]),
+])
+def test_monitor_is_a_metric_validation_logs_in_its_direction(overrides, needles):
+    message = refused(overrides)
+    for needle in needles:
+        assert needle in message, (needle, message)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["monitor.metric=val/loss", "monitor.mode=min"], ["monitor.metric=val/macc"],
+    ["task=gan", "monitor.metric=val/kid"], ["task=gan", "metrics.prc=true",
+                                                                 "monitor.metric=val/recall", "monitor.mode=max"],
+    ["task=segmentation", "monitor.metric=val/kappa"], ["task=classification", "monitor.metric=val/top5"],
+    ["task=shapenet", "monitor.metric=val/cmiou"],
+])
+def test_every_metric_validation_logs_may_be_monitored(overrides):
+    validate_config(compose_run(overrides), overrides)
+
+
 def test_validations_inside_an_accumulation_window_are_refused():
     """Lightning counts trainer.val_check_interval in training batches: 250 with windows of 3 validates, and writes
     last.ckpt, inside a window, whose gradients no checkpoint holds."""

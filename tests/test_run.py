@@ -227,6 +227,17 @@ def test_shapenet_missing_dataset_says_how_to_get_it(env, tmp_path):
                "shapenetcore_partanno_segmentation_benchmark_v0_normal", "data.download=true", "data=parts")
 
 
+def assert_declares_what_it_logs(run_dir: Path, metrics: dict) -> None:
+    """Every metric a task declares its validation logs (the choices of `monitor`, checked at start-up against
+    them: suite.validate.check_monitor) is in the run's metrics.json."""
+    from hydra.utils import get_class
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(run_dir / "resolved_config.yaml")
+    declared = get_class(cfg.task._target_).validation_metrics(cfg)
+    assert declared and set(declared) <= set(metrics), (sorted(declared), sorted(metrics))
+
+
 # Tests sharing the module fixtures wandb_run / gan_run carry one xdist group, so one worker builds them once.
 @pytest.fixture(scope="module")
 def wandb_run(env, tmp_path_factory):
@@ -241,6 +252,7 @@ def test_train_writes_metrics_and_checkpoints(wandb_run):
     for key in ("train/loss_epoch", "val/oa", "val/oa_best", "val/macc", "val/macc_best", "test/oa", "test/macc"):
         assert key in metrics and metrics[key] == metrics[key], key  # present and not NaN
     assert metrics["val/oa_best"] >= metrics["val/oa"] - 1e-6
+    assert_declares_what_it_logs(out, metrics)
     assert (out / "checkpoints" / "last.ckpt").is_file()
     assert "test/oa" in proc.stdout and "metrics.json" in proc.stdout
 
@@ -391,6 +403,7 @@ def test_gan_train_logs_fid_grid_and_checkpoints(gan_run):
     for key in ("val/fid", "val/fid_best", "val/is", "test/fid", "test/is", "test/is_std"):
         assert key in metrics and metrics[key] == metrics[key], key
     assert metrics["test/samples"] == 8
+    assert_declares_what_it_logs(out, metrics)  # with KID, as configs/task/gan.yaml has it
     ckpts = sorted(p.name for p in (out / "checkpoints").glob("*.ckpt"))
     assert "last.ckpt" in ckpts and any(name.startswith("best-") for name in ckpts)
     assert sorted(p.name for p in (out / "samples").glob("val_*.png")) == ["val_step000002.png", "val_step000004.png"]
@@ -468,6 +481,7 @@ def test_segmentation_train_logs_overlays_and_per_class_table(env, tmp_path):
          "data.crop=24", "trainer.log_every_n_steps=1", f"hydra.run.dir={tmp_path}"], env)
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["val/miou_best"] >= metrics["val/miou"] - 1e-9 and "test/kappa" in metrics
+    assert_declares_what_it_logs(tmp_path, metrics)
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
     history = {}
     for r in wandb_records(next(run_dir.glob("run-*.wandb"))):

@@ -17,7 +17,7 @@ from torchmetrics.functional.classification import multiclass_accuracy
 from tasks.modelnet import PointCloudClassification
 from tasks.shapenet import PartSegmentation
 from test_config_checks import compose_run, refused
-from test_run import TINY, env, run, user_error  # noqa: F401 - env is a fixture
+from test_run import TINY, assert_declares_what_it_logs, env, run, user_error  # noqa: F401 - env is a fixture
 
 SEED = 7
 SCALE = (0.8, 1.18)
@@ -254,6 +254,7 @@ def test_shapenet_run_records_the_votes_in_metrics_json(env, tmp_path):  # noqa:
     assert p["tta"] == "vote x2, anisotropic scale [0.87, 1.15]" and p["votes"] == 2
     assert p["points"] == 64 and p["restrict_to_category"] is True and p["split"] == "test"
     assert 0.0 <= metrics["test/imiou"] <= 1.0 and 0.0 <= metrics["test/cmiou"] <= 1.0
+    assert_declares_what_it_logs(tmp_path / "run", metrics)
 
 def test_protocol_names_votes_range_and_rule():
     from suite.run_record import protocol
