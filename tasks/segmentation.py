@@ -124,11 +124,20 @@ class Segmentation(Task):
                        num_classes=self.num_classes)
 
     def _eval_step(self, stage: str, batch):
-        pred = self._predict(batch["image"]).argmax(dim=1)  # (B, H, W)
         confusion = self.val_confusion if stage == "val" else self.test_confusion
-        confusion.update(pred, batch["mask"])
+        images, masks = batch["image"], batch["mask"]
+        padded = tuple(images.shape[-2:])
+        if all(size == padded for size in batch.get("sizes", [padded])):
+            preds = self._predict(images).argmax(dim=1)  # (B, H, W)
+            confusion.update(preds, masks)
+        else:  # images of several sizes: each predicted at its own, as alone (PadCollate's docstring says why)
+            images = [image[:, :h, :w] for image, (h, w) in zip(images, batch["sizes"])]
+            masks = [mask[:h, :w] for mask, (h, w) in zip(masks, batch["sizes"])]
+            preds = [self._predict(image[None]).argmax(dim=1)[0] for image in images]  # B x (h, w)
+            for pred, mask in zip(preds, masks):
+                confusion.update(pred[None], mask[None])
         room = self.log_images - len(self._images)
-        for image, mask, p in list(zip(batch["image"], batch["mask"], pred))[:max(room, 0)]:
+        for image, mask, p in list(zip(images, masks, preds))[:max(room, 0)]:
             self._images.append((image.cpu(), mask.cpu(), p.cpu()))
 
     def _log_scores(self, stage: str) -> dict:

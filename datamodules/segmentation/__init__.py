@@ -31,7 +31,8 @@ seeds from the main process), so ``lightning.seed_everything`` makes the batches
 reproducible. Evaluation samples are whole images in a fixed order, not
 augmented; with ``eval_batch_size > 1``, :class:`PadCollate` pads the images of
 a batch to the largest one (black, i.e. ``-mean / std`` after normalisation;
-masks 255).
+masks 255) and lists their sizes, by which the task predicts each image of a
+padded batch at its own size (the scores do not depend on the batch size).
 
 Files are decoded with PIL in :meth:`SegmentationDataset.__getitem__`, i.e. in
 the DataLoader workers. :meth:`SegDataModule.setup` only does the cheap checks:

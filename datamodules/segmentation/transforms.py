@@ -54,16 +54,20 @@ def normalize(image: torch.Tensor, mean: Sequence[float], std: Sequence[float]) 
 
 class PadCollate:
     """Stack samples, padding each at the bottom / right to the largest in the batch: images with
-    black (``-mean / std``, i.e. 0 before normalisation), masks with 255."""
+    black (``-mean / std``, i.e. 0 before normalisation), masks with 255. ``sizes`` lists each sample's
+    ``(h, w)`` before padding (plain ints, left on the host): evaluation predicts a padded batch's images
+    one by one at their own sizes (``tasks/segmentation.py``), since the padding would change what the
+    network sees of each (its borders, global attention, the flip and the scales of the padded size)."""
 
     def __init__(self, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD):
         self.fill = [-m / s for m, s in zip(mean, std)]
 
     def __call__(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        sizes = {tuple(s["mask"].shape) for s in samples}
+        each = [tuple(s["mask"].shape) for s in samples]
+        sizes = set(each)
         if len(sizes) == 1:
             return {"image": torch.stack([s["image"] for s in samples]),
-                    "mask": torch.stack([s["mask"] for s in samples])}  # fmt: skip
+                    "mask": torch.stack([s["mask"] for s in samples]), "sizes": each}  # fmt: skip
         h = max(size[0] for size in sizes)
         w = max(size[1] for size in sizes)
         images = torch.tensor(self.fill, dtype=torch.float32)[None, :, None, None].repeat(len(samples), 1, h, w)
@@ -72,4 +76,4 @@ class PadCollate:
             sh, sw = s["mask"].shape
             images[i, :, :sh, :sw] = s["image"]
             masks[i, :sh, :sw] = s["mask"]
-        return {"image": images, "mask": masks}
+        return {"image": images, "mask": masks, "sizes": each}

@@ -316,3 +316,47 @@ def test_bad_options_raise_user_error_naming_them():
         predict_slide(model, image, (0, 4), (1, 1), K)
     with pytest.raises(ValueError, match="num_classes"):
         predict_slide(model, image, (4, 4), (4, 4), K + 1)
+
+
+@pytest.mark.parametrize("evaluation", [{}, {"flip": True}, {"scales": [0.75, 1.0, 1.25]}])
+def test_an_image_scores_the_same_alone_and_in_a_padded_batch(evaluation):
+    """With data.eval_batch_size > 1 on images of several sizes (VOC, ADE20K), PadCollate pads a batch to its
+    largest image. The network saw the padding (convolutions at the border, global attention and pooling; the
+    flip moved it to the left, the scales resized the padded size): an image's prediction, and the run's mIoU,
+    depended on what it was batched with (0.48 alone, 0.27 in a batch, measured). Each image of a padded batch
+    is now predicted at its own size: the confusion matrix is the one of the images evaluated one by one."""
+    from task_steps import TASKS, build
+
+    from datamodules.segmentation import PadCollate
+
+    dm, task = build([*TASKS["segmentation"], "attn=self"])  # global attention: every pixel sees the padding
+    torch.manual_seed(0)
+    with torch.no_grad():  # a network whose predictions vary over the image (an untrained one predicts one class)
+        for p in task.net.parameters():
+            p.add_(torch.randn_like(p) * p.detach().std().nan_to_num(0.1).clamp(min=0.1))
+    task.eval()
+    task.eval_cfg = dict(evaluation)
+    first, second = dm.val_set[0], dm.val_set[1]
+    small = {"image": first["image"][:, :24, :28], "mask": first["mask"][:24, :28]}
+    large = {"image": F.interpolate(second["image"][None], size=(48, 40), mode="bilinear")[0],
+             "mask": F.interpolate(second["mask"][None, None].float(), size=(48, 40), mode="nearest")[0, 0].long()}
+    collate = PadCollate(dm.mean, dm.std)
+
+    def confusion(*batches):
+        task.val_confusion.reset()
+        task._images = []
+        with torch.inference_mode():
+            for batch in batches:
+                task._eval_step("val", batch)
+        return task.val_confusion.compute().clone()
+
+    alone = confusion(collate([small]), collate([large]))
+    assert (alone.sum(dim=0) > 0).sum() >= 2  # the predictions vary: the padding could change them
+    batched = collate([small, large])
+    assert batched["image"].shape[-2:] == (48, 40) and batched["sizes"] == [(24, 28), (48, 40)]
+    assert torch.equal(confusion(batched), alone)
+    with torch.inference_mode():  # what the padded batch itself gives: another matrix, so the test can fail
+        padded = SegConfusion(task.num_classes)
+        padded.update(task._predict(batched["image"]).argmax(dim=1), batched["mask"])
+    assert not torch.equal(padded.compute(), alone)
+    assert [tuple(mask.shape) for _, mask, _ in task._images] == [(24, 28), (48, 40)]  # logged at their own sizes
