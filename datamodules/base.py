@@ -262,6 +262,9 @@ class DataModule(L.LightningDataModule):
     # True: the data set has no public test labels, so its "test" split is its validation split; the run's recorded
     # protocol then says the test metrics were measured on val (suite/run_record.py).
     test_split_is_val: bool = False
+    # True: the data set is whatever folder ``root`` names (class folders, a folder of images), not a published data
+    # set found at some path: ``mode=report`` tells runs on two such folders apart by the folder's name.
+    root_is_the_data: bool = False
 
     def __init__(self, batch_size: int, eval_batch_size: int | None, num_workers: int, seed: int,
                  on_bad_file: str = "error"):  # fmt: skip

@@ -25,7 +25,7 @@ import sys
 import warnings
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import numpy as np
 import yaml
@@ -42,12 +42,19 @@ COST_KEYS = ("params", "flops", "train_samples_per_sec", "peak_memory_bytes", "w
 # which runs logged before the suite had its own meter
 THROUGHPUT_HISTORY_KEYS = ("train/samples_per_sec", "train/device/samples_per_sec")
 TOO_FEW = 3  # fewer seeds than this on either side: flagged, not concluded
-# Config keys that never split groups: the seed (and anything equal to it), where files live, what is logged.
-IGNORED_KEYS = {"seed", "data_dir", "ckpt_path", "resume", "metrics.inception_weights", "eval.save_samples",
-                "model.weights"}
-IGNORED_PREFIXES = ("logger.", "callbacks.", "bench.", "report.", "hydra.", "protocol.")
+# Config keys that never split groups: the seed (and anything equal to it), where files live, what is logged or
+# shown while a run trains, how many processes read its data, and the suite's own throughput meter (a callback a
+# run adds, such as stochastic weight averaging, does split them).
+IGNORED_KEYS = {"seed", "data_dir", "ckpt_path", "resume", "overwrite", "metrics.inception_weights",
+                "eval.save_samples", "trainer.enable_progress_bar", "trainer.enable_model_summary",
+                "trainer.log_every_n_steps", "data.num_workers"}
+IGNORED_PREFIXES = ("logger.", "callbacks.throughput.", "bench.", "report.", "hydra.", "protocol.")
 IGNORED_SUFFIXES = ("_dir", ".root")
+# The weights files a run starts from, compared by file name: a run fine-tuned from published weights is not a run
+# from scratch, while the same file lies under another path on another machine.
+WEIGHTS_KEYS = {"model.weights", "model.g_weights", "model.d_weights", "model.g_ema_weights"}
 NOT_TRAINING = ("summary", "bench", "report")  # run folders of these modes hold no results
+SECTIONS = ("task", "data", "attn", "model", "monitor", "trainer", "optim")  # mappings in every run's config
 PRUNE = {"wandb", "checkpoints", ".submitit", "csv", "wandb_fallback", "samples", ".hydra"}
 # The metrics that are fractions in [0, 1], by the last part of their key (``test/oa``, ``val/oa_best``): accuracies,
 # IoUs (with the per-category ``test/iou/<category>``), F1, precision and recall. A run holding one outside [0, 1]
@@ -80,7 +87,8 @@ def compare(variant: list[tuple], baseline: list[tuple], confidence: float = 0.9
 
     ``variant`` and ``baseline`` are lists of (seed, value). When both hold the same seeds, once each, the runs are
     paired by seed (paired t-test on the differences); otherwise Welch's unequal-variance t-test. Fewer than
-    ``TOO_FEW`` runs on either side are flagged as too few to conclude."""
+    ``TOO_FEW`` runs on either side are flagged as too few to conclude; values (or paired differences) without
+    spread get no test."""
     from scipy import stats
 
     a = np.array([v for _, v in variant], dtype=float)
@@ -106,11 +114,17 @@ def compare(variant: list[tuple], baseline: list[tuple], confidence: float = 0.9
                        p_value=float(stats.ttest_ind(a, b, equal_var=False).pvalue))
         else:
             se = math.nan
+        # no spread (to rounding: 0.7 - 0.6 is not 0.8 - 0.7 in floats): scipy's t is infinite or 0/0, its p void
+        flat = out["test"] != "none" and not se > 1e-12 * max(np.abs(a).max(), np.abs(b).max(), 1e-300)
+        if flat:
+            out.update(test="none", p_value=math.nan, df=math.nan)
         if out["test"] != "none" and math.isfinite(out["df"]):
             half = t_quantile(confidence, out["df"]) * se
             out.update(ci_low=out["diff"] - half, ci_high=out["diff"] + half)
     if min(len(a), len(b)) < TOO_FEW:
         out["note"] = f"n < {TOO_FEW}: too few runs to conclude"
+    elif flat:
+        out["note"] = "no spread over the seeds: no test"
     elif math.isfinite(out["p_value"]) and out["p_value"] < 1 - confidence:
         out["note"] = f"differs (p < {1 - confidence:.2g})"
     else:
@@ -131,12 +145,30 @@ def pareto_front(xs, ys, x_lower_is_better: bool = True, y_higher_is_better: boo
     return sorted(front, key=lambda i: xs[i])
 
 
-def higher_is_better(metric: str, monitor: dict) -> bool:
-    """The monitored metric's direction when ``metric`` is it on another split; losses and FID are lower-better."""
-    tail = metric.split("/", 1)[-1]
+def higher_is_better(metric: str, config: dict) -> bool:
+    """Whether ``metric`` (``test/kid``, ``val/oa_best``) improves upwards in a run of ``config``: the monitored
+    metric's direction, else the one its task declares for the metric on the validation split
+    (``Task.validation_metrics``: KID and FID are distances), else lower for a loss (``loss``, ``loss_epoch``,
+    ``loss_d``, ``aux_loss``) and higher for the rest."""
+    tail = metric.split("/", 1)[-1].removesuffix("_best")
+    monitor = config.get("monitor") or {}
     if tail == str(monitor.get("metric", "")).split("/", 1)[-1]:
         return monitor.get("mode", "max") == "max"
-    return not (tail in ("loss", "fid") or tail.endswith("_loss"))
+    declared = {name.split("/", 1)[-1]: way for name, way in task_directions(config).items()}
+    if tail in declared:
+        return declared[tail] == "max"
+    return not ("loss" in tail.split("_") or tail in ("fid", "kid"))
+
+
+def task_directions(config: dict) -> dict[str, str]:
+    """The validation metrics a run's task declares, with their directions; empty when its class cannot be imported
+    (a run of another version) or its config is not what the task reads."""
+    from hydra.utils import get_class
+
+    try:
+        return dict(get_class(str((config.get("task") or {}).get("_target_"))).validation_metrics(config))
+    except Exception:  # noqa: BLE001 - a task that says nothing leaves the names to decide
+        return {}
 
 
 # --- 2. reading runs -----------------------------------------------------------------------------------------------
@@ -240,6 +272,9 @@ def read_run_dir(folder: Path) -> Run | LeftOut | None:
         return LeftOut(str(folder), f"corrupt metrics.json ({str(err).splitlines()[0] if str(err) else err!r})")
     if not resolved.is_file() or not isinstance(config, dict):
         return LeftOut(str(folder), "no resolved_config.yaml (not a run.py run folder)")
+    if wrong := [k for k in SECTIONS if k in config and not isinstance(config[k], (dict, type(None)))]:
+        return LeftOut(str(folder), f"resolved_config.yaml's {', '.join(wrong)} not a mapping, as run.py writes it "
+                                    "(a hand-edited or foreign file): fix or remove it")
     metrics, cost = split_record(numbers(data))
     if (wrong := out_of_range(metrics)) is not None:
         return LeftOut(str(folder), f"metrics.json ({metrics_file}) holds {wrong}")
@@ -366,6 +401,15 @@ def flatten(config: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
+def settings(run: Run) -> dict[str, str]:
+    """A run's config as the groups compare it: :func:`flatten`, the :data:`WEIGHTS_KEYS` by file name."""
+    flat = flatten(run.config)
+    for key in WEIGHTS_KEYS & flat.keys():
+        if flat[key] != "null":
+            flat[key] = PurePath(flat[key]).name
+    return flat
+
+
 def ignored(key: str) -> bool:
     return key in IGNORED_KEYS or key.startswith(IGNORED_PREFIXES) or key.endswith(IGNORED_SUFFIXES)
 
@@ -373,7 +417,7 @@ def ignored(key: str) -> bool:
 def varying_keys(runs: list[Run]) -> list[str]:
     """Config keys whose value differs between runs, except the ignored ones and any that equals the seed in every
     run (``data.seed: ${seed}``)."""
-    flats = [flatten(r.config) for r in runs]
+    flats = [settings(r) for r in runs]
     keys = sorted(set().union(*flats))
     out = []
     for key in keys:
@@ -387,9 +431,11 @@ def varying_keys(runs: list[Run]) -> list[str]:
 
 
 def label_keys(runs: list[Run], keys: list[str]) -> list[str]:
-    """The keys a row's label shows: ``attn.name`` first, then each varying key that the keys shown before it do not
-    already determine (``attn.memory`` comes with ``attn=external``: shown only when external runs differ in it)."""
-    flats = [flatten(r.config) for r in runs]
+    """The keys a row's label shows: ``attn.name`` first, then every other varying key but the attention options
+    that the keys shown before them determine (``attn.memory`` comes with ``attn=external``: shown only when external
+    runs differ in it). A varying key outside ``attn`` is always shown, even where the variant determines it (all
+    external runs at 50 epochs, all offset runs at 1): rows are compared only under the same such keys."""
+    flats = [settings(r) for r in runs]
     order = ["attn.name"] + [k for k in ("model.name",) if k in keys] + [k for k in keys
                                                                          if k not in ("attn.name", "model.name")]
     shown = []
@@ -401,13 +447,13 @@ def label_keys(runs: list[Run], keys: list[str]) -> list[str]:
             if seen.setdefault(context, f.get(key, "<unset>")) != f.get(key, "<unset>"):
                 determined = False
                 break
-        if key == "attn.name" or not determined:
+        if key == "attn.name" or not key.startswith("attn.") or not determined:
             shown.append(key)
     return shown
 
 
 def label(run: Run, keys: list[str]) -> str:
-    flat = flatten(run.config)
+    flat = settings(run)
     return " ".join(f"attn={flat.get(k)}" if k == "attn.name" else f"{k}={flat.get(k, '<unset>')}" for k in keys)
 
 
@@ -417,7 +463,7 @@ class Group:
     data: str
     label: str
     attn: str
-    context: tuple          # the label's non-attn part: a baseline is looked for among groups with the same context
+    context: tuple          # the varying keys outside attn: a row is compared only with a baseline of the same
     protocol: dict
     runs: list[Run] = field(default_factory=list)
 
@@ -433,10 +479,10 @@ def group_runs(runs: list[Run]) -> list[Group]:
         shown = label_keys(members, keys)
         by_key: dict[tuple, Group] = {}
         for run in members:
-            flat = flatten(run.config)
+            flat = settings(run)
             key = (json.dumps(run.protocol, sort_keys=True), tuple(flat.get(k, "<unset>") for k in keys))
             if key not in by_key:
-                context = tuple((k, flat.get(k, "<unset>")) for k in shown if not k.startswith("attn."))
+                context = tuple((k, flat.get(k, "<unset>")) for k in keys if not k.startswith("attn."))
                 by_key[key] = Group(task, data, label(run, shown), str(flat.get("attn.name")), context, run.protocol)
             by_key[key].runs.append(run)
         for group in by_key.values():  # seeds in order, whichever order the folders were read in
@@ -470,14 +516,24 @@ def one_run_per_seed(groups: list[Group], runs: list[Run]) -> list[LeftOut]:
     return left_out
 
 
-def find_baseline(group: Group, groups: list[Group], baseline: str) -> Group | None:
-    """The group ``group`` is compared with: same task, data and protocol, ``baseline`` as its attn name or label,
-    and the same context (other varying keys) when several match."""
+def find_baseline(group: Group, groups: list[Group], baseline: str) -> tuple[Group | None, str]:
+    """(the group ``group`` is compared with, or None and the row's note saying why): the one with the same task,
+    data and protocol, ``baseline`` as its attn name or label, and the same varying keys outside ``attn`` (the
+    context). A baseline under another context (another number of epochs) would credit the variant with the
+    difference of that setting; several under this one (``attn.heads`` 1 and 4) leave the choice to the user."""
     candidates = [g for g in groups if g.task == group.task and g.data == group.data and g.protocol == group.protocol
                   and baseline in (g.attn, g.label)]
-    if len(candidates) > 1:
-        candidates = [g for g in candidates if g.context == group.context]
-    return candidates[0] if len(candidates) == 1 else None
+    same = [g for g in candidates if g.context == group.context]
+    if len(same) == 1:
+        return same[0], ""
+    if same:
+        return None, (f"{len(same)} {baseline} rows ({'; '.join(g.label for g in same)}): choose one with "
+                      "report.baseline=<its label>")
+    if not candidates:
+        return None, f"no {baseline} runs with this protocol to compare with"
+    mine = dict(group.context)
+    differ = [k for k in mine if all(dict(g.context).get(k) != mine[k] for g in candidates)] or list(mine)
+    return None, f"no {baseline} runs with {' '.join(f'{k}={mine[k]}' for k in differ)} to compare with"
 
 
 # --- 4. rows -------------------------------------------------------------------------------------------------------
@@ -529,19 +585,19 @@ def build_rows(groups: list[Group], baseline: str | None, metric: str | None, co
     for group in groups:
         first = group.runs[0]
         name = task_metric(first, metric)
-        higher = higher_is_better(name, first.config.get("monitor") or {})
+        higher = higher_is_better(name, first.config)
         chosen = baseline or NATIVE_BASELINE.get(group.task, "self")
         values = [(r.seed, r.metrics[name]) for r in group.runs]
         row = {"task": group.task, "data": group.data, "variant": group.label, "attn": group.attn,
                "metric": name, "higher_is_better": higher, "seeds": [s for s, _ in values],
                **describe([v for _, v in values], higher, confidence), "baseline": chosen}
-        base = find_baseline(group, groups, chosen)
+        base, why = find_baseline(group, groups, chosen)
         if base is group:
             row.update(baseline=group.label, diff=0.0, diff_ci_low=math.nan, diff_ci_high=math.nan, test="",
                        p_value=math.nan, note="baseline")
         elif base is None:
             row.update(diff=math.nan, diff_ci_low=math.nan, diff_ci_high=math.nan, test="", p_value=math.nan,
-                       note=f"no {chosen} runs with this protocol to compare with")
+                       note=why)
         else:
             c = compare(values, [(r.seed, r.metrics[name]) for r in base.runs], confidence)
             row.update(baseline=base.label, diff=c["diff"], diff_ci_low=c["ci_low"], diff_ci_high=c["ci_high"],
@@ -589,7 +645,7 @@ def all_metrics(groups: list[Group], confidence: float) -> list[dict]:
     for group in groups:
         names = sorted(set.intersection(*(set(r.metrics) for r in group.runs)))
         for name in names:
-            higher = higher_is_better(name, group.runs[0].config.get("monitor") or {})
+            higher = higher_is_better(name, group.runs[0].config)
             out.append({"task": group.task, "data": group.data, "variant": group.label, "metric": name,
                         **describe([r.metrics[name] for r in group.runs], higher, confidence)})
     return out
@@ -928,7 +984,15 @@ def report(cfg, api=None) -> dict:
         from hydra.core.hydra_config import HydraConfig
 
         out = Path(HydraConfig.get().runtime.output_dir) / "report"
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"report.out={out} is a file, not a folder: the report writes report.md, report.csv, "
+                        "metrics.csv, report.json and its plots into a folder. Pass a new or existing folder, e.g. "
+                        f"`report.out={out.with_suffix('')}-report`.")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"report.out={out} cannot be created ({err.strerror or err}). Pass a folder where this user "
+                        "can write, e.g. `report.out=reports/<name>`.") from err
     clear_earlier_report(out)
     plots = plot_blocks(rows, groups, out) if rc.get("plots", True) else {}
     document = {"sources": sources, "confidence": confidence, "rows": rows,

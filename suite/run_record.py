@@ -31,7 +31,7 @@ import random
 import resource
 import subprocess
 import sys
-from pathlib import Path
+from pathlib import Path, PurePath
 
 log = logging.getLogger(__name__)
 
@@ -50,21 +50,32 @@ def quality_metrics(metrics_json: dict) -> dict:
     return {k: v for k, v in metrics_json.items() if k not in RECORD_KEYS}
 
 
-def test_split_is_val(config: dict) -> bool:
-    """Whether the run's data module declares that its "test" split is its validation split (no public test
-    labels: ``test_split_is_val`` on the class); False when the class cannot be imported (a run of another version)."""
+def declares(config: dict, attribute: str) -> bool:
+    """Whether the run's data module class declares ``attribute`` (``datamodules.base``); False when the class cannot
+    be imported (a run of another version)."""
     from hydra.utils import get_class
 
     try:
-        return bool(getattr(get_class(str((config.get("data") or {}).get("_target_"))), "test_split_is_val", False))
+        return bool(getattr(get_class(str((config.get("data") or {}).get("_target_"))), attribute, False))
     except Exception:  # noqa: BLE001 - an unknown class is a data set that says nothing
         return False
 
 
+def test_split_is_val(config: dict) -> bool:
+    """Whether the run's data module declares that its "test" split is its validation split (no public test
+    labels: ``test_split_is_val`` on the class)."""
+    return declares(config, "test_split_is_val")
+
+
 def data_name(config: dict) -> str:
-    """The data module's class name (``datamodules.Shapes`` -> ``Shapes``), or ``?``."""
-    target = str((config.get("data") or {}).get("_target_") or "?")
-    return target.rsplit(".", 1)[-1]
+    """The data module's class name (``datamodules.Shapes`` -> ``Shapes``), or ``?``; for a data set that is the
+    folder ``data.root`` names (``root_is_the_data``: class folders, a folder of images), with that folder's name
+    (``FolderClassification(flowers)``): two such folders are two data sets."""
+    data = config.get("data") or {}
+    name = str(data.get("_target_") or "?").rsplit(".", 1)[-1]
+    if data.get("root") and declares(config, "root_is_the_data"):
+        name += f"({PurePath(str(data['root'])).name})"
+    return name
 
 
 def checkpoint_choice(config: dict, tested: str | None) -> str:

@@ -693,3 +693,135 @@ def test_log_wandb_logs_the_table_and_plots(sweep, tmp_path, monkeypatch):
     assert inits[0]["job_type"] == "report" and inits[0]["mode"] == "offline"
     assert len(logged["report"].data) == 2 and logged["finished"]
     assert {"modelnet-shapes-flops", "modelnet-shapes-throughput", "modelnet-shapes-curves"} <= set(logged)
+
+
+# --- which rows are compared, and how ---------------------------------------------------------------------------------
+def set_config(job: Path, **values) -> None:
+    """Set dotted keys of a run folder's resolved_config.yaml (``trainer__max_epochs=50``: trainer.max_epochs)."""
+    path = job / "resolved_config.yaml"
+    config = OmegaConf.create(yaml.safe_load(path.read_text()))
+    for key, value in values.items():
+        OmegaConf.update(config, key.replace("__", "."), value, merge=True, force_add=True)
+    path.write_text(yaml.safe_dump(OmegaConf.to_container(config)))
+
+
+def test_a_row_is_compared_only_with_a_baseline_under_its_settings(sweep, tmp_path):
+    """All self runs at 50 epochs, all offset runs at 2: the self row was compared with offset and credited with
+    the difference the epochs made (its label did not even show them, attn=self determining them). Now the label
+    shows every varying key outside attn, and a row without a baseline under the same ones says so."""
+    out, _ = sweep
+    jobs = copy_runs(out, tmp_path / "runs")
+    for seed in SEEDS:
+        set_config(jobs[("self", seed)], trainer__max_epochs=50)
+    document = rep.report(cfg(runs=[str(tmp_path / "runs")], out=str(tmp_path / "a"), baseline="offset"))
+    rows = {row["attn"]: row for row in document["rows"]}
+    assert rows["self"]["variant"] == "attn=self trainer.max_epochs=50"
+    assert rows["self"]["note"] == "no offset runs with trainer.max_epochs=50 to compare with"
+    assert rows["self"]["diff"] is None and rows["offset"]["note"] == "baseline"  # NaN in JSON
+    for seed in SEEDS:  # offset at 50 epochs too: the self row is compared with it, not with offset at 2
+        shutil.copytree(jobs[("offset", seed)], tmp_path / "runs" / f"offset-50-{seed}")
+        set_config(tmp_path / "runs" / f"offset-50-{seed}", trainer__max_epochs=50)
+    document = rep.report(cfg(runs=[str(tmp_path / "runs")], out=str(tmp_path / "b"), baseline="offset"))
+    rows = {row["variant"]: row for row in document["rows"]}
+    assert rows["attn=self trainer.max_epochs=50"]["baseline"] == "attn=offset trainer.max_epochs=50"
+    assert rows["attn=offset trainer.max_epochs=2"]["note"] == "baseline"
+
+
+def test_several_baseline_rows_are_named_not_compared_with(sweep, tmp_path):
+    """Offset runs with one head and with four: which is the baseline is the user's choice. Every row said "no
+    offset runs with this protocol to compare with", which was not so; it now names the rows to choose from."""
+    out, _ = sweep
+    jobs = copy_runs(out, tmp_path / "runs")
+    for seed in SEEDS:
+        shutil.copytree(jobs[("offset", seed)], tmp_path / "runs" / f"offset-4-{seed}")
+        set_config(tmp_path / "runs" / f"offset-4-{seed}", attn__heads=4)
+    document = rep.report(cfg(runs=[str(tmp_path / "runs")], out=str(tmp_path / "a"), baseline="offset"))
+    rows = {row["variant"]: row for row in document["rows"]}
+    assert rows["attn=self attn.heads=4"]["note"] == ("2 offset rows (attn=offset attn.heads=1; attn=offset "
+                                                      "attn.heads=4): choose one with report.baseline=<its label>")
+    document = rep.report(cfg(runs=[str(tmp_path / "runs")], out=str(tmp_path / "b"),
+                              baseline="attn=offset attn.heads=4"))
+    rows = {row["variant"]: row for row in document["rows"]}
+    assert rows["attn=self attn.heads=4"]["baseline"] == "attn=offset attn.heads=4"
+
+
+def test_what_splits_rows_and_what_does_not(sweep, tmp_path):
+    """Seeds re-run with a progress bar, another logging interval, overwrite=true or more loader workers were put
+    in rows of their own (a 4-seed comparison became two rows of 3 and 1, and lost its pairing); weights files were
+    compared by path (one run per machine, one row per machine) or not at all (`model.weights`: runs fine-tuned from
+    published weights averaged with runs from scratch); every callback was ignored (stochastic weight averaging
+    averaged with plain training)."""
+    out, _ = sweep
+    jobs = copy_runs(out, tmp_path / "runs")
+    set_config(jobs[("self", 0)], trainer__enable_progress_bar=True, trainer__log_every_n_steps=7, overwrite=True,
+               data__num_workers=3, model__weights="/cluster-a/weights/pct_model.t7")
+    set_config(jobs[("self", 1)], model__weights="/home/me/pct_model.t7")
+    document = rep.report(cfg(runs=[str(tmp_path / "runs")], out=str(tmp_path / "a"), baseline="offset"))
+    rows = {row["variant"]: row for row in document["rows"]}
+    assert rows["attn=self model.weights=pct_model.t7"]["seeds"] == [0, 1]
+    assert rows["attn=offset model.weights=null"]["seeds"] == [0, 1]
+    assert rows["attn=self model.weights=pct_model.t7"]["note"] == "no offset runs with model.weights=pct_model.t7 " \
+                                                                   "to compare with"
+    set_config(jobs[("self", 1)], model__weights="/cluster-a/weights/pct_model.t7",
+               callbacks__swa___target_="lightning.pytorch.callbacks.StochasticWeightAveraging")
+    document = rep.report(cfg(runs=[str(tmp_path / "runs")], out=str(tmp_path / "b"), baseline="offset"))
+    assert sorted(row["variant"].split(" ", 1)[-1] for row in document["rows"] if row["attn"] == "self") == [
+        'callbacks.swa._target_=<unset> model.weights=pct_model.t7',
+        'callbacks.swa._target_=lightning.pytorch.callbacks.StochasticWeightAveraging model.weights=pct_model.t7']
+
+
+def test_runs_on_two_folders_of_images_are_two_data_sets():
+    """Class folders (data=folder_cls) and image folders (the GAN's data=image_folder) are whatever data.root names:
+    runs on /data/flowers and /data/pets were one table, their scores averaged. A published data set found at
+    another path on another machine stays one."""
+    from suite.run_record import data_name
+
+    folders = "datamodules.classification.folder.FolderClassification"
+    assert data_name({"data": {"_target_": folders, "root": "/data/flowers/"}}) == "FolderClassification(flowers)"
+    assert data_name({"data": {"_target_": folders, "root": "/data/pets"}}) == "FolderClassification(pets)"
+    images = "datamodules.generation.image_folder.ImageFolder"
+    assert data_name({"data": {"_target_": images, "root": "~/faces"}}) == "ImageFolder(faces)"
+    assert data_name({"data": {"_target_": "datamodules.segmentation.voc.VOC", "root": "/scratch/me"}}) == "VOC"
+
+
+def test_each_metric_is_judged_in_its_own_direction():
+    """KID is a distance and `train/loss_epoch` a loss: both counted as higher-better, so their best of n was the
+    worst seed. The task's declared directions (Task.validation_metrics) decide, then the name."""
+    gan = {"task": {"_target_": "tasks.gan.GAN", "name": "gan"}, "metrics": {"kid": True, "prc": True},
+           "monitor": {"metric": "val/fid", "mode": "min"}}
+    lower = ["test/kid", "val/kid_best", "test/fid", "train/loss_epoch", "train/loss_step", "train/loss_d",
+             "train/loss_aux"]
+    assert not any(rep.higher_is_better(name, gan) for name in lower)
+    assert all(rep.higher_is_better(name, gan) for name in ["test/is", "test/precision", "test/recall"])
+    modelnet = {"task": {"_target_": "tasks.modelnet.PointCloudClassification"}, "monitor": {"metric": "val/loss",
+                "mode": "min"}}
+    assert not rep.higher_is_better("test/loss", modelnet) and rep.higher_is_better("test/macc", modelnet)
+    assert rep.describe([0.01, 0.04, 0.02], rep.higher_is_better("test/kid", gan))["best_of_n"] == 0.01
+
+
+def test_values_without_spread_get_no_test():
+    """Identical values on both sides had a paired t with the interval [0, 0]; constant sides differing had a Welch
+    p < 0.001 from scipy's infinite t, beside an interval of n/a. The docs promise no made-up p."""
+    same = rep.compare([(0, 0.5), (1, 0.5), (2, 0.5)], [(0, 0.5), (1, 0.5), (2, 0.5)])
+    apart = rep.compare([(0, 1.0), (1, 1.0), (2, 1.0)], [(3, 0.5), (4, 0.5), (5, 0.5)])
+    shifted = rep.compare([(0, 0.6), (1, 0.7), (2, 0.8)], [(0, 0.5), (1, 0.6), (2, 0.7)])  # differences all 0.1
+    for c in (same, apart, shifted):
+        assert c["test"] == "none" and math.isnan(c["p_value"]) and math.isnan(c["ci_low"]), c
+        assert c["note"] == "no spread over the seeds: no test"
+    assert apart["diff"] == 0.5 and shifted["diff"] == pytest.approx(0.1)
+
+
+def test_an_output_folder_that_cannot_be_one_and_a_foreign_config_are_said(sweep, tmp_path):
+    out, _ = sweep
+    jobs = copy_runs(out, tmp_path / "runs")
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(UserError, match=r"report.out=.*afile is a file, not a folder"):
+        rep.report(cfg(runs=[str(tmp_path / "runs")], out=str(tmp_path / "afile")))
+    with pytest.raises(UserError, match=r"report.out=.*/under cannot be created"):
+        rep.report(cfg(runs=[str(tmp_path / "runs")], out=str(tmp_path / "afile" / "under")))
+    config = yaml.safe_load((jobs[("self", 1)] / "resolved_config.yaml").read_text())
+    (jobs[("self", 1)] / "resolved_config.yaml").write_text(yaml.safe_dump({**config, "task": "modelnet"}))
+    document = rep.report(cfg(runs=[str(tmp_path / "runs")], out=str(tmp_path / "rep")))
+    assert document["left_out"] == [{"path": str(jobs[("self", 1)]), "reason": (
+        "resolved_config.yaml's task not a mapping, as run.py writes it (a hand-edited or foreign file): fix or "
+        "remove it")}]

@@ -28,6 +28,7 @@ class FolderClassification(ClassificationDataModule):
     """
 
     test_split_is_val = True  # no public test labels: "test" is the validation split
+    root_is_the_data = True  # any tree of class folders: its folder tells runs on two data sets apart
 
     name = "image folder"
     how_to_get = ("Arrange the images as <root>/train/<class>/<image> and <root>/val/<class>/<image> "

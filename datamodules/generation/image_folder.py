@@ -38,6 +38,7 @@ class ImageFolder(ImageDataModule):
     """
 
     name = "image_folder"
+    root_is_the_data = True  # any folder of images: its name tells runs on two image sets apart (mode=report)
 
     def __init__(self, root: str, **options):
         super().__init__(**options)
