@@ -48,6 +48,7 @@ import urllib.error
 import urllib.request
 import zipfile
 import zlib
+from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
@@ -55,6 +56,7 @@ from typing import TypeVar
 from tqdm.auto import tqdm
 
 from attention.errors import UserError
+from datamodules.base import describe
 from datamodules.cache import one_at_a_time
 
 log = logging.getLogger(__name__)
@@ -134,24 +136,68 @@ def one_download_at_a_time(root: Path, url: str):
     return one_at_a_time(root, ".download.lock", f"downloading {url} into {root}")
 
 
-def check_file_lists(folder: Path, lists: Iterable[str], release: str, archive: str, root, url: str) -> None:
-    """Every file that the release's own file lists name (``train_files.txt``: one path a line, the folder's files
-    by their last component) is in ``folder``; a list the folder lacks is not checked. UserError naming each missing
-    file, its list and how to restore it (``release``: how the message names the release, ``archive`` its zip)."""
-    missing = {}
-    for name in lists:
+_warned: set[tuple[Path, tuple[str, ...]]] = set()  # (folder, unread files) already named by release_files
+
+
+def read_lines(path: Path, what: str, fix: str) -> list[str]:
+    """The lines of the list file ``path``, read as UTF-8 (a UTF-8 byte-order mark, as Windows editors write, is
+    dropped). UserError naming the file when it cannot be read or is not UTF-8 (a UTF-16 file saved by Notepad):
+    ``what`` says what a line holds ("one image id a line"), ``fix`` how else to repair it (a sentence)."""
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise UserError(f"{path} cannot be read ({err}). {fix}") from None
+    try:
+        return data.decode("utf-8-sig").splitlines()
+    except UnicodeDecodeError as err:
+        # UTF-16 starts with a byte-order mark, FF FE or FE FF: say so, it is how Notepad saves "Unicode"
+        utf16 = " (it looks like UTF-16, as Windows Notepad saves \"Unicode\")" if data[:2] in (b"\xff\xfe",
+                                                                                              b"\xfe\xff") else ""
+        raise UserError(
+            f"{path} is not UTF-8 text{utf16}: byte {err.start} is {data[err.start:err.start + 1]!r} "
+            f"({err.reason}). It must be UTF-8 text, {what}. Save it again as UTF-8 (e.g. iconv -f UTF-16 -t UTF-8 "
+            f"old.txt > {path.name}). {fix}"
+        ) from None
+
+
+def release_files(folder: Path, splits: dict[str, tuple[str, str]], release: str, archive: str, root, url: str,
+                  order: Callable[[Iterable[Path]], list[Path]] = sorted) -> dict[str, list[Path]]:
+    """The files of each split of a release in ``folder``; ``splits``: split -> (the release's list of the split's
+    files, e.g. ``train_files.txt``, and the glob of them, e.g. ``ply_data_train*.h5``).
+
+    A list that is present decides: exactly the files it names (one path a line, the folder's files by their last
+    component), in its order, so that a stray copy the glob would match (``ply_data_train0 (1).h5`` from unzipping
+    twice, a test file saved under a train name) is not read; the .h5 files that no list names are then named in a
+    warning. Without its list a split reads the files its glob matches, in ``order``.
+
+    UserError naming the files and how to restore them (``release``: how the message names the release, ``archive``
+    its zip): a listed file is missing (the run would use part of the data), a list names a file twice or no file,
+    or a file belongs to two splits (test data would train)."""
+    files, sources, missing, listed = {}, {}, {}, []
+    restore = f"restore it from the official {archive} (unzip it again into data.root={root})"
+    for split, (name, pattern) in splits.items():
         listing = folder / name
         if not listing.is_file():
+            files[split], sources[split] = order(folder.glob(pattern)), f"the {pattern} files (no {name})"
             continue
-        try:
-            lines = listing.read_text().splitlines()
-        except (OSError, UnicodeDecodeError) as err:
-            raise UserError(f"{listing} cannot be read as text ({err}): it is the {release} release's list of its "
-                            "files. Restore it from the official archive, or delete it to skip the check.") from None
-        files = [line.strip().replace("\\", "/").rsplit("/", 1)[-1] for line in lines]
-        lacking = [file for file in files if file and not (folder / file).is_file()]
+        lines = read_lines(listing, f"one file of the {release} release a line",
+                           f"Or {restore}, or delete it to read the {pattern} files.")
+        names = [line.strip().replace("\\", "/").rsplit("/", 1)[-1] for line in lines]
+        names = [n for n in names if n]
+        if not names:
+            raise UserError(f"{listing} names no files; expected one file of the {release} release a line "
+                            f"(e.g. {pattern.replace('*', '0')}): {restore}, or delete it to read the {pattern} files.")
+        repeated = sorted(n for n, count in Counter(names).items() if count > 1)
+        if repeated:
+            raise UserError(
+                f"{listing} names {len(repeated)} file(s) more than once: {describe(repeated)}; their samples would be "
+                f"read twice. Each file must be listed once: remove the repeated lines, or {restore}."
+            )
+        lacking = [n for n in names if not (folder / n).is_file()]
         if lacking:
             missing[name] = lacking
+        files[split], sources[split] = [folder / n for n in names], name
+        listed.append(name)
     if missing:
         raise UserError(
             f"The {release} release in {folder} is incomplete: "
@@ -161,6 +207,28 @@ def check_file_lists(folder: Path, lists: Iterable[str], release: str, archive: 
             f"{archive} (unzip it again into data.root={root}); with data.download=true a kept {archive} is "
             f"unpacked again, else it is downloaded ({url})."
         )
+    split_names = list(files)
+    for i, first in enumerate(split_names):
+        for second in split_names[i + 1:]:
+            shared = sorted({p.name for p in files[first]} & {p.name for p in files[second]})
+            if shared:
+                raise UserError(
+                    f"The {release} release in {folder} reads {len(shared)} file(s) in both the {first} split "
+                    f"({sources[first]}) and the {second} split ({sources[second]}): {describe(shared)}. A file must "
+                    f"belong to one split, else the same samples are trained on and tested on. Remove each from the "
+                    f"list of the split it does not belong to; the official lists are disjoint: restore them from "
+                    f"{archive} (unzip it again into data.root={root})."
+                )
+    if listed:  # without a list the globs decide, as they always did: nothing to warn about
+        read = {p.name for paths in files.values() for p in paths}
+        unread = sorted(p.name for p in folder.glob("*.h5") if p.name not in read)
+        if unread and (folder, tuple(unread)) not in _warned:  # once: prepare_data and setup both ask
+            _warned.add((folder, tuple(unread)))
+            log.warning("%s holds %d .h5 file(s) that the %s release's file lists (%s) do not name, so they are not "
+                        "read: %s. Delete them (a copy from unzipping twice, a file saved under a split's name), or "
+                        "add each to the list of its split if it belongs to the release.", folder, len(unread),
+                        release, ", ".join(listed), describe(unread))
+    return files
 
 
 def how_to_get(download: bool, url: str, archive: str, offline: str | None = None) -> str:

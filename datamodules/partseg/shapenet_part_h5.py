@@ -6,8 +6,9 @@ zip unpacks to) or ``root`` itself::
     <root>/shapenet_part_seg_hdf5_data/
         ply_data_train0.h5 ... ply_data_train5.h5, ply_data_val0.h5, ply_data_test0.h5, ply_data_test1.h5
             "data": (n, 2048, 3) float32, "label": (n, 1) uint8 category, "pid": (n, 2048) uint8 global part
-        {train,val,test}_hdf5_file_list.txt   the files of each split, one a line: every file they list must be
-                                              there (a missing one is refused)
+        {train,val,test}_hdf5_file_list.txt   the files of each split, one a line: when present they decide which
+                                              files are read (every file they list must be there; one listed by
+                                              two splits is refused; an unlisted .h5 is named in a warning)
 
 Validation: the release's val split; ``trainval=True`` trains on train + val and validates on test.
 Categories, batches, point sampling and augmentation: :mod:`datamodules.partseg.shapenet`,
@@ -23,7 +24,7 @@ import numpy as np
 
 from attention.errors import UserError
 from datamodules.base import SPLITS, BadFiles, DataError, bool_option
-from datamodules.download import check_file_lists, ensure_release, how_to_get
+from datamodules.download import ensure_release, how_to_get, release_files
 from datamodules.formats.h5 import read_h5
 from datamodules.partseg.base import PackedSource
 from datamodules.partseg.shapenet import (CATEGORY_NAMES, H5_FOLDER, H5_URL, H5_ZIP_FOLDER, ShapeNetPartModule,
@@ -68,7 +69,8 @@ class ShapeNetPartH5(ShapeNetPartModule):
         return root / H5_FOLDER
 
     def _files(self) -> dict[str, list[Path]]:
-        """The sorted files of every split; UserError when a split has none."""
+        """The files of every split (those its ``<split>_hdf5_file_list.txt`` lists, else ``ply_data_<split>*.h5`` in
+        natural order); UserError when a split has none."""
         folder = self._folder()
         files = {split: sorted(folder.glob(f"ply_data_{split}*.h5"), key=_natural) for split in SPLITS}
         missing = [split for split, found in files.items() if not found]
@@ -80,9 +82,9 @@ class ShapeNetPartH5(ShapeNetPartModule):
                 f"ply_data_test1.h5 under data.root={self.root} ({H5_ZIP_FOLDER}/, as the zip unpacks, works too). "
                 + how_to_get(self.download, self.url, f"{H5_FOLDER}.zip", offline="parts")
             )
-        check_file_lists(folder, [f"{split}_hdf5_file_list.txt" for split in SPLITS], "ShapeNetPart HDF5",
-                         f"{H5_FOLDER}.zip", self.root, self.url)
-        return files
+        lists = {split: (f"{split}_hdf5_file_list.txt", f"ply_data_{split}*.h5") for split in SPLITS}
+        return release_files(folder, lists, "ShapeNetPart HDF5", f"{H5_FOLDER}.zip", self.root, self.url,
+                             order=lambda found: sorted(found, key=_natural))
 
     def prepare_data(self) -> None:
         """Check the layout; when it is incomplete and ``download`` is set, download and extract first."""

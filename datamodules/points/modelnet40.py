@@ -7,8 +7,10 @@ the release folder itself::
         ply_data_train0.h5 ... ply_data_train4.h5   "data": (n, 2048, 3) float32
         ply_data_test0.h5, ply_data_test1.h5        "label": (n, 1) uint8 in [0, 40)
         shape_names.txt                             40 class names, one a line
-        train_files.txt, test_files.txt             the shards of each split, one a line: every file they
-                                                    list must be there (a missing shard is refused)
+        train_files.txt, test_files.txt             the shards of each split, one a line: when present they
+                                                    decide which files are read (every file they list must be
+                                                    there; one listed by both is refused; an unlisted .h5, e.g.
+                                                    "ply_data_train0 (1).h5", is named in a warning, not read)
 
 Get it with ``data.download=true`` (fetches ``url``, ~415 MB) or unzip
 ``modelnet40_ply_hdf5_2048.zip`` into ``data.root`` by hand.
@@ -28,7 +30,7 @@ import numpy as np
 
 from attention.errors import UserError
 from datamodules.base import BadFiles, DataError, bool_option
-from datamodules.download import check_file_lists, ensure_release, how_to_get
+from datamodules.download import ensure_release, how_to_get, release_files
 from datamodules.formats.h5 import read_h5
 from datamodules.points.base import ArraySource, PointCloudDataModule, PointSource
 
@@ -40,7 +42,7 @@ MODELNET40_CLASSES = [
 ]  # fmt: skip
 HDF5_FOLDER = "modelnet40_ply_hdf5_2048"
 HDF5_URL = "https://shapenet.cs.stanford.edu/media/modelnet40_ply_hdf5_2048.zip"
-FILE_LISTS = ("train_files.txt", "test_files.txt")  # the release's lists of its shards, checked when present
+FILE_LISTS = ("train_files.txt", "test_files.txt")  # the release's lists of its shards: they decide, when present
 
 
 class ModelNet40(PointCloudDataModule):
@@ -73,7 +75,8 @@ class ModelNet40(PointCloudDataModule):
         return root / HDF5_FOLDER
 
     def _files(self) -> tuple[Path, list[Path], list[Path]]:
-        """The release folder and its sorted train and test files; UserError if missing."""
+        """The release folder and its train and test files (those ``train_files.txt`` / ``test_files.txt`` list,
+        else the sorted ``ply_data_{train,test}*.h5``); UserError if missing."""
         folder = self._folder()
         train = sorted(folder.glob("ply_data_train*.h5"))
         test = sorted(folder.glob("ply_data_test*.h5"))
@@ -85,8 +88,9 @@ class ModelNet40(PointCloudDataModule):
                 f"shape_names.txt under data.root={self.root}. "
                 + how_to_get(self.download, self.url, f"{HDF5_FOLDER}.zip", offline="shapes")
             )
-        check_file_lists(folder, FILE_LISTS, "ModelNet40", f"{HDF5_FOLDER}.zip", self.root, self.url)
-        return folder, train, test
+        splits = {"train": (FILE_LISTS[0], "ply_data_train*.h5"), "test": (FILE_LISTS[1], "ply_data_test*.h5")}
+        files = release_files(folder, splits, "ModelNet40", f"{HDF5_FOLDER}.zip", self.root, self.url)
+        return folder, files["train"], files["test"]
 
     def prepare_data(self) -> None:
         """Check the layout; when it is incomplete and ``download`` is set, download and extract first."""
