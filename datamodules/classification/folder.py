@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from attention.errors import UserError
-from datamodules.base import int_option
+from datamodules.base import describe, int_option
 from datamodules.classification.base import ClassificationDataModule, FileSource, names
-from datamodules.formats.image_folder import visible_entries
+from datamodules.formats.image_folder import image_tree, loose_images, visible_entries
 
 
 class FolderClassification(ClassificationDataModule):
     """Images in class folders, one tree per split::
 
-        <root>/train/<class>/<image>     every non-hidden file of a class folder is an image
+        <root>/train/<class>/<image>     <image> may be in sub-folders of <class> too
         <root>/val/<class>/<image>       the same class folders; also the test split
 
     Class names are the sorted folder names of ``train/``; ``val/`` must have the same
-    ones (the differences are named) and no class folder may be empty.
+    ones (the differences are named) and no class folder may be empty. A class's images are
+    the files of its folder and its sub-folders named as images, as torchvision's
+    ``ImageFolder`` lists them (:func:`~datamodules.formats.image_folder.image_tree`); other
+    files and hidden ones are ignored. Image files beside the class folders of a split (an
+    unfinished sort of ImageNet's flat val/) are refused; a dangling symbolic link is a bad
+    file (``on_bad_file``: an error naming it, or skipped and counted).
 
     Args:
         root: the folder holding ``train/`` and ``val/``.
@@ -110,15 +116,23 @@ class FolderClassification(ClassificationDataModule):
         fix = f"Remove or replace it under {self._root()}."
         sources = {}
         for split, folder in ((self.train_dir, train_folder), (self.val_dir, val_folder)):
-            samples, empty = [], []
+            self._refuse_loose(split, folder)
+            samples, empty, dangling = [], [], []
             for label, name in enumerate(self.class_names):
-                files = visible_entries(folder / name)[1]
-                if not files:
+                files, broken = image_tree(folder / name)
+                if not files and not broken:
                     empty.append(name)
-                samples += [(folder / name / f, label) for f in files]
+                samples += [(f, label) for f in files]
+                dangling += broken
             if empty:
-                raise UserError(f"{len(empty)} class folder(s) of {folder} hold no images: {names(empty)}. Every "
-                                "class needs images in train and val: add some or remove the class from both.")
+                raise UserError(f"{len(empty)} class folder(s) of {folder} hold no images: {names(empty)} (images "
+                                "are files named .jpg, .jpeg, .png, .ppm, .bmp, .pgm, .tif, .tiff or .webp, as for "
+                                "torchvision's ImageFolder). Every class needs images in train and val: add some or "
+                                "remove the class from both.")
+            # Known without decoding anything, so named here even where the images are not checked (ImageNet).
+            self.bad.problems([(p, f"a symbolic link to {os.readlink(p)}, which does not exist") for p in dangling],
+                              "Point the link at its image again, or remove it.")  # fmt: skip
+            self.bad.warn(f"{self.name} {split}", "dangling symbolic link(s)")
             samples = self._verify(split, samples, fix)
             used = {label for _, label in samples}
             if len(used) < len(self.class_names):
@@ -127,3 +141,13 @@ class FolderClassification(ClassificationDataModule):
                                 f"readable images: {names(gone)}. Replace the files or remove the class.")
             sources[split] = FileSource(folder, samples)
         return {"train": sources[self.train_dir], "val": sources[self.val_dir], "test": sources[self.val_dir]}
+
+    def _refuse_loose(self, split: str, folder: Path) -> None:
+        """UserError when image files lie directly in the split folder, beside its class folders: they belong to
+        no class, and were left out of the split without a word (an interrupted valprep.sh leaves most of
+        ImageNet's val/ so)."""
+        loose = loose_images(folder)
+        if loose:
+            raise UserError(f"{folder} holds {len(loose)} image file(s) beside its class folders, in no class: "
+                            f"{describe(loose)}. They would be left out of the {split} split. "
+                            f"Move each into its class folder{self.flat_hint}, or delete them.")

@@ -2,8 +2,10 @@
 
 The GAN's ``image_folder`` (``<root>/<class>/<image>`` or ``<root>/<image>``) and the classification
 folders (``<root>/<split>/<class>/<image>``, ImageNet's layout) list entries and decode images here.
-Every non-hidden regular file is a candidate image; hidden names (``.DS_Store``) are ignored. PIL's
-errors for files that are not images are :data:`~datamodules.base.DECODE_ERRORS`.
+For the GAN every non-hidden regular file is a candidate image (:func:`visible_entries`); the
+classification folders list theirs as torchvision's ``ImageFolder`` does, the reference of the published
+recipes (:func:`image_tree`: image extensions, sub-folders searched). Hidden names (``.DS_Store``) are
+ignored everywhere. PIL's errors for files that are not images are :data:`~datamodules.base.DECODE_ERRORS`.
 """
 
 from __future__ import annotations
@@ -32,6 +34,51 @@ def visible_entries(folder: Path) -> tuple[list[str], list[str]]:
 def visible_files(folder: Path) -> list[Path]:
     """The non-hidden regular files directly in ``folder``, sorted by name."""
     return [folder / name for name in visible_entries(folder)[1]]
+
+
+def is_image_name(name: str) -> bool:
+    """Whether ``name`` is an image's by torchvision ``ImageFolder``'s rule: it ends in one of its
+    ``IMG_EXTENSIONS`` (.jpg, .jpeg, .png, .ppm, .bmp, .pgm, .tif, .tiff, .webp), in any case."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension  # slow: imported here
+
+    return has_file_allowed_extension(name, IMG_EXTENSIONS)
+
+
+def loose_images(folder: Path) -> list[str]:
+    """Names of the non-hidden image files (:func:`is_image_name`; dangling links too) directly in ``folder``,
+    sorted."""
+    with os.scandir(folder) as entries:
+        return sorted(e.name for e in entries
+                      if not e.name.startswith(".") and not e.is_dir() and is_image_name(e.name))  # fmt: skip
+
+
+def image_tree(folder: Path) -> tuple[list[Path], list[Path]]:
+    """The image files under ``folder`` as torchvision's ``ImageFolder`` lists a class folder: every file of it
+    and of its sub-folders, at any depth (linked folders followed), whose name passes :func:`is_image_name`,
+    in its order (folders by path, then files by name). Returned apart: the dangling symbolic links among them
+    (their target is gone), for the caller to name or skip. Hidden files and folders are left out."""
+    found = []  # (folder, [(name, dangling)])
+    pending = [(str(folder), frozenset())]  # (folder, real paths of it and the folders above it)
+    while pending:
+        top, above = pending.pop()
+        here = above | {os.path.realpath(top)}
+        files = []
+        with os.scandir(top) as entries:  # entry types come from the listing: only links cost a stat
+            for entry in entries:
+                if entry.name.startswith("."):
+                    continue
+                if entry.is_dir():
+                    # A link back to a folder above would repeat the tree until the path grew too long.
+                    if os.path.realpath(entry.path) not in here:
+                        pending.append((entry.path, here))
+                elif is_image_name(entry.name):
+                    files.append((entry.name, entry.is_symlink() and not os.path.exists(entry.path)))
+        found.append((top, sorted(files)))
+    images, dangling = [], []
+    for top, files in sorted(found):
+        for name, gone in files:
+            (dangling if gone else images).append(Path(top) / name)
+    return images, dangling
 
 
 def open_rgb(path: Path, upright: bool = False) -> Image.Image:

@@ -1,10 +1,13 @@
 """torch-geometric's datasets: :class:`PyGRaw`, what every data module read through one shares (``<root>/raw``
-checked, processed once into ``<root>/processed``, nothing downloaded); and their collated storage
-(``InMemoryDataset``): where each item's rows are, and which meshes of a processed mesh dataset (ModelNet's
-OFF files) ``SamplePoints`` cannot sample."""
+checked, processed into ``<root>/processed`` once and again whenever the raw files change, nothing downloaded);
+and their collated storage (``InMemoryDataset``): where each item's rows are, and which meshes of a processed
+mesh dataset (ModelNet's OFF files) ``SamplePoints`` cannot sample."""
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,6 +16,12 @@ import torch
 
 from attention.errors import UserError
 from datamodules.cache import one_at_a_time
+
+log = logging.getLogger(__name__)
+
+# Beside PyG's processed files: the fingerprint of the raw files and processing they were made from. PyG itself
+# only checks that processed/*.pt exist, so without it raw files added, edited or removed later were ignored.
+FINGERPRINT_FILE = "raw_fingerprint.txt"
 
 # What a torch-geometric dataset raises while processing a raw file it cannot parse (a malformed mesh, split
 # list or shape file; json.JSONDecodeError is a ValueError).
@@ -28,6 +37,11 @@ class PyGRaw:
     ``raw_archive`` (the release to restore them from), ``raw_cause`` (what a failed processing probably
     means), ``raw_how`` (how to get ``<root>/raw`` right, ``{raw}`` standing for its path) and implements
     :meth:`_raw_problem`; it builds its PyG datasets with :meth:`_process`.
+
+    ``<root>/processed`` is rebuilt when its fingerprint (every non-hidden file under ``raw``: relative name,
+    size, modification time; the processing options; ``process_version``) no longer matches, or it has none
+    (written by an older version): the stale ``*.pt`` files are deleted first, so PyG processes ``raw`` again.
+    A data module bumps ``process_version`` when what it makes of the processed files changes.
     """
 
     root: str
@@ -35,6 +49,7 @@ class PyGRaw:
     raw_archive: str
     raw_cause: str
     raw_how: str
+    process_version = 1
 
     def _raw_problem(self, raw: Path) -> str | None:
         """What keeps PyG from processing ``raw`` offline (a sentence), or None when nothing does."""
@@ -48,20 +63,76 @@ class PyGRaw:
             raise UserError(f"{problem} {self.raw_how.format(raw=raw)}")
         return raw
 
-    def _process(self, make: Callable[[str], Any]):
-        """``make(<root>)``, the PyG dataset (processed from the checked ``raw`` once, loaded after); a file
-        PyG cannot parse is a UserError naming it as far as PyG does, and how to reprocess."""
+    def _process(self, make: Callable[[str], Any], options: str = ""):
+        """``make(<root>)``, the PyG dataset (processed from the checked ``raw`` when ``processed/`` is missing
+        or stale, loaded after); ``options`` names what ``make`` processes with (part of the fingerprint). A
+        file PyG cannot parse is a UserError naming it as far as PyG does, and how to reprocess."""
         raw = self._check_raw()
+        processed = raw.parent / "processed"
         try:
             # One run processes (PyG writes processed/ with plain torch.save); the others wait, then load it.
-            with one_at_a_time(raw.parent, ".process.lock", f"processing {raw} into {raw.parent / 'processed'}"):
-                return make(str(raw.parent))
+            with one_at_a_time(raw.parent, ".process.lock", f"processing {raw} into {processed}"):
+                fingerprint = self._fingerprint(raw, options)
+                if _read_fingerprint(processed) == fingerprint:
+                    return make(str(raw.parent))
+                self._drop_stale(processed, raw)
+                dataset = make(str(raw.parent))
+                _write_fingerprint(processed, fingerprint)  # only once processing succeeded
+                return dataset
         except PROCESS_ERRORS as err:
             raise UserError(
                 f"torch-geometric could not process the {self.raw_what} under {raw} ({type(err).__name__}: "
-                f"{err}). {self.raw_cause}; restore the original {self.raw_archive} contents and delete "
-                f"{raw.parent / 'processed'} to reprocess."
+                f"{err}). {self.raw_cause}; restore the original {self.raw_archive} contents (the next run "
+                f"processes them again)."
             ) from None
+
+    def _fingerprint(self, raw: Path, options: str) -> str:
+        """Of every non-hidden file under ``raw`` (relative name, size, mtime), the processing ``options`` and
+        ``process_version``. Hidden files (.DS_Store) are skipped: PyG reads none, and they change often."""
+        digest = hashlib.sha1(usedforsecurity=False)
+        digest.update(f"pyg-v{self.process_version}\t{options}\n".encode())
+        for top, dirs, files in os.walk(raw):
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            here = Path(top)
+            for name in sorted(files):
+                if name.startswith("."):
+                    continue
+                path = here / name
+                st = path.stat() if path.exists() else path.lstat()  # a dangling link: PyG fails on it, named
+                digest.update(f"{path.relative_to(raw).as_posix()}\t{st.st_size}\t{st.st_mtime_ns}\n".encode())
+            for name in dirs:  # an empty category folder is a label to ModelNet
+                digest.update(f"{(here / name).relative_to(raw).as_posix()}/\n".encode())
+        return digest.hexdigest()[:16]
+
+    def _drop_stale(self, processed: Path, raw: Path) -> None:
+        """Delete PyG's files in ``processed`` (made from other raw files, options or version), so it rebuilds."""
+        stale = sorted(processed.glob("*.pt")) if processed.is_dir() else []
+        if stale:
+            why = ("the raw files or the processing changed since they were made"
+                   if (processed / FINGERPRINT_FILE).is_file() else
+                   "they carry no fingerprint of the raw files (made by an older version)")  # fmt: skip
+            log.info("Reprocessing %s into %s: %s.", raw, processed, why)
+        for path in stale:
+            path.unlink(missing_ok=True)
+        (processed / FINGERPRINT_FILE).unlink(missing_ok=True)
+
+
+def _read_fingerprint(processed: Path) -> str | None:
+    try:
+        return (processed / FINGERPRINT_FILE).read_text().strip()
+    except OSError:  # none (never processed, or by an older version) or unreadable: reprocess
+        return None
+
+
+def _write_fingerprint(processed: Path, fingerprint: str) -> None:
+    """Atomically (a temporary file, then a rename): a run killed here leaves none, and so reprocesses."""
+    path = processed / FINGERPRINT_FILE
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(fingerprint + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def pyg_offsets(dataset, key: str) -> torch.Tensor:

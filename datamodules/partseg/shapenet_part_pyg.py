@@ -1,7 +1,7 @@
 """ShapeNetPart, the txt release read by ``torch_geometric.datasets.ShapeNet`` (config ``shapenet_part_pyg``).
 
-PyG processes ``<root>/raw`` once into ``<root>/processed`` (points normalised to the unit sphere
-like :mod:`datamodules.partseg.shapenet_part`)::
+PyG processes ``<root>/raw`` into ``<root>/processed``, once and again when the raw files change (points
+normalised to the unit sphere like :mod:`datamodules.partseg.shapenet_part`)::
 
     <root>/raw/   the release folder, renamed: 16 synset folders and train_test_split/
 
@@ -29,7 +29,8 @@ from datamodules.points.ops import unit_sphere
 class ShapeNetPartPyG(PyGRaw, ShapeNetPartModule):
     """ShapeNetPart through ``torch_geometric.datasets.ShapeNet`` (all 16 categories).
 
-    PyG processes ``<root>/raw`` once into ``<root>/processed/<cats>_{train,val,test,trainval}.pt``;
+    PyG processes ``<root>/raw`` into ``<root>/processed/<cats>_{train,val,test,trainval}.pt`` (again when
+    the raw files change);
     its ``y`` are the global part ids and ``category`` the category index, as here.
     Points are normalised to the unit sphere like :class:`ShapeNetPart`. Nothing is ever
     downloaded: a missing or incomplete ``<root>/raw`` raises UserError first.
@@ -66,10 +67,12 @@ class ShapeNetPartPyG(PyGRaw, ShapeNetPartModule):
     def _dataset(self, split: str):
         from torch_geometric.datasets import ShapeNet
 
-        return self._process(lambda root: ShapeNet(root, categories=None, include_normals=self.normals, split=split))
+        # include_normals only drops columns when loading: the processed files are the same either way.
+        return self._process(lambda root: ShapeNet(root, categories=None, include_normals=self.normals, split=split),
+                             "ShapeNet categories=all")
 
     def prepare_data(self) -> None:
-        """Process the raw files into ``<root>/processed`` (once; later runs load it)."""
+        """Process the raw files into ``<root>/processed`` (when missing or stale; later runs load it)."""
         self._dataset("train")
 
     def _source(self, split: str) -> PackedSource:
@@ -83,7 +86,7 @@ class ShapeNetPartPyG(PyGRaw, ShapeNetPartModule):
         counts = np.diff(offsets)
         if (counts < 1).any():
             raise UserError(f"A shape of the PyG {split} split under {self._check_raw()} has no points; "
-                            f"restore the original files and delete {Path(self.root) / 'processed'}.")  # fmt: skip
+                            "restore the original files (the next run processes them again).")
         lo, hi = np.repeat(np.stack(part_bounds(categories)), counts, axis=1)  # (T,) each
         unit = unit_sphere(pos, offsets)  # (T, 3) float32; huge coordinates may overflow: checked
         finite = np.isfinite(pos).all(axis=1) & np.isfinite(unit).all(axis=1)
@@ -92,7 +95,7 @@ class ShapeNetPartPyG(PyGRaw, ShapeNetPartModule):
         bad_row = (parts < lo) | (parts > hi) | ~finite  # (T,)
         shape_of = np.repeat(np.arange(len(counts)), counts)  # (T,)
         bad_shape = np.bincount(shape_of[bad_row], minlength=len(counts)) > 0  # (n,)
-        fix = f"Restore the original file and delete {Path(self.root) / 'processed'} to reprocess."
+        fix = "Restore the original file (the next run processes the changed raw files again)."
         for shape in np.flatnonzero(bad_shape):
             row = int(np.flatnonzero(bad_row[offsets[shape] : offsets[shape + 1]])[0])
             c, at = categories[shape], offsets[shape] + row

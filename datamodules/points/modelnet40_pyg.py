@@ -1,11 +1,13 @@
 """ModelNet40 meshes through torch-geometric (config ``modelnet40_pyg``).
 
 Reads the Princeton OFF meshes through ``torch_geometric.datasets.ModelNet`` and samples ``npoints``
-points on the surfaces, area-weighted, on every access (so test points are resampled each epoch too)::
+points on the surfaces, area-weighted, on every access (so test points are resampled each epoch too); each
+sampled cloud is centred and scaled to the unit sphere, as the HDF5 release's are (the meshes have arbitrary
+units and offsets)::
 
     <root>/raw/<category>/train/<category>_0001.off ...   40 category folders
     <root>/raw/<category>/test/<category>_0627.off ...
-    <root>/processed/training.pt, test.pt                 written by PyG once
+    <root>/processed/training.pt, test.pt                 written by PyG, again when the raw files change
 
 ``raw`` is the ``ModelNet40`` folder of Princeton's ``ModelNet40.zip``, renamed. Labels are the indices
 of the sorted category names; ``num_classes == 40`` and ``class_names`` are available right after
@@ -25,11 +27,12 @@ from datamodules.base import DataError
 from datamodules.formats.pyg import PyGRaw, mesh_problems
 from datamodules.points.base import PointCloudDataModule, PointSource
 from datamodules.points.modelnet40 import MODELNET40_CLASSES
+from datamodules.points.ops import unit_sphere
 
 
 class PyGSource:
     """A torch-geometric dataset seen as a :class:`~datamodules.points.base.PointSource`, restricted to
-    the meshes ``keep`` (default: all)."""
+    the meshes ``keep`` (default: all); each sampled cloud centred and scaled to the unit sphere."""
 
     def __init__(self, dataset, keep: np.ndarray | None = None):
         self.dataset = dataset
@@ -38,14 +41,16 @@ class PyGSource:
         self.labels = labels[self.index]
 
     def points(self, index: int) -> np.ndarray:
-        return self.dataset[int(self.index[index])].pos.numpy()  # (npoints, 3), freshly sampled
+        pos = self.dataset[int(self.index[index])].pos.numpy()  # (npoints, 3), freshly sampled, in mesh units
+        # float64: a mesh in huge units still gives finite unit-sphere points.
+        return unit_sphere(pos.astype(np.float64), np.array([0, len(pos)]))
 
 
 class ModelNet40PyG(PyGRaw, PointCloudDataModule):
     """ModelNet40 meshes through ``torch_geometric.datasets.ModelNet`` (layout in the module docstring).
 
-    :meth:`prepare_data` processes the raw meshes once into ``<root>/processed``
-    (the first run parses all 12,311 OFF files and takes minutes). Nothing is
+    :meth:`prepare_data` processes the raw meshes into ``<root>/processed``, once and again when
+    the raw files change (the first run parses all 12,311 OFF files and takes minutes). Nothing is
     ever downloaded: a missing or incomplete ``<root>/raw`` raises UserError.
 
     Args:
@@ -87,10 +92,11 @@ class ModelNet40PyG(PyGRaw, PointCloudDataModule):
         from torch_geometric.datasets import ModelNet
         from torch_geometric.transforms import SamplePoints
 
-        return self._process(lambda root: ModelNet(root, name="40", train=train, transform=SamplePoints(self.npoints)))
+        return self._process(lambda root: ModelNet(root, name="40", train=train, transform=SamplePoints(self.npoints)),
+                             "ModelNet name=40")
 
     def prepare_data(self) -> None:
-        """Process the raw meshes into ``<root>/processed`` (once; later runs load it)."""
+        """Process the raw meshes into ``<root>/processed`` (when missing or stale; later runs load it)."""
         self._dataset(train=True)
 
     def _source(self, train: bool) -> PyGSource:
@@ -101,8 +107,8 @@ class ModelNet40PyG(PyGRaw, PointCloudDataModule):
         problems = mesh_problems(dataset)
         files = [Path(p) for c in MODELNET40_CLASSES for p in glob.glob(f"{raw / c / split}/{c}_*.off")]  # PyG's order
         name = (lambda i: str(files[i])) if len(files) == len(dataset) else (lambda i: f"mesh {i} of {raw} ({split})")
-        fix = (f"Repair or remove the mesh (restore it from the original ModelNet40.zip), then delete "
-               f"{raw.parent / 'processed'} to reprocess.")  # fmt: skip
+        fix = ("Repair or remove the mesh (restore it from the original ModelNet40.zip); the next run "
+               "processes the changed raw files again.")
         keep = np.ones(len(dataset), dtype=bool)
         for i, what in problems.items():
             self.bad.file(DataError(f"{name(i)}: {what}. {fix}", f"{name(i)}: {what}"))

@@ -11,7 +11,7 @@ import torch
 from attention.errors import UserError
 from datamodules import ModelNet40, ModelNet40PyG
 from datamodules.points.modelnet40 import HDF5_FOLDER, MODELNET40_CLASSES
-from datamodules.points.ops import augment_points
+from datamodules.points.ops import augment_points, unit_sphere
 
 
 @pytest.fixture
@@ -296,7 +296,15 @@ def test_pyg_processes_offline_and_follows_the_batch_contract(pyg_root):
     assert len(test) == 1
     pts, lab = test[0]["points"], test[0]["label"]
     assert pts.shape == (3, 128, 3) and pts.dtype == torch.float32 and lab.dtype == torch.int64
-    for cloud, label in zip(pts, lab):  # sampled on the right surface
+    # Each cloud centred and scaled to the unit sphere, as the HDF5 release's are.
+    assert torch.allclose(pts.mean(dim=1), torch.zeros(3, 3), atol=1e-6)
+    assert torch.allclose(pts.norm(dim=2).amax(dim=1), torch.ones(3), atol=1e-6)
+    source = dm.test_set.source
+    for i in range(3):  # sampled on the right surface: PyG's cloud in mesh units, the same draw (seed) as the sample
+        torch.manual_seed(i)
+        cloud, label = source.dataset[int(source.index[i])].pos, int(source.labels[i])
+        torch.manual_seed(i)
+        assert np.allclose(dm.test_set[i]["points"], unit_sphere(cloud.double().numpy(), [0, 128]), atol=1e-6)
         if label == 1:  # cube: one coordinate at +-1
             assert torch.allclose(cloud.abs().max(dim=1).values, torch.ones(128), atol=1e-5)
         elif label == 2:  # octahedron: |x| + |y| + |z| = 1
@@ -313,10 +321,10 @@ def test_pyg_augments_train_only(pyg_root):
     dm = ModelNet40PyG(root=str(pyg_root), npoints=64)
     dm.setup()
     cube = [i for i in range(6) if dm.train_set.labels[i] == 1][0]
-    on_surface = lambda p: torch.allclose(p.abs().max(dim=1).values, torch.ones(64), atol=1e-5)  # noqa: E731
-    assert not on_surface(dm.train_set[cube]["points"])  # scaled and shifted
+    unit = lambda p: bool(p.mean(dim=0).abs().max() < 1e-6 and abs(p.norm(dim=1).max() - 1) < 1e-6)  # noqa: E731
+    assert not unit(dm.train_set[cube]["points"])  # scaled and shifted after the unit-sphere normalisation
     test_cube = [i for i in range(3) if dm.test_set.labels[i] == 1][0]
-    assert on_surface(dm.test_set[test_cube]["points"])
+    assert unit(dm.test_set[test_cube]["points"])
 
 
 def test_pyg_missing_raw(tmp_path):
