@@ -658,10 +658,17 @@ def fmt(value, digits: int = 4) -> str:
     return f"{value:.{digits}f}"
 
 
-def fmt_p(p: float) -> str:
+def fmt_p(p: float, alpha: float) -> str:
+    """``p`` to 3 decimals, or to as many more as keep it on its side of ``alpha`` (the significance level of the
+    row's note): 0.04997 printed 0.050 beside "differs (p < 0.05)"."""
     if not math.isfinite(p):
         return "n/a"
-    return "< 0.001" if p < 0.001 else f"{p:.3f}"
+    if p < 0.001:
+        return "< 0.001"
+    digits = 3
+    while (round(p, digits) < alpha) != (p < alpha) and digits < 8:
+        digits += 1
+    return f"{p:.{digits}f}"
 
 
 def fmt_count(value: float, unit: str = "") -> str:
@@ -738,7 +745,7 @@ def markdown(rows: list[dict], left_out: list[LeftOut], sources: list[str], plot
                 f"| `{r['variant']}` | {r['n']} | {', '.join(map(str, r['seeds']))} | {fmt(r['mean'])} ± "
                 f"{fmt(r['std'])} | [{fmt(r['ci_low'])}, {fmt(r['ci_high'])}] | {fmt(r['min'])} | {fmt(r['max'])} | "
                 f"{fmt(r['best_of_n'])} | `{r['baseline']}` | {diff} | {r['test'] or ''} | "
-                f"{'' if r['note'] == 'baseline' else fmt_p(r['p_value'])} | {r['note']} | "
+                f"{'' if r['note'] == 'baseline' else fmt_p(r['p_value'], 1 - confidence)} | {r['note']} | "
                 f"{fmt_count(r['params'])} | {fmt_count(r['flops'])} | {fmt(r['train_samples_per_sec'], 1)} | "
                 f"{fmt_bytes(r['peak_memory_bytes'])} | {fmt_seconds(r['wall_time_s'])} | "
                 f"{protocol_text(r['protocol'])}{'' if r['protocol_recorded'] else ' (from config)'} |")

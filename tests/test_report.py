@@ -825,3 +825,10 @@ def test_an_output_folder_that_cannot_be_one_and_a_foreign_config_are_said(sweep
     assert document["left_out"] == [{"path": str(jobs[("self", 1)]), "reason": (
         "resolved_config.yaml's task not a mapping, as run.py writes it (a hand-edited or foreign file): fix or "
         "remove it")}]
+
+
+def test_a_p_value_is_printed_on_its_side_of_the_level():
+    """p = 0.04997 was printed 0.050 beside "differs (p < 0.05)"."""
+    assert rep.fmt_p(0.04997, 0.05) == "0.04997" and rep.fmt_p(0.0503, 0.05) == "0.050"
+    assert rep.fmt_p(0.0999, 0.1) == "0.0999" and rep.fmt_p(0.2, 0.05) == "0.200"
+    assert rep.fmt_p(0.0004, 0.05) == "< 0.001" and rep.fmt_p(math.nan, 0.05) == "n/a"
