@@ -11,9 +11,14 @@ and the txt release read by torch-geometric (:mod:`~datamodules.partseg.shapenet
 
 from __future__ import annotations
 
+import json
+from collections import Counter
+from pathlib import Path
+
 import numpy as np
 
-from datamodules.base import bool_option
+from attention.errors import UserError
+from datamodules.base import SPLITS, bool_option, describe
 from datamodules.partseg.base import PartSegDataModule, contiguous_parts
 
 # (name, synset, number of parts), in the official synsetoffset2category.txt order.
@@ -33,6 +38,44 @@ TXT_URL = f"https://shapenet.cs.stanford.edu/media/{TXT_FOLDER}.zip"
 H5_FOLDER = "shapenet_part_seg_hdf5_data"
 H5_URL = f"https://shapenet.cs.stanford.edu/media/{H5_FOLDER}.zip"
 H5_ZIP_FOLDER = "hdf5_data"  # what the official shapenet_part_seg_hdf5_data.zip unpacks to
+
+
+def split_listing(folder: Path, split: str, fix: str) -> tuple[Path, list]:
+    """The release's JSON list of a split's shapes (``<folder>/train_test_split/shuffled_<split>_file_list.json``)
+    and its entries, as stored; UserError naming the file when it is not a JSON list (``fix``: how to restore it)."""
+    path = folder / "train_test_split" / f"shuffled_{split}_file_list.json"
+    try:
+        entries = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path}, line {err.lineno}: not valid JSON ({err.msg}). {fix}") from None
+    except (OSError, UnicodeDecodeError, RecursionError) as err:
+        raise UserError(f"{path} cannot be read as a JSON text file ({type(err).__name__}). {fix}") from None
+    if not isinstance(entries, list):
+        raise UserError(f"{path}: expected a JSON list of 'shape_data/<synset>/<id>' entries. {fix}")
+    return path, entries
+
+
+def check_disjoint_lists(folder: Path, fix: str) -> None:
+    """UserError when a split list of the release in ``folder`` names a shape twice or two lists share a shape: a
+    shape of the test (or val) list that the train list names too is trained on and then scored, silently."""
+    listings = {split: split_listing(folder, split, fix) for split in SPLITS}
+    named = {}
+    for split, (path, entries) in listings.items():
+        entries = [e for e in entries if isinstance(e, str)]  # malformed ones are the entry checks' business
+        repeated = [e for e, count in Counter(entries).items() if count > 1]
+        if repeated:
+            raise UserError(f"{path} names {len(repeated)} shape(s) more than once: {describe(repeated)}. Each shape "
+                            f"must be listed once (a repeated one weighs twice): remove the repeated entries. {fix}")
+        named[split] = set(entries)
+    for i, first in enumerate(SPLITS):
+        for second in list(SPLITS)[i + 1:]:
+            shared = [e for e in listings[first][1] if isinstance(e, str) and e in named[second]]
+            if shared:
+                raise UserError(
+                    f"{listings[first][0]} and {listings[second][0]} share {len(shared)} shape(s): "
+                    f"{describe(shared)}. The train, val and test lists must be disjoint, else the same shapes are "
+                    f"trained on and scored. Remove each shape from the list of the split it does not belong to "
+                    f"(the official lists are disjoint). {fix}")
 
 
 def part_range(category: int) -> tuple[int, int]:

@@ -26,18 +26,18 @@ import hashlib
 import json
 import logging
 import re
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
 from attention.errors import UserError
-from datamodules.base import SPLITS, BadFiles, DataError, bool_option, describe
+from datamodules.base import SPLITS, BadFiles, DataError, bool_option
 from datamodules.cache import read_cache, write_cache
 from datamodules.download import ensure_release, how_to_get
 from datamodules.formats.shapenet_txt import read_shape_txt
 from datamodules.partseg.base import PackedSource
-from datamodules.partseg.shapenet import CATEGORY_NAMES, SYNSETS, TXT_FOLDER, TXT_URL, ShapeNetPartModule, part_range
+from datamodules.partseg.shapenet import (CATEGORY_NAMES, SYNSETS, TXT_FOLDER, TXT_URL, ShapeNetPartModule,
+                                          check_disjoint_lists, part_range, split_listing)
 from datamodules.points.ops import unit_sphere
 
 log = logging.getLogger(__name__)
@@ -126,51 +126,11 @@ class ShapeNetPart(ShapeNetPartModule):
             mapping[fields[1]] = CATEGORY_NAMES.index(fields[0])
         return mapping
 
-    def _listing(self, folder: Path, split: str) -> tuple[Path, list]:
-        """The split's JSON list file and its entries, as stored; UserError when it is not a JSON list."""
-        path = folder / "train_test_split" / f"shuffled_{split}_file_list.json"
-        try:
-            entries = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise UserError(f"{path}, line {err.lineno}: not valid JSON ({err.msg}). {self._fix()}") from None
-        except (OSError, UnicodeDecodeError, RecursionError) as err:
-            raise UserError(
-                f"{path} cannot be read as a JSON text file ({type(err).__name__}). {self._fix()}"
-            ) from None
-        if not isinstance(entries, list):
-            raise UserError(f"{path}: expected a JSON list of 'shape_data/<synset>/<id>' entries. {self._fix()}")
-        return path, entries
-
-    def _check_disjoint(self, folder: Path) -> None:
-        """UserError when a split list names a shape twice or two lists share a shape: a shape of the test (or
-        val) list that the train list names too is trained on and then scored, silently."""
-        listings = {split: self._listing(folder, split) for split in SPLITS}
-        named = {}
-        for split, (path, entries) in listings.items():
-            entries = [e for e in entries if isinstance(e, str)]  # malformed ones are the entry checks' business
-            repeated = [e for e, count in Counter(entries).items() if count > 1]
-            if repeated:
-                raise UserError(
-                    f"{path} names {len(repeated)} shape(s) more than once: {describe(repeated)}. Each shape must be "
-                    f"listed once (a repeated one weighs twice): remove the repeated entries. {self._fix()}"
-                )
-            named[split] = set(entries)
-        for i, first in enumerate(SPLITS):
-            for second in list(SPLITS)[i + 1:]:
-                shared = [e for e in listings[first][1] if isinstance(e, str) and e in named[second]]
-                if shared:
-                    raise UserError(
-                        f"{listings[first][0]} and {listings[second][0]} share {len(shared)} shape(s): "
-                        f"{describe(shared)}. The train, val and test lists must be disjoint, else the same shapes are "
-                        f"trained on and scored. Remove each shape from the list of the split it does not belong "
-                        f"to (the official lists are disjoint). {self._fix()}"
-                    )
-
     def _entries(self, folder: Path, split: str, synsets: dict[str, int], bad: BadFiles
                  ) -> list[tuple[str, int, Path]]:  # fmt: skip
         """(entry, category, txt path) of every good entry of the split's JSON list; a malformed
         entry, an unknown synset or a missing shape file goes to ``bad``."""
-        path, entries = self._listing(folder, split)
+        path, entries = split_listing(folder, split, self._fix())
         out = []
         for i, entry in enumerate(entries):
             match = ENTRY.fullmatch(entry) if isinstance(entry, str) else None
@@ -199,7 +159,7 @@ class ShapeNetPart(ShapeNetPartModule):
         folder = self._check()
         bad = self.bad if load else BadFiles(self.on_bad_file)  # prepare_data: nothing is recorded
         json_path = folder / "train_test_split" / f"shuffled_{split}_file_list.json"
-        self._check_disjoint(folder)
+        check_disjoint_lists(folder, self._fix())
         entries = self._entries(folder, split, self._synsets(folder), bad)
         if not entries:
             why = f"all {len(bad.skipped)} entries are bad (data.on_bad_file=skip)" if bad.skipped else "it lists none"

@@ -22,7 +22,7 @@ from datamodules.base import SPLITS, DataError
 from datamodules.formats.pyg import PyGRaw, pyg_offsets
 from datamodules.partseg.base import PackedSource
 from datamodules.partseg.shapenet import (CATEGORY_NAMES, SYNSETS, TXT_FOLDER, TXT_URL, ShapeNetPartModule,
-                                          part_bounds, part_range)
+                                          check_disjoint_lists, part_bounds, part_range)
 from datamodules.points.ops import unit_sphere
 
 
@@ -67,6 +67,8 @@ class ShapeNetPartPyG(PyGRaw, ShapeNetPartModule):
     def _dataset(self, split: str):
         from torch_geometric.datasets import ShapeNet
 
+        # PyG reads the release's split lists as they are: lists sharing shapes would train on test shapes
+        check_disjoint_lists(self._check_raw(), f"Restore the lists from the official {TXT_FOLDER}.zip.")
         # include_normals only drops columns when loading: the processed files are the same either way.
         return self._process(lambda root: ShapeNet(root, categories=None, include_normals=self.normals, split=split),
                              "ShapeNet categories=all")

@@ -185,3 +185,17 @@ def test_shapenet_h5_lists_decide_and_a_file_in_two_lists_is_refused(tmp_path, s
     message = str(err.value)
     assert "the val split (val_hdf5_file_list.txt) and the test split (test_hdf5_file_list.txt)" in message
     assert ": ply_data_test1.h5." in message
+
+
+def test_shapenet_lists_are_checked_through_torch_geometric_too(tmp_path, shapenet_txt_release):
+    """data=shapenet_part_pyg reads the same lists through PyG, which takes them as they are."""
+    from datamodules import ShapeNetPartPyG
+
+    shapenet_txt_release(tmp_path / "raw")
+    lists = tmp_path / "raw" / "train_test_split"
+    train, test = (json.loads((lists / f"shuffled_{s}_file_list.json").read_text()) for s in ("train", "test"))
+    (lists / "shuffled_train_file_list.json").write_text(json.dumps(train + test[:1]))
+    with pytest.raises(UserError, match=r"shuffled_train_file_list\.json and .*shuffled_test_file_list\.json share "
+                                        r"1 shape\(s\).*must be disjoint.*official"):
+        ShapeNetPartPyG(root=str(tmp_path), npoints=16).prepare_data()
+    assert not (tmp_path / "processed").exists()  # refused before PyG processed anything
