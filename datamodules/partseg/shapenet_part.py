@@ -33,7 +33,7 @@ import numpy as np
 from attention.errors import UserError
 from datamodules.base import SPLITS, BadFiles, DataError, bool_option
 from datamodules.cache import read_cache, write_cache
-from datamodules.download import ensure_release, how_to_get
+from datamodules.download import ensure_release, how_to_get, read_lines
 from datamodules.formats.shapenet_txt import read_shape_txt
 from datamodules.partseg.base import PackedSource
 from datamodules.partseg.shapenet import (CATEGORY_NAMES, SYNSETS, TXT_FOLDER, TXT_URL, ShapeNetPartModule,
@@ -113,7 +113,8 @@ class ShapeNetPart(ShapeNetPartModule):
         """synset -> category index from ``synsetoffset2category.txt``, checked against the official table."""
         path = folder / "synsetoffset2category.txt"
         mapping = {}
-        for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
+        lines = read_lines(path, "one '<Category><TAB><synset>' pair a line", self._fix())
+        for number, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
             fields = line.split()

@@ -199,3 +199,12 @@ def test_shapenet_lists_are_checked_through_torch_geometric_too(tmp_path, shapen
                                         r"1 shape\(s\).*must be disjoint.*official"):
         ShapeNetPartPyG(root=str(tmp_path), npoints=16).prepare_data()
     assert not (tmp_path / "processed").exists()  # refused before PyG processed anything
+
+
+def test_shapenet_category_table_not_in_utf8_is_named(txt):
+    """A synsetoffset2category.txt saved as UTF-16 read as 'line 1: expected <Category><TAB><synset>, got ...'."""
+    root, _ = txt
+    table = root / TXT_FOLDER / "synsetoffset2category.txt"
+    table.write_text(table.read_text(), encoding="utf-16")
+    with pytest.raises(UserError, match=r"synsetoffset2category\.txt is not UTF-8 text \(it looks like UTF-16"):
+        ShapeNetPart(root=str(root), npoints=16).prepare_data()
