@@ -288,6 +288,13 @@ def per_update_schedule(scheduler_cfg: dict) -> bool:
         raise UserError("optim.scheduler.sched=plateau is stepped on a validation metric, once per epoch: it "
                         "cannot take step_on_epochs=false. Drop that option, or use another schedule (cosine, step, "
                         "multistep, poly, tanh).")
+    if scheduler_cfg.get("noise") is not None:
+        # timm seeds its noise with noise_seed + t, an integer update count in its own per-update form: at the
+        # fractional epoch this task steps with, torch.Generator.manual_seed failed at the first update in range
+        raise UserError(f"optim.scheduler.noise={scheduler_cfg['noise']} (timm's learning-rate noise) cannot be "
+                        "combined with step_on_epochs=false here: the schedule is set at fractional epochs, which "
+                        "timm's noise cannot seed. Step the schedule per epoch (step_on_epochs=true), or drop the "
+                        "noise (optim.scheduler.noise=null).")
     given = scheduler_cfg.pop("updates_per_epoch", None)
     if given:
         log.info("optim.scheduler.updates_per_epoch=%s is not used: the schedule follows the training "

@@ -225,6 +225,22 @@ def test_a_plateau_schedule_per_update_is_refused_before_data():
         ImageClassification.check_config(cfg)
 
 
+def test_learning_rate_noise_per_update_is_refused_before_data():
+    """timm's noise seeds a generator with noise_seed + t: at the fractional epoch the task steps a per-update
+    schedule with, the run ended in torch's "manual_seed expected a long" at the first update in the noise range."""
+    from timm.scheduler import create_scheduler_v2
+
+    noisy = {"sched": "cosine", "num_epochs": 4, "warmup_epochs": 0, "noise": [0.5, 1.0]}
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    with pytest.raises(RuntimeError, match="manual_seed expected a long"):  # what the run met
+        create_scheduler_v2(optimizer, **noisy)[0].step(epoch=2.5)
+    cfg = OmegaConf.create({"task": {"mixup": {"enabled": False}}, "data": {"batch_size": 8},
+                            "optim": {"scheduler": {**noisy, "step_on_epochs": False}}})
+    with pytest.raises(UserError, match=r"optim.scheduler.noise=\[0.5, 1.0\].*step_on_epochs=true"):
+        ImageClassification.check_config(cfg)
+    ImageClassification.check_config(OmegaConf.create({**cfg, "optim": {"scheduler": noisy}}))  # per epoch: fine
+
+
 def test_learns_tiny_digits_quickly(digits):
     """480 steps of a small ViT (about 20 s; not timed here: the CI machine's speed varies) beat chance (10 %) by far
     (0.66 when written); no mixup in so short a run."""
