@@ -67,9 +67,10 @@ def g_loss(kind: str, fake: torch.Tensor) -> torch.Tensor:
 
 
 class EMA(nn.Module):
-    """StudioGAN's generator EMA: ``p_ema = decay * p_ema + (1 - decay) * p`` from step ``start`` on, a plain copy
-    before it; buffers (BN statistics, spectral-norm vectors) are copied. Written here because
-    ``torch.optim.swa_utils.AveragedModel`` averages buffers or leaves them stale, and has no start step."""
+    """StudioGAN's generator EMA (``src/utils/ema.py``, ``Ema``): ``x_ema = decay * x_ema + (1 - decay) * x`` for
+    every parameter and buffer (BN statistics, spectral-norm vectors) from update ``start`` on (0-based), a plain
+    copy before it; the integer ``num_batches_tracked`` is copied. Written here because
+    ``torch.optim.swa_utils.AveragedModel`` has no start step and averages buffers only with its own BN update."""
 
     def __init__(self, model: nn.Module, decay: float, start: int):
         super().__init__()
@@ -80,11 +81,15 @@ class EMA(nn.Module):
 
     @torch.no_grad()
     def update(self, model: nn.Module, step: int) -> None:
+        """Average ``model`` in after its update ``step`` (0-based: StudioGAN's ``current_step``)."""
         decay = self.decay if step >= self.start else 0.0
         ema_params = list(self.module.parameters())
         torch._foreach_lerp_(ema_params, [p.detach() for p in model.parameters()], 1.0 - decay)
         for ema_b, b in zip(self.module.buffers(), model.buffers()):
-            ema_b.copy_(b)
+            if ema_b.is_floating_point():
+                ema_b.lerp_(b, 1.0 - decay)
+            else:  # num_batches_tracked
+                ema_b.copy_(b)
 
 
 def first_of_each(index: torch.Tensor) -> torch.Tensor:
@@ -297,7 +302,7 @@ class GAN(Task):
         opt_g.step()  # counted: global_step = generator updates
         self.untoggle_optimizer(opt_g)
         if self.G_ema is not None:
-            self.G_ema.update(self.G, self.global_step)
+            self.G_ema.update(self.G, self.global_step - 1)  # the update just made, 0-based
 
         self.log_dict({"train/loss_d": loss_d.detach(), "train/loss_g": loss_g.detach(),
                        "train/d_real": out_real.detach().mean(), "train/d_fake": out_fake.detach().mean()},
