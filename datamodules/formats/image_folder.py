@@ -18,7 +18,8 @@ from PIL import Image, ImageOps
 
 
 def visible_entries(folder: Path) -> tuple[list[str], list[str]]:
-    """Names of the non-hidden sub-folders and regular files directly in ``folder``, each sorted."""
+    """Names of the non-hidden sub-folders and regular files directly in ``folder``, each sorted; a dangling
+    symbolic link counts as a file (opening it fails, and the caller names it as a bad file, not dropping it)."""
     dirs, files = [], []
     with os.scandir(folder) as entries:
         for entry in entries:
@@ -26,7 +27,7 @@ def visible_entries(folder: Path) -> tuple[list[str], list[str]]:
                 continue
             if entry.is_dir():
                 dirs.append(entry.name)
-            elif entry.is_file():
+            elif entry.is_file() or (entry.is_symlink() and not os.path.exists(entry.path)):
                 files.append(entry.name)
     return sorted(dirs), sorted(files)
 

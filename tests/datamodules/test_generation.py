@@ -448,6 +448,18 @@ def test_bad_files_skipped_and_counted(folder_with_bad_files, caplog):
     assert first_batch(dm)["image"].shape == (3, 3, 32, 32)
 
 
+def test_a_dangling_link_is_a_bad_file_not_dropped(folder_with_bad_files):
+    """A link whose image was moved away was left out without a word (neither a file nor a folder)."""
+    (folder_with_bad_files / "notes.txt").unlink()
+    (folder_with_bad_files / "truncated.png").unlink()
+    (folder_with_bad_files / "moved.png").symlink_to(folder_with_bad_files.parent / "elsewhere.png")
+    with pytest.raises(UserError, match=r"moved\.png.*data\.on_bad_file=skip"):
+        ImageFolder(root=str(folder_with_bad_files)).setup()
+    dm = ImageFolder(root=str(folder_with_bad_files), on_bad_file="skip", batch_size=3)
+    dm.setup()
+    assert dm.train_images.shape[0] == 3 and len(dm.skipped) == 1 and "moved.png" in str(dm.skipped[0])
+
+
 def test_folder_errors(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         ImageFolder(root=str(tmp_path / "nowhere"))
