@@ -109,20 +109,27 @@ def _download_and_extract(url: str, root: Path, md5: str | None, filename: str |
     return archive
 
 
+class ReleaseMissing(UserError):
+    """A data set's release is not there, or lacks files: what a download (``data.download=true``) puts right.
+    Other UserErrors of a release's checks (lists that overlap, a list not in UTF-8) are the user's files, which
+    unpacking the official archive over them would replace without a word."""
+
+
 def ensure_release(check: Callable[[], T], download: bool, url: str, root: str | os.PathLike,
                    md5: str | None = None) -> T:
-    """Return ``check()``; if it finds the release missing (UserError) and ``download`` is set, fetch
-    and extract ``url`` into ``root`` first, then check again. Without ``download`` the error stands; a release
-    still incomplete after the download is an error naming the URL (``data.url`` is not the official archive)."""
+    """Return ``check()``; if it finds the release missing (:class:`ReleaseMissing`) and ``download`` is set, fetch
+    and extract ``url`` into ``root`` first, then check again. Without ``download`` the error stands, and so does
+    any other error of ``check`` (the release is there but wrong: the message says what to fix); a release still
+    incomplete after the download is an error naming the URL (``data.url`` is not the official archive)."""
     try:
         return check()
-    except UserError:
+    except ReleaseMissing:
         if not download:
             raise
     with one_download_at_a_time(Path(root).expanduser(), url):
         try:
             return check()  # another run put it in place while this one waited
-        except UserError:
+        except ReleaseMissing:
             download_and_extract(url, root, md5=md5)
     try:
         return check()
@@ -199,7 +206,7 @@ def release_files(folder: Path, splits: dict[str, tuple[str, str]], release: str
         files[split], sources[split] = [folder / n for n in names], name
         listed.append(name)
     if missing:
-        raise UserError(
+        raise ReleaseMissing(
             f"The {release} release in {folder} is incomplete: "
             + "; ".join(f"{', '.join(files)} listed in {name} {'is' if len(files) == 1 else 'are'} missing"
                         for name, files in missing.items())

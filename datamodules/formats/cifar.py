@@ -31,7 +31,7 @@ import numpy as np
 
 from attention.errors import UserError
 from datamodules.base import DataError
-from datamodules.download import ensure_release, how_to_get
+from datamodules.download import ReleaseMissing, ensure_release, how_to_get
 
 IMAGE_SHAPE = (3, 32, 32)  # a row of b"data" is these planes, row-major
 ROW = 3 * 32 * 32
@@ -73,7 +73,7 @@ class Release:
         missing = [n for n in self.files if not (folder / n).is_file()]
         if missing:
             state = f"lacks {', '.join(missing)}" if folder.is_dir() else "does not exist"
-            raise UserError(f"{self.name} not found: {folder} {state}. Expected {self.folder}/ with {self.listing} "
+            raise ReleaseMissing(f"{self.name} not found: {folder} {state}. Expected {self.folder}/ with {self.listing} "
                             f"under data.root={root}. " + how_to_get(download, url, self.archive, offline))
         return folder
 

@@ -33,7 +33,7 @@ import numpy as np
 from attention.errors import UserError
 from datamodules.base import SPLITS, BadFiles, DataError, bool_option
 from datamodules.cache import read_cache, write_cache
-from datamodules.download import ensure_release, how_to_get, read_lines
+from datamodules.download import ReleaseMissing, ensure_release, how_to_get, read_lines
 from datamodules.formats.shapenet_txt import read_shape_txt
 from datamodules.partseg.base import PackedSource
 from datamodules.partseg.shapenet import (CATEGORY_NAMES, SYNSETS, TXT_FOLDER, TXT_URL, ShapeNetPartModule,
@@ -99,7 +99,7 @@ class ShapeNetPart(ShapeNetPartModule):
         ]
         for path in needed:
             if not path.exists():
-                raise UserError(f"ShapeNetPart data not found: {path} does not exist. "
+                raise ReleaseMissing(f"ShapeNetPart data not found: {path} does not exist. "
                                 + _txt_layout(self.root, self.url, self.download))
         return folder
 

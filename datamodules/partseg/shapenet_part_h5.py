@@ -24,7 +24,7 @@ import numpy as np
 
 from attention.errors import UserError
 from datamodules.base import SPLITS, BadFiles, DataError, bool_option
-from datamodules.download import ensure_release, how_to_get, release_files
+from datamodules.download import ReleaseMissing, ensure_release, how_to_get, release_files
 from datamodules.formats.h5 import read_h5
 from datamodules.partseg.base import PackedSource
 from datamodules.partseg.shapenet import (CATEGORY_NAMES, H5_FOLDER, H5_URL, H5_ZIP_FOLDER, ShapeNetPartModule,
@@ -76,7 +76,7 @@ class ShapeNetPartH5(ShapeNetPartModule):
         missing = [split for split, found in files.items() if not found]
         if missing:
             state = "does not exist" if not folder.is_dir() else f"has no ply_data_{missing[0]}*.h5 files"
-            raise UserError(
+            raise ReleaseMissing(
                 f"ShapeNetPart HDF5 data not found: {folder} {state}. Expected {H5_FOLDER}/ with "
                 f"ply_data_train0.h5..ply_data_train5.h5, ply_data_val0.h5, ply_data_test0.h5 and "
                 f"ply_data_test1.h5 under data.root={self.root} ({H5_ZIP_FOLDER}/, as the zip unpacks, works too). "

@@ -30,7 +30,7 @@ import numpy as np
 
 from attention.errors import UserError
 from datamodules.base import BadFiles, DataError, bool_option
-from datamodules.download import ensure_release, how_to_get, release_files
+from datamodules.download import ReleaseMissing, ensure_release, how_to_get, release_files
 from datamodules.formats.h5 import read_h5
 from datamodules.points.base import ArraySource, PointCloudDataModule, PointSource
 
@@ -82,7 +82,7 @@ class ModelNet40(PointCloudDataModule):
         test = sorted(folder.glob("ply_data_test*.h5"))
         if not (train and test):
             state = "has no ply_data_train*.h5 or no ply_data_test*.h5 files" if folder.is_dir() else "does not exist"
-            raise UserError(
+            raise ReleaseMissing(
                 f"ModelNet40 HDF5 data not found: {folder} {state}. Expected {HDF5_FOLDER}/ with "
                 f"ply_data_train0.h5..ply_data_train4.h5, ply_data_test0.h5, ply_data_test1.h5 and "
                 f"shape_names.txt under data.root={self.root}. "

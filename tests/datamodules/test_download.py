@@ -497,3 +497,25 @@ def test_missing_shard_is_restored_from_the_kept_archive_with_download(tmp_path,
     dm.prepare_data()
     dm.setup()
     assert len(dm.train_set) == len(written["train"][1])
+
+
+def test_a_release_that_is_there_but_wrong_is_not_unpacked_over(tmp_path, http_folder, modelnet_release):
+    """With data.download=true, every error of the release's checks unpacked the official archive over the folder:
+    lists a user edited so that they shared a shard (or any list refused) were replaced by the official ones
+    without a word, and the run trained on those. Only a missing release (or missing files) is downloaded now."""
+    served, base = http_folder
+    source = tmp_path / "source" / HDF5_FOLDER
+    modelnet_release(source)
+    (source / "train_files.txt").write_text("ply_data_train0.h5\nply_data_train1.h5\n")  # the official lists
+    (source / "test_files.txt").write_text("ply_data_test0.h5\n")
+    with zipfile.ZipFile(served / f"{HDF5_FOLDER}.zip", "w") as zf:
+        for path in sorted(source.iterdir()):
+            zf.write(path, f"{HDF5_FOLDER}/{path.name}")
+    url, root = f"{base}/{HDF5_FOLDER}.zip", tmp_path / "data"
+    ModelNet40(root=str(root), npoints=32, download=True, url=url).prepare_data()
+    edited = "ply_data_train0.h5\nply_data_test0.h5\n"
+    (root / HDF5_FOLDER / "train_files.txt").write_text(edited)
+    with pytest.raises(UserError, match=r"reads 1 file\(s\) in both the train split") as err:
+        ModelNet40(root=str(root), npoints=32, download=True, url=url).prepare_data()
+    assert "downloaded" not in str(err.value)
+    assert (root / HDF5_FOLDER / "train_files.txt").read_text() == edited  # the user's file, as they wrote it
