@@ -190,10 +190,13 @@ def tested_part(trainer: dict, key: str = "limit_test_batches") -> str | None:
 def reset_peak_memory() -> None:
     """Start a run's peak memory from what the process holds now: CUDA's peak statistics, and on Linux the peak
     resident set size (``5`` into ``/proc/self/clear_refs`` resets the high-water mark that :func:`peak_rss`
-    reads), so that the jobs of a local ``-m`` multirun, which share one process, each record their own peak."""
+    reads), so that the jobs of a local ``-m`` multirun, which share one process, each record their own peak.
+    CUDA's are reset only where this process has used CUDA already (an earlier job's): resetting them creates a
+    CUDA context, on the current device before a DDP process has chosen its own (every process's on GPU 0), and on
+    a GPU machine for a CPU run too (whose peak RSS then held the context); a fresh context's peak starts at 0."""
     import torch
 
-    if torch.cuda.is_available():
+    if torch.cuda.is_initialized():
         torch.cuda.reset_peak_memory_stats()
     try:
         with open("/proc/self/clear_refs", "w") as f:

@@ -154,6 +154,25 @@ def test_peak_memory_is_counted_from_the_runs_start():
     assert peak_memory("cpu")[0] < high - 200 * 2**20
 
 
+def test_starting_a_run_creates_no_cuda_context(monkeypatch):
+    """reset_peak_memory reset CUDA's statistics wherever CUDA was available, which creates a CUDA context: on the
+    current device before a DDP process had chosen its own (every process's on GPU 0), and for a CPU run on a GPU
+    machine (its peak RSS then held the context). Only a process that has used CUDA already resets them."""
+    import torch
+
+    from suite.run_record import reset_peak_memory
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: calls.append(a))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    reset_peak_memory()
+    assert calls == []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # an earlier job of a multirun used the GPU
+    reset_peak_memory()
+    assert calls == [()]
+
+
 def test_peak_memory_is_the_runs_own_not_its_launchers():
     """A process started by one that holds 1 GiB (a second DDP process, a launcher's job, a test's run) records its
     own peak: getrusage's ru_maxrss starts at the launcher's peak (the kernel folds it in at exec), and recorded
