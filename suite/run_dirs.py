@@ -144,7 +144,8 @@ def check_fresh_run(run_dir: Path, *, resume: bool, ckpt_path: str | None, overw
     for path in [*run_dir.glob("hpc_ckpt_*.ckpt"), run_dir / "metrics.json", *run_dir.glob("metrics-step*.json")]:
         path.unlink(missing_ok=True)
     tests = [p.name for p in run_dir.glob("test-*") if p.is_dir()]  # the records of tests of its checkpoints
-    for folder in ("checkpoints", "csv", "wandb_fallback", *tests):
+    # wandb/: the old run's offline W&B runs, which `wandb sync <run dir>/wandb` uploaded beside the new one's
+    for folder in ("checkpoints", "csv", "wandb", "wandb_fallback", *tests):
         shutil.rmtree(run_dir / folder, ignore_errors=True)
 
 

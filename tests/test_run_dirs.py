@@ -97,11 +97,12 @@ def test_a_fresh_run_refuses_a_directory_holding_a_run(trained, env, tmp_path):
     (folder / "test-2026-01-01_00-00-00").mkdir()  # a test of the old run's checkpoint (its record)
     (folder / "test-2026-01-01_00-00-00" / "metrics.json").write_text("{}")
     (folder / "metrics-step10.json").write_text("{}")  # the record of an earlier end, set aside when it trained on
+    (folder / "wandb" / "offline-run-20260101_000000-oldrunid").mkdir(parents=True)  # its W&B run, for wandb sync
     run([*TINY, "logger=none", "++trainer.limit_train_batches=3", "overwrite=true", f"hydra.run.dir={folder}"], env)
     assert not list(folder.glob("test-*")) and not list(folder.glob("metrics-step*"))  # none of the old run's left
     assert {p.name for p in (folder / "checkpoints").glob("*.ckpt")} == {"best-epoch000-step000003.ckpt", "last.ckpt"}
     assert old_best and not old_best & {"best-epoch000-step000003.ckpt"}
-    assert not (folder / "csv").exists()  # the old history (this run logs nothing)
+    assert not (folder / "csv").exists() and not (folder / "wandb").exists()  # the old history (this run logs nothing)
     assert json.loads((folder / "metrics.json").read_text())["protocol"]["checkpoint"].startswith("best")
 
 
