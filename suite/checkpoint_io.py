@@ -31,9 +31,11 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
+from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from attention.errors import UserError
+from suite.secrets import redact
 
 TMP_MARK = ".tmp-"
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6: a zip archive
@@ -135,13 +137,21 @@ def _unreadable(what: str, err: BaseException) -> UserError:
     )
 
 
+def redacted_hparams(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """``checkpoint`` with the task's and the data module's constructor arguments redacted (suite/secrets.py): the
+    data module is built from the config as given, so that a data set option needing a credential gets it, and
+    Lightning stores its arguments in every checkpoint."""
+    keys = (LightningModule.CHECKPOINT_HYPER_PARAMS_KEY, LightningDataModule.CHECKPOINT_HYPER_PARAMS_KEY)
+    return {**checkpoint, **{key: redact(checkpoint[key]) for key in keys if key in checkpoint}}
+
+
 class SafeCheckpointIO(TorchCheckpointIO):
     """Lightning checkpoint plugin: atomic ``save_checkpoint``, ``weights_only`` ``load_checkpoint``."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError("SafeCheckpointIO.save_checkpoint takes no storage_options.")
-        atomic_torch_save(checkpoint, path)
+        atomic_torch_save(redacted_hparams(checkpoint), path)
 
     def load_checkpoint(self, path, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         if not Path(path).is_file():

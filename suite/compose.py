@@ -58,7 +58,15 @@ def compose(cfg: DictConfig, overrides: list[str], out_dir: Path) -> ComposedRun
     # setup() loads once; Lightning's own call later finds it done. A summary reads no data.
     stage = {"train": "fit", "summary": None}.get(cfg.mode, "test")
     datamodule = build_datamodule(cfg, stage)
-    return ComposedRun(config, datamodule, build_task(config, datamodule))
+    module = build_task(config, datamodule)
+    # What the loggers record is this run's whole config, redacted, logged once (suite.loggers.build_loggers).
+    # Lightning would log the task's and the data module's constructor arguments over it: the task's `model` without
+    # its weights options (fine-tuned runs then grouped with runs from scratch by mode=report's report.wandb), the
+    # data module's options as top-level keys, unredacted (it is built from the config as given). Checkpoints keep
+    # both, redacted (suite.checkpoint_io.SafeCheckpointIO).
+    for part in (module, datamodule):
+        part._log_hyperparams = False
+    return ComposedRun(config, datamodule, module)
 
 
 def apply_attn_preset(cfg: DictConfig, overrides: Iterable[str]) -> None:

@@ -250,6 +250,16 @@ def build_loggers(cfg: Mapping, save_dir: str | Path, config: Mapping, run_id: s
     return loggers
 
 
+def started_wandb_run_id(loggers) -> str | None:
+    """The id of the W&B run that ``loggers`` log into; None without W&B or once it failed. Under a sweep agent
+    (``wandb agent``) it is the agent's run's: wandb.init ignores the ``id`` it is given there."""
+    for logger in loggers:
+        if isinstance(logger, ResilientWandbLogger) and not logger.failed:
+            run_id = getattr(logger.experiment, "id", None)
+            return run_id if isinstance(run_id, str) else None
+    return None
+
+
 def close_loggers(loggers, exit_code: int = 0) -> None:
     """Finish W&B runs explicitly: in a Hydra multirun every job shares one process, and an unfinished
     run would otherwise be reused by the next job's ``wandb.init`` (a sweep goes on past a failed run:

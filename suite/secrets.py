@@ -12,8 +12,8 @@ put tokens in configs by mistake. :func:`redact` returns a copy of a config
   containing KEY, TOKEN, SECRET, PASSWORD, PASSWD or CREDENTIAL, values of at
   least 8 characters) has it replaced by ``<redacted:$NAME>``.
 
-A run (``suite/compose.py``) applies it to the saved ``resolved_config.yaml``, the hyper-parameters
-logged to W&B and stored in checkpoints, and Hydra's ``.hydra/*.yaml`` files;
+A run (``suite/compose.py``) applies it to the saved ``resolved_config.yaml`` (which is what the loggers
+record) and Hydra's ``.hydra/*.yaml`` files, and ``suite.checkpoint_io`` to the hyper-parameters in checkpoints;
 the W&B logger starts its run under :func:`scrubbed_argv`, since wandb records
 the command line.
 The data module is built from the unredacted config, so a dataset option that

@@ -120,7 +120,7 @@ def fit_and_test(cfg: DictConfig, composed, run_dir: Path, out_dir: Path, starte
 
     from suite.checkpoints import check_checkpoint, checkpoint_step
     from suite.distributed import is_rank_zero
-    from suite.loggers import build_loggers, close_loggers
+    from suite.loggers import build_loggers, close_loggers, started_wandb_run_id
     from suite.resume import resume_checkpoint, save_wandb_run_id, wandb_run_id
     from suite.run_dirs import slurm_restart
     from suite.run_record import floats
@@ -148,10 +148,10 @@ def fit_and_test(cfg: DictConfig, composed, run_dir: Path, out_dir: Path, starte
     # is kept beside its checkpoints, and keeps its CSV history up to the step it resumes from.
     resuming = cfg.mode == "train" and ckpt is not None
     run_id = wandb_run_id(run_dir, resuming) if cfg.logger.get("name") == "wandb" else None
-    if run_id and cfg.mode == "train" and is_rank_zero():
-        save_wandb_run_id(run_dir, run_id)
     loggers = build_loggers(cfg.logger, out_dir, config, run_id=run_id, resuming=resuming,
                             resume_step=checkpoint_step(ckpt) if resuming else None)
+    if run_id and cfg.mode == "train" and is_rank_zero():  # the run W&B started: a sweep agent's has its own id
+        save_wandb_run_id(run_dir, started_wandb_run_id(loggers) or run_id)
     try:  # however the run ends, its W&B run is finished (a failed one as failed): a sweep's next job, in this
         # process, would otherwise log into it
         trainer, parts = build_trainer(config, module, run_dir, loggers, identity, started)

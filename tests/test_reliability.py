@@ -181,13 +181,15 @@ def test_nan_batch_stops_the_run_naming_the_step_and_last_checkpoint(env, tmp_pa
 
 
 def test_nan_batch_skipped_wandb_failing_and_no_credentials_written(env, tmp_path):
-    """One run, three faults (each run.py start costs seconds): a NaN batch with trainer.on_nan=skip, W&B's
-    Run.log failing from its fourth call on, and credentials in the environment and on the command line."""
+    """One run, four faults (each run.py start costs seconds): a NaN batch with trainer.on_nan=skip, W&B's
+    Run.log failing from its fourth call on, credentials in the environment and on the command line (one of them
+    in a data set option: the data module is built from the config as given), and a W&B sweep agent's run."""
     secret_env = {"WANDB_API_KEY": "0123456789abcdef-SECRET-KEY", "MY_TOKEN": "tok-SECRET-abcdefgh",
-                  "WANDB_MODE": "offline"}
+                  "WANDB_MODE": "offline", "WANDB_SWEEP_ID": "sweep123", "WANDB_RUN_ID": "agentrun"}
     proc = launch(NAN_AT_STEP_12 + WANDB_GONE,
                   [*TWO_EPOCHS, "trainer.on_nan=skip", "logger=wandb", f"hydra.run.dir={tmp_path}",
-                   "+notes=${oc.env:MY_TOKEN}", "+logger.api_key=plain-SECRET-123"], {**env, **secret_env})
+                   "+notes=${oc.env:MY_TOKEN}", "+logger.api_key=plain-SECRET-123",
+                   "++data.root=/data/${oc.env:MY_TOKEN}"], {**env, **secret_env})
     # The NaN batch: dropped, counted, reported; BatchNorm statistics and weights stay finite.
     metrics = quality_metrics(json.loads((tmp_path / "metrics.json").read_text()))
     assert metrics["train/skipped_batches"] == 1.0
@@ -211,6 +213,9 @@ def test_nan_batch_skipped_wandb_failing_and_no_credentials_written(env, tmp_pat
     assert not any(s.decode() in proc.stdout + proc.stderr for s in secrets)
     resolved = (tmp_path / "resolved_config.yaml").read_text()
     assert "notes: <redacted:$MY_TOKEN>" in resolved and "api_key: <redacted>" in resolved
+    # The id a resumed run logs into is the agent's run's (wandb.init ignores the id asked for in a sweep): the
+    # suite's own made a resumed run start a second W&B run, outside the sweep.
+    assert (tmp_path / "checkpoints" / "wandb_run_id").read_text() == "agentrun\n"
 
 
 # --- checkpoints -----------------------------------------------------------------------------------------------------
