@@ -83,6 +83,7 @@ class LastCheckpoint(RunCheckpoint):
 
     def __init__(self, dirpath: Path):
         super().__init__(dirpath=dirpath, filename=LAST, monitor=None, save_top_k=1, enable_version_counter=False)
+        self._cut_validation = False  # saving on an interruption inside a validation of fit
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from suite.validate import check_validation_batches
@@ -96,7 +97,16 @@ class LastCheckpoint(RunCheckpoint):
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if isinstance(exception, INTERRUPTS) and trainer.state.fn == "fit":
-            self._save_final(trainer)
+            self._cut_validation = trainer.validating
+            try:
+                self._save_final(trainer)
+            finally:
+                self._cut_validation = False
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        super().on_save_checkpoint(trainer, pl_module, checkpoint)
+        if self._cut_validation:
+            validate_again_on_resume(checkpoint)
 
     def _save_final(self, trainer: L.Trainer) -> None:
         """Save unless nothing was trained since the last save (or this is a ``fast_dev_run``), then say where.
@@ -111,6 +121,24 @@ class LastCheckpoint(RunCheckpoint):
             self.last_model_path = str(path)
         if trainer.is_global_zero and path.is_file():  # a run that took no step has nothing to keep
             log.info("last checkpoint: %s (step %d)", path, trainer.global_step)
+
+
+def validate_again_on_resume(checkpoint: dict) -> None:
+    """Make a checkpoint saved inside a validation of fit (interrupted: Ctrl-C, SIGTERM) run that whole validation
+    again when resumed, before training on.
+
+    A SIGTERM during the last training batch of an epoch, or during the validation that follows it, stops the run
+    at the end of a validation batch (Lightning, ``suite/sigterm.py``). Lightning's loops then hold a finished
+    training batch and a validation begun: resumed, they took the validation for done, and skipped it. That epoch
+    was never validated nor a candidate for the best checkpoint, and a run that exited 0 had another best
+    checkpoint and test score than the run that never stopped. Lightning validates again on resume only from the
+    stage it records as "inside a validation batch" (its batch progress one batch started and not processed); the
+    validation's progress is set to that stage, at its first batch, so the resumed run validates from the start."""
+    progress = checkpoint["loops"]["fit_loop"]["epoch_loop.val_loop.batch_progress"]
+    done = progress["current"]["completed"]  # the validation batches finished before the interruption
+    for counts, before in ((progress["total"], progress["total"]["completed"] - done), (progress["current"], 0)):
+        counts.update(ready=before + 1, started=before + 1, processed=before, completed=before)
+    progress["is_last_batch"] = False
 
 
 class RunIdentity(L.pytorch.callbacks.Callback):

@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 from suite.run_record import quality_metrics
+from fixture_cache import once_per_worker
+from test_last_checkpoint import INTERRUPT
+from test_reliability import launch
 from test_run import GAN_TINY, ROOT, TINY, env, run, user_error  # noqa: F401  (env is a fixture)
 
 # 5 epochs of a small PCT on 3 generated classes, a checkpoint after each: slow enough to be killed mid-run. On the
@@ -57,12 +60,22 @@ def kill_after_a_checkpoint(args: list[str], env: dict, run_dir: Path) -> int:
     return stopped_at
 
 
+@pytest.fixture(scope="module")
+def straight(env, tmp_path_factory) -> tuple[Path, float]:
+    """The uninterrupted run of ARGS, which the interrupted ones are compared with, and its wall-clock seconds."""
+    def build(out: Path):
+        started = time.monotonic()
+        proc = run([*ARGS, f"hydra.run.dir={out}"], env)
+        (out.parent / "straight-took").write_text(str(time.monotonic() - started))
+        return proc
+
+    out, _ = once_per_worker(tmp_path_factory, "straight", build)
+    return out, float((out.parent / "straight-took").read_text())
+
+
 @pytest.mark.xdist_group("resume")
-def test_sigkill_then_resume_matches_an_uninterrupted_run(env, tmp_path):
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    started = time.monotonic()
-    run([*ARGS, f"hydra.run.dir={straight}"], env)
-    took = time.monotonic() - started
+def test_sigkill_then_resume_matches_an_uninterrupted_run(env, straight, tmp_path):
+    (straight, took), killed = straight, tmp_path / "killed"
     # The record is the whole fit's, not that of the best checkpoint, which is tested after the fit (Lightning
     # restores callbacks from it: its older wall time was added to the run's, and its throughput replaced the run's).
     record = json.loads((straight / "metrics.json").read_text())
@@ -99,6 +112,37 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(env, tmp_path):
     assert wandb_ids(killed) == {first_id}
     # The whole history in CSV too: every epoch's rows, those before the kill included, each once.
     assert history(killed) == history(straight)
+
+
+@pytest.mark.xdist_group("resume")
+def test_a_validation_cut_by_sigterm_runs_again_on_resume(env, straight, tmp_path):
+    """A SIGTERM during an epoch's last training batch (or the validation after it) stops the run at the end of a
+    validation batch. Resumed, Lightning took that validation for done: the epoch was never validated nor a
+    candidate for the best checkpoint, and the run exited 0 with another best checkpoint and test score than the
+    run that never stopped. Now the resumed run validates that epoch first and ends as the uninterrupted one."""
+    straight, _ = straight
+    stopped = tmp_path / "stopped"
+    interrupt = ["+callbacks.interrupt._target_=interrupt_at.InterruptAt", "+callbacks.interrupt.step=18",
+                 "+callbacks.interrupt.how=sigterm"]  # 9 steps an epoch
+    proc = launch(INTERRUPT, [*ARGS, f"hydra.run.dir={stopped}", *interrupt], env, check=False)
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    assert torch.load(stopped / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 18  # epoch 1's end
+    assert not list((stopped / "checkpoints").glob("best-*-step000018.ckpt"))  # its validation was cut short
+    run([*ARGS, f"hydra.run.dir={stopped}", "resume=true"], env)
+    a = quality_metrics(json.loads((straight / "metrics.json").read_text()))
+    b = quality_metrics(json.loads((stopped / "metrics.json").read_text()))
+    assert a.keys() == b.keys()
+    for key in a:
+        assert b[key] == pytest.approx(a[key], abs=1e-6), key
+    names = [sorted(p.name for p in (d / "checkpoints").glob("best-*.ckpt")) for d in (straight, stopped)]
+    assert names[0] == names[1]
+    # Every row of the history but epoch 1's training means (loss, accuracy), which Lightning accumulates over the
+    # epoch's batches and keeps in no checkpoint (a run stopped inside an epoch loses them).
+    full, resumed = history(straight), history(stopped)
+    (lost,) = [row for row in full if row not in resumed]
+    assert resumed == [row for row in full if row != lost]
+    fields = {k: v for k, v in zip(full[0].split(","), lost.split(",")) if v}
+    assert sorted(fields) == ["epoch", "step", "train/loss_epoch", "train/oa"] and fields["step"] == "17"
 
 
 def test_ckpt_path_last_needs_a_checkpoint_in_the_run_directory(env, tmp_path):
