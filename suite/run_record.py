@@ -97,7 +97,11 @@ def checkpoint_choice(config: dict, tested: str | None) -> str:
     return f"file {name}"
 
 
-def protocol(config: dict, tested: str | None = None) -> dict:
+SELECTION = ("checkpoint", "selected_on", "selected_on_part")  # how the tested checkpoint was chosen
+
+
+def protocol(config: dict, tested: str | None = None, val_is_test: bool | None = None,
+             chosen_in: dict | None = None) -> dict:
     """The evaluation protocol of a run, from its resolved config and the checkpoint it tested.
 
     Runs whose protocols differ are never averaged together by ``mode=report``. Keys: ``checkpoint`` (see
@@ -105,6 +109,12 @@ def protocol(config: dict, tested: str | None = None) -> dict:
     the checkpoint was chosen on: ``test`` when validation uses the test split, as PCT's reference does), and
     per task what else decides the numbers: test-time augmentation, points, FID/IS sample counts, reference
     split and feature extractor, the segmentation evaluation mode, EMA weights.
+
+    ``val_is_test``: whether the run validated on its test split, as its data module set it up (None: told from
+    the config, which misses a data set's defaults: ``data=shapes data.val_per_class=0`` validates on the test
+    split with no ``val_fraction`` in its config). ``chosen_in``: the protocol of the run that chose the tested
+    checkpoint, where that is another run (``mode=test``, :func:`checkpoint_origin`): its monitor, split and
+    part of it decide ``checkpoint``, ``selected_on`` and ``selected_on_part``, not this command's.
     """
     task = (config.get("task") or {}).get("name")
     data = config.get("data") or {}
@@ -112,11 +122,47 @@ def protocol(config: dict, tested: str | None = None) -> dict:
     trainer = config.get("trainer") or {}
     if (part := tested_part(trainer)) is not None:
         p["tested_part"] = part
-    elif (part := tested_part(trainer, "limit_val_batches")) is not None:
+    if (part := tested_part(trainer, "limit_val_batches")) is not None:
         p["selected_on_part"] = part  # the checkpoint chosen on part of the validation split
     on_val = test_split_is_val(config)
-    val_is_test = (on_val or data.get("val_fraction") == 0 or bool(data.get("trainval"))
-                   or ("val_size" in data and not data.get("val_size")))
+    if val_is_test is None:
+        val_is_test = (on_val or data.get("val_fraction") == 0 or bool(data.get("trainval"))
+                       or ("val_size" in data and not data.get("val_size")))
+    p = _evaluation(p, config, task, data, on_val, val_is_test)
+    if chosen_in is not None:
+        p = {k: v for k, v in p.items() if k not in SELECTION[1:]}
+        if p["checkpoint"].startswith("best") and str(chosen_in.get("checkpoint", "")).startswith("best"):
+            p["checkpoint"] = chosen_in["checkpoint"]
+        p.update({k: chosen_in[k] for k in SELECTION[1:] if k in chosen_in})
+    return p
+
+
+def checkpoint_origin(ckpt: str | None) -> dict | None:
+    """The protocol of the run that wrote checkpoint ``ckpt`` (for ``mode=test``/``eval``): the one in its
+    ``metrics.json``, else one told from its ``resolved_config.yaml``; None when neither is beside it."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from suite.checkpoints import run_config_of
+
+    if not ckpt or (saved := run_config_of(ckpt)) is None:
+        return None
+    try:
+        recorded = json.loads((saved.parent / "metrics.json").read_text()).get("protocol")
+    except (OSError, ValueError, AttributeError):
+        recorded = None
+    if isinstance(recorded, dict):
+        return recorded
+    try:
+        config = OmegaConf.to_container(OmegaConf.load(saved), resolve=False)
+    except Exception:  # noqa: BLE001 - unreadable: this run's own config stands
+        return None
+    return protocol(config, ckpt) if isinstance(config, dict) else None
+
+
+def _evaluation(p: dict, config: dict, task, data: dict, on_val: bool, val_is_test: bool) -> dict:
+    """:func:`protocol`'s keys for how each task evaluates, added to ``p``."""
     if task == "gan":
         metrics, evaluation = config.get("metrics") or {}, config.get("eval") or {}
         weights = metrics.get("inception_weights")
@@ -312,10 +358,12 @@ def eager_networks(compiled: bool):
 
 
 def record(module, config: dict, tested: str | None, device_type: str, wall_time: float, meter=None,
-           compiler=None, code: list | None = None, settings: list | None = None) -> dict:
+           compiler=None, code: list | None = None, settings: list | None = None, val_is_test: bool | None = None,
+           chosen_in: dict | None = None) -> dict:
     """The fields above for ``metrics.json`` (``wall_time``: the run's seconds, ``wall_time_s``; ``compiler``:
     the run's ``suite.compile.CompileNetworks``, or None when it compiled nothing; ``code``: the code version of
-    each of the run's parts, ``settings``: each part's where they changed, :func:`provenance`)."""
+    each of the run's parts, ``settings``: each part's where they changed, :func:`provenance`; ``val_is_test``
+    and ``chosen_in``: :func:`protocol`'s)."""
     out: dict = {"wall_time_s": wall_time}
     try:
         out["peak_memory_bytes"], out["peak_memory_source"] = peak_memory(device_type)
@@ -329,7 +377,7 @@ def record(module, config: dict, tested: str | None, device_type: str, wall_time
             out.update(count_cost(module))
     except Exception as err:  # noqa: BLE001
         log.warning("params/FLOPs not recorded in metrics.json: %s", err)
-    out["protocol"] = protocol(config, tested)
+    out["protocol"] = protocol(config, tested, val_is_test, chosen_in)
     try:
         out["provenance"] = provenance(device_type, code, settings)
     except Exception as err:  # noqa: BLE001

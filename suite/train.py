@@ -190,9 +190,14 @@ def fit_and_test(cfg: DictConfig, composed, run_dir: Path, out_dir: Path, starte
         metrics = finish_metrics(metrics, parts["guard"], datamodule, trainer)
         log.info("rank %d metrics: %s", trainer.global_rank, json.dumps(metrics))  # each process logs what it saw
         if trainer.is_global_zero:
+            from suite.run_record import checkpoint_origin
+
+            training = cfg.mode == "train"
             write_metrics(metrics, module, config, tested, trainer, parts["record"].seconds(),
-                          parts["meter"] if cfg.mode == "train" else None, out_dir, loggers, parts["compiler"],
-                          parts["record"].code(), parts["record"].settings() if cfg.mode == "train" else None)
+                          parts["meter"] if training else None, out_dir, loggers, parts["compiler"],
+                          parts["record"].code(), parts["record"].settings() if training else None,
+                          validates_on_test(datamodule) if training else None,
+                          None if training else checkpoint_origin(tested))
         close_loggers(loggers)
         return metrics
     except BaseException as err:
@@ -347,7 +352,8 @@ def finish_metrics(metrics: dict[str, float], guard, datamodule, trainer) -> dic
 
 def write_metrics(metrics: dict, module, config: dict, tested: str | None, trainer, wall_time: float, meter,
                   out_dir: Path, loggers: list, compiler=None, code: list | None = None,
-                  settings: list | None = None) -> None:
+                  settings: list | None = None, val_is_test: bool | None = None,
+                  chosen_in: dict | None = None) -> None:
     """``metrics.json`` (the metrics and, beside them, what mode=report needs: wall time, peak memory,
     params/FLOPs, throughput, protocol; with ``trainer.compile``, the compile time), printed too, and the run
     record sent to W&B."""
@@ -355,7 +361,7 @@ def write_metrics(metrics: dict, module, config: dict, tested: str | None, train
     from suite.run_record import record
 
     extra = record(module, config, tested, trainer.strategy.root_device.type, wall_time, meter, compiler, code,
-                   settings)
+                   settings, val_is_test, chosen_in)
     atomic_write_text(out_dir / "metrics.json", json.dumps({**metrics, **extra}, indent=2) + "\n")
     print("\n".join(f"{k:>24} {v:.4f}" for k, v in metrics.items()))
     print("\n".join(f"{k:>24} {v:.6g}" for k, v in extra.items() if isinstance(v, (int, float))))
@@ -364,6 +370,13 @@ def write_metrics(metrics: dict, module, config: dict, tested: str | None, train
         print(f"{'provenance':>24} {json.dumps(extra['provenance'])}")
     print(f"metrics written to {out_dir / 'metrics.json'}")
     log_record(loggers, extra)
+
+
+def validates_on_test(datamodule) -> bool | None:
+    """Whether the data module, set up, validates on its test split (one data set for both); None where it has no
+    such splits (the GAN's)."""
+    val, test = getattr(datamodule, "val_set", None), getattr(datamodule, "test_set", None)
+    return None if val is None or test is None else val is test
 
 
 def log_record(loggers, extra: dict) -> None:

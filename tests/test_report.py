@@ -672,6 +672,48 @@ def test_a_test_of_part_of_the_split_says_so_in_its_protocol():
     p = protocol({**base, "trainer": {"limit_val_batches": 0.5}})
     assert p["selected_on_part"] == "first 50% of the batches (trainer.limit_val_batches=0.5)"
     assert "tested_part" not in p and "selected_on_part" not in protocol({**base, "trainer": {}})
+    # Both parts: the test part hid the validation part (an elif), and such runs grouped with full validations.
+    p = protocol({**base, "trainer": {"limit_val_batches": 1, "limit_test_batches": 2}})
+    assert p["tested_part"] == "first 2 batches (trainer.limit_test_batches=2)"
+    assert p["selected_on_part"] == "first 1 batches (trainer.limit_val_batches=1)"
+
+
+def test_the_protocol_says_where_the_checkpoint_was_chosen(tmp_path):
+    """`data=shapes data.val_per_class=0` validates on the test split, but its config has no val_fraction: the
+    protocol said selected_on=val. The data module, set up, now says. And `mode=test` of another run's best
+    checkpoint recorded this command's monitor and validation (`best val/oa (max)` for a checkpoint chosen by
+    val/loss): the run that chose it says now, from its metrics.json or else its resolved_config.yaml."""
+    from datamodules.points.shapes import Shapes
+    from suite.run_record import checkpoint_origin
+    from suite.train import validates_on_test
+
+    tiny = dict(num_classes=2, train_per_class=4, test_per_class=2, npoints=16, batch_size=2)
+    for val_per_class, on_test in ((0, True), (2, False)):
+        shapes = Shapes(val_per_class=val_per_class, **tiny)
+        shapes.setup("fit")
+        assert validates_on_test(shapes) is on_test
+        config = {"task": {"name": "modelnet"}, "data": {"_target_": "datamodules.points.shapes.Shapes",
+                                                         "val_per_class": val_per_class}}
+        assert protocol(config, val_is_test=validates_on_test(shapes))["selected_on"] == ("test" if on_test else "val")
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    best = str(run / "checkpoints" / "best-epoch001-step000020.ckpt")
+    trained = {"task": {"name": "modelnet"}, "data": {"_target_": "datamodules.points.shapes.Shapes"},
+               "monitor": {"metric": "val/loss", "mode": "min"}, "trainer": {"limit_val_batches": 0.5}}
+    (run / "resolved_config.yaml").write_text(yaml.safe_dump(trained))
+    command = {**trained, "mode": "test", "ckpt_path": best, "monitor": {"metric": "val/oa", "mode": "max"},
+               "trainer": {}}
+    assert protocol(command, best)["checkpoint"] == "best val/oa (max)"  # what this command alone says
+    origin = checkpoint_origin(best)  # no metrics.json (a run killed before its end): its config
+    p = protocol(command, best, chosen_in=origin)
+    assert p["checkpoint"] == "best val/loss (min)" and p["selected_on"] == "val"
+    assert p["selected_on_part"] == "first 50% of the batches (trainer.limit_val_batches=0.5)"
+    recorded = {"checkpoint": "best val/loss (min)", "split": "test", "selected_on": "test"}
+    (run / "metrics.json").write_text(json.dumps({"test/oa": 0.5, "protocol": recorded}))
+    p = protocol(command, best, chosen_in=checkpoint_origin(best))  # its record, which its data module told
+    assert p["checkpoint"] == "best val/loss (min)" and p["selected_on"] == "test" and "selected_on_part" not in p
+    assert checkpoint_origin(str(tmp_path / "elsewhere.ckpt")) is None
+    assert protocol(command, str(run / "checkpoints" / "last.ckpt"), chosen_in=recorded)["checkpoint"] == "last"
 
 
 def test_report_runs_with_commas_become_a_list():
