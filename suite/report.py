@@ -716,6 +716,16 @@ def versions_text(rows: list[dict]) -> list[str]:
             for r in rows]
 
 
+def row_blocks(rows: list[dict]) -> dict[tuple[str, str, str], list[dict]]:
+    """The rows by (task, data set, compared metric): one table and one set of plots each. Runs of one data set
+    chosen by different monitors compare different metrics (test/oa, test/loss), which shared the first row's
+    title, direction and axes."""
+    blocks = defaultdict(list)
+    for row in rows:
+        blocks[(row["task"], row["data"], row["metric"])].append(row)
+    return blocks
+
+
 def markdown(rows: list[dict], left_out: list[LeftOut], sources: list[str], plots: dict, confidence: float) -> str:
     pct = f"{confidence:.0%}"
     lines = ["# Report", "", f"Sources: {', '.join(sources)}. {sum(len(r['runs']) for r in rows)} runs in "
@@ -726,11 +736,7 @@ def markdown(rows: list[dict], left_out: list[LeftOut], sources: list[str], plot
              "params and FLOPs for one sample (mode=summary's count), training samples/s of one process, peak "
              "memory (CUDA max allocated, or the process's peak RSS on CPU) and wall time, means over the seeds. "
              "Rows whose protocols differ are never averaged together.", ""]
-    blocks = defaultdict(list)
-    for row in rows:
-        blocks[(row["task"], row["data"])].append(row)
-    for (task, data), members in blocks.items():
-        metric = members[0]["metric"]
+    for (task, data, metric), members in row_blocks(rows).items():
         direction = "higher is better" if members[0]["higher_is_better"] else "lower is better"
         lines += [f"## {task} on {data}: {metric} ({direction})", "",
                   f"| variant | n | seeds | mean ± std | {pct} CI | min | max | best of n | vs baseline | "
@@ -750,7 +756,7 @@ def markdown(rows: list[dict], left_out: list[LeftOut], sources: list[str], plot
                 f"{fmt_bytes(r['peak_memory_bytes'])} | {fmt_seconds(r['wall_time_s'])} | "
                 f"{protocol_text(r['protocol'])}{'' if r['protocol_recorded'] else ' (from config)'} |")
         lines += ["", *versions_text(members), ""]
-        for title, path in plots.get((task, data), []):
+        for title, path in plots.get((task, data, metric), []):
             lines += [f"![{title}]({path})", ""]
     lines += ["## Runs left out", ""]
     lines += [f"- `{x.path}`: {x.reason}" for x in left_out] or ["None."]
@@ -808,12 +814,11 @@ def plot_blocks(rows: list[dict], groups: list[Group], out: Path) -> dict:
 
     made = defaultdict(list)
     by_label = {(g.task, g.data, g.label, json.dumps(g.protocol, sort_keys=True)): g for g in groups}
-    blocks = defaultdict(list)
-    for row in rows:
-        blocks[(row["task"], row["data"])].append(row)
-    for (task, data), members in blocks.items():
-        slug = f"{task}-{data}".lower().replace("/", "_")
-        metric, higher = members[0]["metric"], members[0]["higher_is_better"]
+    blocks = row_blocks(rows)
+    for (task, data, metric), members in blocks.items():
+        several = sum((t, d) == (task, data) for t, d, _ in blocks) > 1  # then the metric names the files apart
+        slug = (f"{task}-{data}" + (f"-{metric}" if several else "")).lower().replace("/", "_")
+        higher = members[0]["higher_is_better"]
         for axis, key, x_lower in (("FLOPs per sample", "flops", True),
                                    ("training samples/s (one process)", "train_samples_per_sec", False)):
             xs = [r[key] for r in members]
@@ -843,7 +848,7 @@ def plot_blocks(rows: list[dict], groups: list[Group], out: Path) -> dict:
             fig.tight_layout()
             fig.savefig(out / name, dpi=110)
             plt.close(fig)
-            made[(task, data)].append((f"{metric} vs {axis}", name))
+            made[(task, data, metric)].append((f"{metric} vs {axis}", name))
         block_groups = [by_label[(task, data, r["variant"], json.dumps(r["protocol"], sort_keys=True))]
                         for r in members]
         # The compared metric on the validation split (test/loss -> val/loss), else the monitored one.
@@ -876,7 +881,7 @@ def plot_blocks(rows: list[dict], groups: list[Group], out: Path) -> dict:
             fig.tight_layout()
             fig.savefig(out / f"{slug}-curves.png", dpi=110)
             plt.close(fig)
-            made[(task, data)].append((f"{monitored} learning curves", f"{slug}-curves.png"))
+            made[(task, data, metric)].append((f"{monitored} learning curves", f"{slug}-curves.png"))
     return made
 
 

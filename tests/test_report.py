@@ -893,3 +893,26 @@ def test_a_p_value_is_printed_on_its_side_of_the_level():
     assert rep.fmt_p(0.04997, 0.05) == "0.04997" and rep.fmt_p(0.0503, 0.05) == "0.050"
     assert rep.fmt_p(0.0999, 0.1) == "0.0999" and rep.fmt_p(0.2, 0.05) == "0.200"
     assert rep.fmt_p(0.0004, 0.05) == "< 0.001" and rep.fmt_p(math.nan, 0.05) == "n/a"
+
+
+def test_runs_chosen_by_different_monitors_get_a_table_each(sweep, tmp_path):
+    """The self runs chose their checkpoints by val/loss, the offset runs by val/oa: each row compares its own
+    metric (test/loss, test/oa), and they shared one table under the first row's title and direction ("test/oa
+    (higher is better)" over a row of test/loss values) and one set of plots. Now a table and plots per metric."""
+    out, _ = sweep
+    jobs = copy_runs(out, tmp_path / "runs")
+    for seed in SEEDS:
+        set_config(jobs[("self", seed)], monitor__metric="val/loss", monitor__mode="min")
+        record = json.loads((jobs[("self", seed)] / "metrics.json").read_text())
+        record["protocol"]["checkpoint"] = "best val/loss (min)"
+        (jobs[("self", seed)] / "metrics.json").write_text(json.dumps(record))
+    document = rep.report(cfg(runs=[str(tmp_path / "runs")], out=str(tmp_path / "a"), plots=True))
+    assert {row["attn"]: row["metric"] for row in document["rows"]} == {"self": "test/loss", "offset": "test/oa"}
+    text = (tmp_path / "a" / "report.md").read_text()
+    tables = {part.split("\n", 1)[0]: part for part in text.split("\n## ")[1:]}
+    oa, loss = tables["modelnet on Shapes: test/oa (higher is better)"], tables["modelnet on Shapes: test/loss "
+                                                                                 "(lower is better)"]
+    assert "| `attn=offset " in oa and "`attn=self " not in oa
+    assert "| `attn=self " in loss and "| `attn=offset " not in loss
+    assert "(modelnet-shapes-test_oa-flops.png)" in oa and "(modelnet-shapes-test_loss-flops.png)" in loss
+    assert (tmp_path / "a" / "modelnet-shapes-test_loss-flops.png").is_file()
