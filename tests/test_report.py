@@ -219,6 +219,16 @@ def test_throughput_meter_logs_its_window_and_keeps_the_whole_run_rate(monkeypat
         assert [k for k, _ in logged] == ["train/samples_per_sec"] * 2
         assert [v for _, v in logged] == pytest.approx(expected)
         assert meter.rate() == pytest.approx(8 / 2.0)
+        # A validation, then 5 s of checkpoint writes before the next batch: that batch is left out, not counted as
+        # having waited 5 s for its data; the one after it counts again.
+        meter.on_validation_start(trainer, None)
+        meter.on_validation_end(trainer, None)
+        for start, end in ((8.0, 9.0), (9.0, 9.5)):
+            now[0] = start
+            meter.on_train_batch_start(trainer, None, batch, 0)
+            now[0] = end
+            meter.on_train_batch_end(trainer, None, None, batch, 0)
+        assert meter.rate() == pytest.approx(12 / 2.5)
     silent = callbacks.TrainThroughput(window=0)
     assert silent.rate() is None
 
