@@ -13,6 +13,8 @@
   first batch and batches that ``torch.compile`` compiled for excluded), when the run trained: the whole-run rate
   of ``suite.callbacks.TrainThroughput``, the meter whose windowed rate the loggers receive;
 - ``protocol``: how the test metrics were obtained (:func:`protocol`);
+- ``tested``: the checkpoint tested, its file name with the epoch and global step Lightning saved it at (the
+  loggers' test rows sit at the end of the fit, or at step 0 for ``mode=test``, not at the tested weights' step);
 - ``compile_time_s`` and ``compile_graphs``, with ``trainer.compile=true``: seconds spent compiling the networks
   (torch.compile's tracing and code generation, forward and backward, evaluation and test included) and the graphs
   compiled (``suite/compile.py``);
@@ -37,7 +39,7 @@ log = logging.getLogger(__name__)
 
 # What :func:`record` adds to metrics.json beside the metrics (these differ between two runs of one seed).
 RECORD_KEYS = ("wall_time_s", "peak_memory_bytes", "peak_memory_source", "train_samples_per_sec", "params", "flops",
-               "protocol", "compile_time_s", "compile_graphs", "provenance")
+               "protocol", "compile_time_s", "compile_graphs", "provenance", "tested")
 
 
 def floats(metrics) -> dict[str, float]:
@@ -215,6 +217,14 @@ def _evaluation(p: dict, config: dict, task, data: dict, on_val: bool, val_is_te
     return p
 
 
+def tested_checkpoint(path: str) -> dict:
+    """``{"checkpoint": file name, "epoch", "step"}`` of checkpoint ``path``, as Lightning saved them."""
+    from suite.checkpoint_io import safe_torch_load
+
+    state = safe_torch_load(path, f"checkpoint {path}", mmap=True)
+    return {"checkpoint": Path(path).name, "epoch": int(state["epoch"]), "step": int(state["global_step"])}
+
+
 def tested_part(trainer: dict, key: str = "limit_test_batches") -> str | None:
     """What part of the test split a run's test metrics cover, when not all of it (``trainer.limit_test_batches``,
     ``trainer.fast_dev_run``), else None; with ``key="limit_val_batches"``, of the validation split its checkpoint
@@ -378,6 +388,11 @@ def record(module, config: dict, tested: str | None, device_type: str, wall_time
     except Exception as err:  # noqa: BLE001
         log.warning("params/FLOPs not recorded in metrics.json: %s", err)
     out["protocol"] = protocol(config, tested, val_is_test, chosen_in)
+    if tested:
+        try:
+            out["tested"] = tested_checkpoint(tested)
+        except Exception as err:  # noqa: BLE001
+            log.warning("the tested checkpoint's step not recorded in metrics.json: %s", err)
     try:
         out["provenance"] = provenance(device_type, code, settings)
     except Exception as err:  # noqa: BLE001

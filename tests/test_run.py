@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 import attention
@@ -255,6 +256,9 @@ def test_train_writes_metrics_and_checkpoints(wandb_run):
     assert_declares_what_it_logs(out, metrics)
     assert (out / "checkpoints" / "last.ckpt").is_file()
     assert "test/oa" in proc.stdout and "metrics.json" in proc.stdout
+    (best,) = (out / "checkpoints").glob("best-*.ckpt")  # the tested weights, and where in the fit they stood
+    saved = torch.load(best, weights_only=True, mmap=True)
+    assert metrics["tested"] == {"checkpoint": best.name, "epoch": saved["epoch"], "step": saved["global_step"]}
 
 
 @pytest.mark.xdist_group("runs")
