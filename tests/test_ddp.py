@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_reliability import launch
 from test_run import GAN_TINY, ROOT, SEG_TINY, TINY, env, run, user_error  # noqa: F401  (env is a fixture)
 
 from suite.distributed import lr_scale, scale_learning_rates
@@ -40,6 +41,15 @@ CASES = {
     "segmentation": [*SEG_TINY, "attn=external", "data.num_val=5", "data.num_test=5", "data.eval_batch_size=2",
                      "trainer.max_steps=4", "eval.every_n_steps=2"],
 }
+
+
+# `mode=test` that validates the checkpoint instead (one process scoring the validation samples).
+VALIDATE_INSTEAD_OF_TEST = r"""
+import lightning.pytorch as pl
+def test(self, model=None, dataloaders=None, ckpt_path=None, verbose=True, datamodule=None, weights_only=None):
+    return self.validate(model, ckpt_path=ckpt_path, verbose=verbose, datamodule=datamodule, weights_only=weights_only)
+pl.Trainer.test = test
+"""
 
 
 def rank_metrics(out: Path) -> dict[int, dict]:
@@ -76,6 +86,15 @@ def test_two_process_ddp(task, env, tmp_path):
         assert value == pytest.approx(alone[key], rel=1e-5, abs=1e-6), key
     if task == "gan":
         assert written["test/samples"] == 9  # each generated image scored once, none twice
+        # The validation that chose the checkpoint scored it as one process does: each process generated its share
+        # with BatchNorm statistics of its own batches (no synchronised BatchNorm on the CPU), not the checkpoint's.
+        proc = launch(VALIDATE_INSTEAD_OF_TEST, [*CASES[task], *extra, "mode=test", f"ckpt_path={best[-1]}",
+                                                 "logger=none", f"hydra.run.dir={tmp_path / 'validated'}"], env)
+        validated = json.loads((tmp_path / "validated" / "metrics.json").read_text())
+        for key in ("val/fid", "val/is", "val/kid"):
+            if key in written:
+                assert written[key] == pytest.approx(validated[key], rel=1e-5, abs=1e-6), key
+        assert "val/fid" in written
     if task == "modelnet":  # optim.scale_lr=linear: 2 processes x batch 4 = 8, twice the batch lr=0.01 was set for
         state = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
         assert state["hyper_parameters"]["optim"]["optimizer"]["lr"] == pytest.approx(0.02)
