@@ -88,8 +88,8 @@ def test_two_process_ddp(task, env, tmp_path):
         assert written["test/samples"] == 9  # each generated image scored once, none twice
         # The validation that chose the checkpoint scored it as one process does: each process generated its share
         # with BatchNorm statistics of its own batches (no synchronised BatchNorm on the CPU), not the checkpoint's.
-        proc = launch(VALIDATE_INSTEAD_OF_TEST, [*CASES[task], *extra, "mode=test", f"ckpt_path={best[-1]}",
-                                                 "logger=none", f"hydra.run.dir={tmp_path / 'validated'}"], env)
+        launch(VALIDATE_INSTEAD_OF_TEST, [*CASES[task], *extra, "mode=test", f"ckpt_path={best[-1]}", "logger=none",
+                                          f"hydra.run.dir={tmp_path / 'validated'}"], env)
         validated = json.loads((tmp_path / "validated" / "metrics.json").read_text())
         for key in ("val/fid", "val/is", "val/kid"):
             if key in written:

@@ -73,8 +73,9 @@ class Release:
         missing = [n for n in self.files if not (folder / n).is_file()]
         if missing:
             state = f"lacks {', '.join(missing)}" if folder.is_dir() else "does not exist"
-            raise ReleaseMissing(f"{self.name} not found: {folder} {state}. Expected {self.folder}/ with {self.listing} "
-                            f"under data.root={root}. " + how_to_get(download, url, self.archive, offline))
+            raise ReleaseMissing(f"{self.name} not found: {folder} {state}. Expected {self.folder}/ with "
+                                 f"{self.listing} under data.root={root}. "
+                                 + how_to_get(download, url, self.archive, offline))
         return folder
 
     def fetch(self, root: str, download: bool, url: str, md5: str | None, offline: str) -> Path:

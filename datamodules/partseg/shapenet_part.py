@@ -100,7 +100,7 @@ class ShapeNetPart(ShapeNetPartModule):
         for path in needed:
             if not path.exists():
                 raise ReleaseMissing(f"ShapeNetPart data not found: {path} does not exist. "
-                                + _txt_layout(self.root, self.url, self.download))
+                                     + _txt_layout(self.root, self.url, self.download))
         return folder
 
     def prepare_data(self) -> None:
