@@ -24,7 +24,7 @@ from .base import Task, TrainLoss
 from .metrics.classification import BalancedAccuracy
 from .nets.pct import PCT
 from .optim import build_optimizers
-from .voting import check_voting, draw_scales, vote_generator, voted_probabilities
+from .voting import check_voting, draw_scales, shape_indices, voted_probabilities
 from .wandb_media import log_confusion_matrix, log_point_clouds, palette
 
 
@@ -54,7 +54,6 @@ class PointCloudClassification(Task):
         self.save_hyperparameters()
         self.eval_cfg = dict(eval or {})  # votes, vote_scale, vote_cumulative (configs/task/modelnet.yaml)
         self.seed = seed  # seeds the votes' scales
-        self._vote_rng: torch.Generator | None = None
         self.net = PCT(num_classes, attn=dict(attn), **dict(model))
         self.class_names = list(class_names)
         self.smoothing = reference_smoothing(label_smoothing, num_classes)
@@ -113,23 +112,20 @@ class PointCloudClassification(Task):
 
     def on_test_epoch_start(self):
         self._samples = []
-        self._vote_rng = vote_generator(self.seed, self.global_rank, self.device)
 
-    def _test_logits(self, points: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _test_logits(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(scores whose argmax is the prediction, logits of the unscaled pass): one pass when eval.votes=1, else
         the softmax averaged over the votes."""
-        votes = int(self.eval_cfg.get("votes", 1))
+        points, votes = batch["points"], int(self.eval_cfg.get("votes", 1))
         if votes == 1:
             logits = self(points)
             return logits, logits
-        if self._vote_rng is None:  # a test step outside a test epoch (a unit test)
-            self._vote_rng = vote_generator(self.seed, self.global_rank, self.device)
-        scales = draw_scales(self._vote_rng, votes, len(points), self.eval_cfg["vote_scale"],
+        scales = draw_scales(self.seed, shape_indices(batch, "modelnet"), votes, self.eval_cfg["vote_scale"],
                              bool(self.eval_cfg.get("vote_cumulative", False)), points.device, points.dtype)
         return voted_probabilities(self, points, scales, dim=-1)
 
     def test_step(self, batch, batch_idx):
-        scores, logits = self._test_logits(batch["points"])
+        scores, logits = self._test_logits(batch)
         loss = F.cross_entropy(logits, batch["label"], label_smoothing=self.smoothing)
         pred = scores.argmax(-1)
         self.test_oa(pred, batch["label"])

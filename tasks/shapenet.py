@@ -25,7 +25,7 @@ from .base import Task, TrainLoss
 from .metrics.part_iou import PartIoU, category_part_mask, restrict_to_category
 from .nets.pct import PCTPartSeg
 from .optim import build_optimizers
-from .voting import check_voting, draw_scales, vote_generator, voted_probabilities
+from .voting import check_voting, draw_scales, shape_indices, voted_probabilities
 from .wandb_media import log_point_clouds, log_table, palette
 
 
@@ -46,7 +46,6 @@ class PartSegmentation(Task):
         self.save_hyperparameters()
         self.eval_cfg = dict(eval or {})  # votes, vote_scale, vote_cumulative (configs/task/shapenet.yaml)
         self.seed = seed  # seeds the votes' scales
-        self._vote_rng: torch.Generator | None = None
         self.net = PCTPartSeg(num_parts, num_categories, attn=dict(attn), in_channels=6 if normals else 3,
                               **dict(model))
         self.normals = normals
@@ -109,15 +108,13 @@ class PartSegmentation(Task):
 
     def on_test_epoch_start(self):
         self._samples = []
-        self._vote_rng = vote_generator(self.seed, self.global_rank, self.device)
 
     def _voted(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean softmax over the eval.votes votes, logits of the unscaled pass), both (B, parts, N)."""
-        if self._vote_rng is None:  # a test step outside a test epoch (a unit test)
-            self._vote_rng = vote_generator(self.seed, self.global_rank, self.device)
         points = self._inputs(batch)
-        scales = draw_scales(self._vote_rng, int(self.eval_cfg["votes"]), len(points), self.eval_cfg["vote_scale"],
-                             bool(self.eval_cfg.get("vote_cumulative", False)), points.device, points.dtype)
+        scales = draw_scales(self.seed, shape_indices(batch, "shapenet"), int(self.eval_cfg["votes"]),
+                             self.eval_cfg["vote_scale"], bool(self.eval_cfg.get("vote_cumulative", False)),
+                             points.device, points.dtype)
         return voted_probabilities(lambda x: self(x, batch["category"]), points, scales, dim=1)
 
     def test_step(self, batch, batch_idx):

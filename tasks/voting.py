@@ -7,24 +7,25 @@ shape and per axis drawn uniformly from ``[scale_low, scale_high]`` (``Pointclou
 are not scaled); they average the softmax over the votes (``pred += F.softmax(...)``, ``pred /= NUM_VOTE``)
 and score the argmax of that average.
 
-Here the same, with two documented differences: the scales come from a ``torch.Generator`` seeded with the
-run's ``seed`` (plus the process rank), so a seed gives one set of scales and one number, where the references
-draw from numpy's global stream and report the best of 300 repeats (``NUM_REPEAT``: that maximum over random
-draws is not reported here); and each vote scales the original cloud (``eval.vote_cumulative=false``), where
-PAConv's, PointMLP's and RS-CNN's part-segmentation scripts scale their batch in place, so that vote v sees the
-product of v factors (``eval.vote_cumulative=true`` reproduces that).
+Here the same, with two documented differences: each shape's scales come from the run's ``seed`` and the shape
+itself (its ``index`` in the batch, the row the data set read it from), so a seed gives one set of scales and one
+number whatever the batch size, the number of processes or the device, where the references draw from numpy's global
+stream in batch order and report the best of 300 repeats (``NUM_REPEAT``: that maximum over random draws is not
+reported here); and each vote scales the original cloud (``eval.vote_cumulative=false``), where PAConv's, PointMLP's
+and RS-CNN's part-segmentation scripts scale their batch in place, so that vote v sees the product of v factors
+(``eval.vote_cumulative=true`` reproduces that).
 
-Seed rule (the test of this module recomputes it): a test epoch makes ``torch.Generator(device)`` seeded with
-``seed + global_rank``; each test batch of B shapes then draws ``torch.rand((votes - 1, B, 3), generator,
-float32)`` on that device and scales = ``low + (high - low) * u`` cast to the points' dtype (cumulative: then
-their running product over votes). So the scales depend on the seed, the batch size, the number of processes
-and the device type (CUDA's generator draws other numbers than the CPU's).
+Seed rule (the test of this module recomputes it): the shape of index ``i`` draws
+``numpy.random.default_rng([seed, i]).random((votes - 1, 3))`` (float64) and its scales are
+``low + (high - low) * u`` cast to the points' dtype (cumulative: then their running product over votes). The
+indices are read on the host, one small copy per voted test batch (testing only; training steps never wait).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+import numpy as np
 import torch
 
 from attention.errors import UserError
@@ -57,19 +58,25 @@ def check_voting(evaluation: Mapping, task: str) -> None:
                         f"task={task} eval.vote_cumulative=false`.")
 
 
-def vote_generator(seed: int, rank: int, device: torch.device) -> torch.Generator:
-    """The generator of a test epoch's scales: ``seed + rank`` on ``device``."""
-    generator = torch.Generator(device=device)
-    generator.manual_seed(int(seed) + int(rank))
-    return generator
+def shape_indices(batch: Mapping, task: str) -> list[int]:
+    """Which shapes ``batch`` holds (its ``"index"``, every point data module's batches carry it): the key of each
+    shape's scales. A UserError when a data module of one's own leaves it out."""
+    if "index" not in batch:
+        raise UserError(f"eval.votes > 1 needs each test sample's 'index' (which shape it is, the key of its random "
+                        f"scales), and this data module's batches have only {sorted(batch)}. Return "
+                        "'index': torch.tensor(i) from the dataset's __getitem__ as the suite's point data sets do "
+                        f"(datamodules/points/base.py), or test with one pass: `python run.py task={task} "
+                        "eval.votes=1`.")
+    return [int(i) for i in batch["index"].tolist()]
 
 
-def draw_scales(generator: torch.Generator, votes: int, batch: int, scale: tuple[float, float],
-                cumulative: bool, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Per-axis scale factors (votes - 1, B, 3) of votes 1..votes-1 for one batch (module docstring's rule)."""
+def draw_scales(seed: int, indices: list[int], votes: int, scale: tuple[float, float], cumulative: bool,
+                device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Per-axis scale factors (votes - 1, B, 3) of votes 1..votes-1 for the shapes ``indices`` (module docstring's
+    rule: each shape's from ``(seed, its index)`` alone)."""
     low, high = float(scale[0]), float(scale[1])
-    u = torch.rand((votes - 1, batch, 3), generator=generator, device=device, dtype=torch.float32)
-    factors = (low + (high - low) * u).to(dtype)  # (V-1, B, 3)
+    u = np.stack([np.random.default_rng([int(seed), i]).random((votes - 1, 3)) for i in indices], axis=1)  # (V-1, B, 3)
+    factors = torch.from_numpy(low + (high - low) * u).to(device=device, dtype=dtype)
     if cumulative:
         factors = factors.cumprod(dim=0)  # vote v: the product of v factors, as in-place scaling gives
     return factors

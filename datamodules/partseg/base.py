@@ -8,9 +8,13 @@ returns the (train, val or None, test) :class:`PackedSource` objects.
 Batch contract (every part-segmentation module)::
 
     sample = {"points": FloatTensor (N, 3), "parts": LongTensor (N,) global part ids,
-              "category": LongTensor () category index,
+              "category": LongTensor () category index, "index": LongTensor () the shape's row in its split,
               "normals": FloatTensor (N, 3)}          # only when normals=True
-    batch["points"]: (B, N, 3) float32, batch["parts"]: (B, N) int64, batch["category"]: (B,) int64
+    batch["points"]: (B, N, 3) float32, batch["parts"]: (B, N) int64, batch["category"]: (B,) int64,
+    batch["index"]: (B,) int64
+
+``index`` says which shape a sample is, whatever the batch and process it lands in: test-time voting draws each
+shape's scales from it (:mod:`tasks.voting`).
 
 Part ids are global: each category owns a contiguous range (:func:`contiguous_parts`).
 ``num_categories``, ``num_parts``, ``category_names`` and ``category_parts`` are available
@@ -145,6 +149,7 @@ class PartDataset(Dataset):
             "points": torch.from_numpy(np.ascontiguousarray(pts, dtype=np.float32)),
             "parts": torch.from_numpy(parts[choice].astype(np.int64)),
             "category": torch.tensor(int(self.source.categories[index]), dtype=torch.long),
+            "index": torch.tensor(index, dtype=torch.long),
         }
         if self.normals:
             sample["normals"] = torch.from_numpy(np.ascontiguousarray(normals[choice], dtype=np.float32))

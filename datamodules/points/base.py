@@ -6,8 +6,11 @@ A dataset of this family (:mod:`datamodules.points.modelnet40`, :mod:`~datamodul
 
 Every sample is a plain dict, so PyTorch's default collate batches it::
 
-    {"points": FloatTensor (N, 3), "label": LongTensor ()}
-    batch["points"]: (B, N, 3) float32, batch["label"]: (B,) int64
+    {"points": FloatTensor (N, 3), "label": LongTensor (), "index": LongTensor ()}
+    batch["points"]: (B, N, 3) float32, batch["label"]: (B,) int64, batch["index"]: (B,) int64
+
+``index`` is the sample's row in its source (which shape it is, whatever the batch and process it lands in): test-time
+voting draws each shape's scales from it (:mod:`tasks.voting`).
 
 Training augmentation (:func:`datamodules.points.ops.augment_points`, the PCT / DGCNN ModelNet40
 reference), per sample, on the train split only:
@@ -100,6 +103,7 @@ class PointCloudDataset(Dataset):
         return {
             "points": torch.tensor(points, dtype=torch.float32),  # copies: the source stays intact
             "label": torch.tensor(int(self.source.labels[index]), dtype=torch.long),
+            "index": torch.tensor(index, dtype=torch.long),
         }
 
 

@@ -110,7 +110,8 @@ def test_data_module_splits_and_contract():
     test = list(dm.test_dataloader())
     assert [len(b["category"]) for b in test] == [4, 4, 4]
     batch = test[0]
-    assert set(batch) == {"points", "parts", "category", "normals"}
+    assert set(batch) == {"points", "parts", "category", "normals", "index"}
+    assert torch.cat([b["index"] for b in test]).tolist() == list(range(12))  # which shape: the votes' key
     assert batch["points"].shape == (4, 256, 3) and batch["points"].dtype == torch.float32
     assert batch["parts"].shape == (4, 256) and batch["parts"].dtype == torch.int64
     assert batch["category"].shape == (4,) and batch["category"].dtype == torch.int64
@@ -130,7 +131,7 @@ def test_data_module_splits_and_contract():
     assert len(train) == 6 and train[0]["points"].shape == (4, 256, 3)
     plain = small()
     plain.setup()
-    assert set(plain.test_set[0]) == {"points", "parts", "category"}
+    assert set(plain.test_set[0]) == {"points", "parts", "category", "index"}
 
 
 def test_smaller_npoints_subsamples_without_replacement():

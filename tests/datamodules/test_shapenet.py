@@ -79,7 +79,8 @@ def test_txt_loads_what_was_written(txt):
     batches = list(dm.test_dataloader())
     assert [len(b["category"]) for b in batches] == [2, 1]  # nothing dropped or duplicated
     batch = batches[0]
-    assert set(batch) == {"points", "parts", "category", "normals"}
+    assert set(batch) == {"points", "parts", "category", "normals", "index"}
+    assert torch.cat([b["index"] for b in batches]).tolist() == [0, 1, 2]  # which shape: the votes' key
     assert batch["points"].shape == (2, 16, 3) and batch["points"].dtype == torch.float32
     assert batch["parts"].shape == (2, 16) and batch["parts"].dtype == torch.int64
     assert batch["category"].shape == (2,) and batch["category"].dtype == torch.int64
@@ -373,7 +374,7 @@ def test_h5_loads_what_was_written(h5):
     data, label, pid = written["test"]
     batches = list(dm.test_dataloader())
     assert [len(b["category"]) for b in batches] == [3, 1]
-    assert set(batches[0]) == {"points", "parts", "category"}
+    assert set(batches[0]) == {"points", "parts", "category", "index"}
     for i in range(4):
         sample = dm.test_set[i]
         assert sample["category"].item() == label[i]

@@ -1,7 +1,8 @@
 """Test-time voting (``eval.votes``, ``tasks/voting.py``) on ModelNet40 and ShapeNet part, against float64
 transliterations of the reference loops (PAConv ``obj_cls/eval_voting.py`` and ``part_seg/eval_voting.py`` at
 b392e45e64db3c03c270c599d73c10c636670d11, RS-CNN ``voting_evaluate_partseg.py`` at
-6464eb8bb4efc686adec9da437112ef888e55684), with the scales redrawn here from the documented seed rule."""
+6464eb8bb4efc686adec9da437112ef888e55684), with the scales redrawn here from the documented seed rule (each shape's
+from the seed and its index alone, so the score does not depend on the batches or processes)."""
 
 from __future__ import annotations
 
@@ -35,11 +36,11 @@ def calibrated(task, *inputs):
     return task.eval()
 
 
-def reference_scales(seed: int, votes: int, batch: int, low: float, high: float) -> torch.Tensor:
-    """The documented rule: Generator(cpu).manual_seed(seed + rank 0); per batch rand((votes-1, B, 3)) in float32,
-    low + (high - low) * u, as float64."""
-    g = torch.Generator().manual_seed(seed)
-    return (low + (high - low) * torch.rand((votes - 1, batch, 3), generator=g)).double()
+def reference_scales(seed: int, votes: int, indices, low: float, high: float) -> torch.Tensor:
+    """The documented rule: shape i's (votes-1, 3) factors are low + (high - low) * default_rng([seed, i]).random();
+    stacked over the batch's shapes to (votes-1, B, 3)."""
+    per_shape = [low + (high - low) * np.random.default_rng([seed, int(i)]).random((votes - 1, 3)) for i in indices]
+    return torch.from_numpy(np.stack(per_shape, axis=1))
 
 
 def classifier(votes: int, cumulative: bool = False, seed: int = SEED) -> PointCloudClassification:
@@ -71,18 +72,18 @@ def test_modelnet_vote_is_the_mean_softmax_over_the_scaled_copies(cumulative):
     votes = 5
     points = torch.rand(6, 64, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) * 2 - 1
     task = calibrated(classifier(votes, cumulative), points)
-    labels = torch.tensor([0, 1, 2, 3, 0, 1])
-    ref = paconv_cls_vote(task.net, points, reference_scales(SEED, votes, 6, *SCALE), votes, in_place=cumulative)
+    labels, index = torch.tensor([0, 1, 2, 3, 0, 1]), torch.tensor([5, 0, 9, 2, 11, 3])
+    ref = paconv_cls_vote(task.net, points, reference_scales(SEED, votes, index, *SCALE), votes, in_place=cumulative)
     task.on_test_epoch_start()
     with torch.no_grad():
-        probs, logits = task._test_logits(points)
+        probs, logits = task._test_logits({"points": points, "index": index})
     torch.testing.assert_close(probs, ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(logits, task.net(points), rtol=0, atol=0)  # test/loss: the unscaled pass
     assert (probs - logits.softmax(-1)).abs().max() > 1e-4  # the scaled votes changed the prediction
     # Through test_step: the metrics score the argmax of the mean softmax.
     task.on_test_epoch_start()
     with torch.no_grad():
-        task.test_step({"points": points, "label": labels}, 0)
+        task.test_step({"points": points, "label": labels, "index": index}, 0)
     pred = ref.argmax(-1)
     assert task.test_oa.compute() == multiclass_accuracy(pred, labels, 4, average="micro")
     assert task.test_macc.compute().item() == pytest.approx(balanced_accuracy_score(labels, pred), abs=1e-12)
@@ -95,35 +96,58 @@ def test_cumulative_and_independent_scales_differ():
         task = calibrated(classifier(4, cumulative), points)
         task.on_test_epoch_start()
         with torch.no_grad():
-            outs.append(task._test_logits(points)[0])
+            outs.append(task._test_logits({"points": points, "index": torch.arange(3)})[0])
     assert not torch.allclose(*outs)
 
 
-def test_votes_are_deterministic_per_seed_and_follow_the_batches():
-    points = torch.rand(4, 64, 3, dtype=torch.float64)
-    runs = {}
-    for seed in (SEED, SEED, SEED + 1):
-        task = calibrated(classifier(3, seed=seed), points)
-        task.on_test_epoch_start()
-        with torch.no_grad():
-            runs.setdefault(seed, []).append(torch.stack([task._test_logits(points)[0] for _ in range(2)]))
-    (a, b), (c,) = runs[SEED], runs[SEED + 1]
-    assert torch.equal(a, b)                 # one seed, one set of scales
-    assert not torch.allclose(a[0], c[0])    # another seed, other scales
-    assert not torch.allclose(a[0], a[1])    # the second batch draws new scales from the same stream
+def test_votes_follow_the_seed_and_the_shape_not_the_batches(tmp_path):
+    """A test set's voted scores are the same whatever the batch size and order (so whatever the number of processes
+    it is spread over); another seed draws other scales. Batches from the real data module, which names each shape."""
+    from datamodules.points.shapes import Shapes
+
+    shapes = Shapes(root=str(tmp_path), num_classes=4, train_per_class=1, val_per_class=1, test_per_class=3,
+                    npoints=64, batch_size=5, eval_batch_size=5, num_workers=0)
+    shapes.setup("test")
+    task = calibrated(classifier(3), torch.stack([s["points"] for s in shapes.test_set]).double())
+
+    def scores(seed: int, batch_size: int, reverse: bool = False) -> torch.Tensor:
+        task.seed, rows = seed, {}
+        order = list(range(len(shapes.test_set)))[::-1 if reverse else 1]
+        for start in range(0, len(order), batch_size):
+            batch = torch.utils.data.default_collate([shapes.test_set[i] for i in order[start:start + batch_size]])
+            with torch.no_grad():
+                probs = task._test_logits({**batch, "points": batch["points"].double()})[0]
+            rows.update(zip(batch["index"].tolist(), probs))
+        assert sorted(rows) == list(range(12))  # each shape names its row
+        return torch.stack([rows[i] for i in range(12)])
+
+    one = scores(SEED, 12)
+    torch.testing.assert_close(scores(SEED, 5), one, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(scores(SEED, 4, reverse=True), one, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(scores(SEED + 1, 12), one)  # another seed, other scales
+    with torch.no_grad():
+        plain = task.net(torch.stack([shapes.test_set[i]["points"] for i in range(12)]).double()).softmax(-1)
+    assert (one - plain).abs().max() > 1e-4  # and the votes did change the scores
+
+
+def test_voting_needs_the_shapes_index():
+    from attention.errors import UserError
+
+    task = classifier(2)
+    with pytest.raises(UserError, match="'index'") as err, torch.no_grad():
+        task._test_logits({"points": torch.rand(2, 64, 3, dtype=torch.float64), "label": torch.tensor([0, 1])})
+    assert "eval.votes=1" in str(err.value) and "['label', 'points']" in str(err.value)
 
 
 def test_one_vote_is_the_single_pass_exactly():
     points, labels = torch.rand(5, 64, 3, dtype=torch.float64), torch.tensor([0, 1, 2, 3, 3])
     task = calibrated(classifier(1), points)
     task.on_test_epoch_start()
-    state = task._vote_rng.get_state()
     with torch.no_grad():
-        scores, logits = task._test_logits(points)
+        scores, logits = task._test_logits({"points": points})  # no index needed: nothing is drawn
         task.test_step({"points": points, "label": labels}, 0)
         plain = task.net(points)  # what test_step computed before voting existed
     assert torch.equal(scores, plain) and torch.equal(logits, plain)
-    assert torch.equal(task._vote_rng.get_state(), state)  # no draws
     pred = plain.argmax(-1)
     assert task.test_oa.compute() == multiclass_accuracy(pred, labels, 4, average="micro")
     loss = F.cross_entropy(plain, labels, label_smoothing=task.smoothing)
@@ -172,9 +196,9 @@ def test_shapenet_vote_is_the_mean_softmax_and_scales_xyz_only():
     category = torch.tensor([0, 1, 1])
     task = calibrated(segmenter(votes), torch.cat([xyz, normals], -1), category)
     parts = torch.tensor([0, 2, 3])[:, None].expand(3, 48).clone()
-    batch = {"points": xyz, "normals": normals, "category": category, "parts": parts}
+    batch = {"points": xyz, "normals": normals, "category": category, "parts": parts, "index": torch.tensor([4, 1, 7])}
     ref_probs, ref_pred = rscnn_partseg_vote(task.net, xyz, normals, category,
-                                             reference_scales(SEED, votes, 3, *SEG_SCALE), votes)
+                                             reference_scales(SEED, votes, [4, 1, 7], *SEG_SCALE), votes)
     task.on_test_epoch_start()
     with torch.no_grad():
         probs, logits = task._voted(batch)
