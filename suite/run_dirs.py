@@ -9,6 +9,11 @@
   is told to replace it (``overwrite=true``, which deletes the old run's checkpoints, ``metrics.json``, logged
   history and the ``test-<time>`` records of tests of its checkpoints first, so that no old best checkpoint or
   result is left beside the new ones).
+- What a finished or running training run's folder says it ran (``resolved_config.yaml``, ``.hydra/*.yaml``) is
+  kept as it was when a run there ends without training (:func:`keep_run_record`, :func:`put_back_run_record`): a
+  job of a multirun refused there (Hydra writes the job's ``.hydra/`` files before any check can run), a finished
+  run resumed (its ``metrics.json`` is kept, and was labelled with the new command's config), a resumed run refused
+  because its checkpoint is past the new ``trainer.max_epochs``.
 - A **test** (``mode=test``/``eval``) in a directory that holds a run already, as
   ``mode=test ckpt_path=last hydra.run.dir=<a training run>`` does, writes its own record into
   ``<run dir>/test-<time>/`` (:func:`record_dir`): ``metrics.json``, ``resolved_config.yaml``, Hydra's ``.hydra/``
@@ -33,6 +38,9 @@ from hydra.experimental.callback import Callback
 log = logging.getLogger(__name__)
 TESTS = ("test", "eval")
 _RECORDS: dict[str, Path] = {}  # run directory -> this process's record directory, decided once per run
+HYDRA_RECORD = (".hydra/config.yaml", ".hydra/overrides.yaml", ".hydra/hydra.yaml")
+RUN_RECORD = ("resolved_config.yaml", "csv/metrics.csv", *HYDRA_RECORD)  # what a run's folder says it ran and logged
+_KEPT: dict[str, dict[str, bytes | None]] = {}  # run directory -> its RUN_RECORD files as this run found them
 
 
 def register_resolvers() -> None:
@@ -96,6 +104,7 @@ def record_dir(run_dir: Path, mode: str) -> Path:
     anything of this run is written) and the same for the rest of the process."""
     run_dir = Path(run_dir).absolute()
     if mode == "train":
+        keep_run_record(run_dir)
         return run_dir
     if str(run_dir) not in _RECORDS:
         record = run_dir
@@ -106,6 +115,41 @@ def record_dir(run_dir: Path, mode: str) -> Path:
             record = claim(run_dir / f"{kind}-{datetime.now().strftime('%Y-%m-%d_%H-%M-%S')}")
         _RECORDS[str(run_dir)] = record
     return _RECORDS[str(run_dir)]
+
+
+def keep_run_record(run_dir: Path) -> None:
+    """Keep (in memory, once per run of this process) what ``run_dir`` says its run ran, when it holds a run's
+    results: called through :func:`hydra_subdir` as Hydra is about to write this run's ``.hydra/`` files there."""
+    key = str(Path(run_dir).absolute())
+    if key in _KEPT or not results_in(Path(key)):
+        return
+    kept = {}
+    for name in RUN_RECORD:
+        try:
+            kept[name] = (Path(key) / name).read_bytes()
+        except FileNotFoundError:
+            kept[name] = None
+    _KEPT[key] = kept
+
+
+def put_back_run_record(run_dir: Path, names: tuple[str, ...] = RUN_RECORD) -> None:
+    """Write back the files ``names`` of what :func:`keep_run_record` kept of ``run_dir`` (this run trained nothing
+    there: its record stays the old run's), and forget it. ``names``: the files this run may have written (a run
+    refused before it started: Hydra's alone, as the run training there now, if any, writes its history)."""
+    kept = _KEPT.pop(str(Path(run_dir).absolute()), None)
+    for name, data in (kept or {}).items():
+        if name not in names:
+            continue
+        path = Path(run_dir) / name
+        if data is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_bytes(data)
+
+
+def forget_run_record(run_dir: Path) -> None:
+    """This run trains in ``run_dir`` (or its process runs another job next): its own record stands."""
+    _KEPT.pop(str(Path(run_dir).absolute()), None)
 
 
 def hydra_subdir(output_dir: str, mode: str) -> str:

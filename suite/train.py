@@ -53,24 +53,33 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> dict:
     quiet_libraries()
     from suite.compose import compose
     from suite.distributed import is_rank_zero
-    from suite.run_dirs import check_fresh_run, hold, identity_of, record_dir, release, slurm_restart
+    from suite.run_dirs import (HYDRA_RECORD, check_fresh_run, forget_run_record, hold, identity_of,
+                                put_back_run_record, record_dir, release, slurm_restart)
 
     # Where this run's record goes (a test of a finished run's directory: a test-<time>/ folder in it), and for a
     # training run, that it does not overwrite another run's results (checked by Hydra's callback already for a
-    # single run; here for the jobs of a multirun): both before anything of the run is written.
+    # single run; here for the jobs of a multirun, whose .hydra/ files Hydra has written over the run's there:
+    # a refused job puts them back): both before anything else of the run is written.
     run_dir, out_dir = out_dir, record_dir(out_dir, cfg.mode)
-    held = cfg.mode == "train" and is_rank_zero()
-    if held:  # a training run's directory is its own while it trains (for a single run, Hydra's callback holds it)
-        hold(run_dir)
+    held = False
     try:
         if cfg.mode == "train":
-            check_training_length(cfg.trainer)
-            check_fresh_run(run_dir, resume=bool(cfg.get("resume")), ckpt_path=cfg.get("ckpt_path"),
-                            overwrite=bool(cfg.get("overwrite")), slurm_restart=slurm_restart(run_dir),
-                            delete=is_rank_zero(), identity=identity_of(cfg))
-            from suite.resume import check_same_recipe
+            try:
+                if is_rank_zero():  # the directory is this run's while it trains (a single run's: Hydra's callback's)
+                    hold(run_dir)
+                    held = True
+                check_training_length(cfg.trainer)
+                check_fresh_run(run_dir, resume=bool(cfg.get("resume")), ckpt_path=cfg.get("ckpt_path"),
+                                overwrite=bool(cfg.get("overwrite")), slurm_restart=slurm_restart(run_dir),
+                                delete=is_rank_zero(), identity=identity_of(cfg))
+                from suite.resume import check_same_recipe
 
-            check_same_recipe(cfg, run_dir, resume=bool(cfg.get("resume")), slurm_restart=slurm_restart(run_dir))
+                check_same_recipe(cfg, run_dir, resume=bool(cfg.get("resume")),
+                                  slurm_restart=slurm_restart(run_dir))
+            except UserError:
+                if is_rank_zero():
+                    put_back_run_record(run_dir, HYDRA_RECORD)
+                raise
         composed = compose(cfg, overrides, out_dir)
         if cfg.mode == "summary":
             from suite.summary import print_summaries
@@ -78,6 +87,7 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> dict:
             return print_summaries(composed.module)
         return fit_and_test(cfg, composed, run_dir, out_dir, started)
     finally:
+        forget_run_record(run_dir)
         if held:
             release(run_dir)
 
@@ -122,7 +132,7 @@ def fit_and_test(cfg: DictConfig, composed, run_dir: Path, out_dir: Path, starte
     from suite.distributed import is_rank_zero
     from suite.loggers import build_loggers, close_loggers, started_wandb_run_id
     from suite.resume import resume_checkpoint, save_wandb_run_id, wandb_run_id
-    from suite.run_dirs import slurm_restart
+    from suite.run_dirs import put_back_run_record, slurm_restart
     from suite.run_record import floats
 
     config, datamodule, module = composed.config, composed.datamodule, composed.module
@@ -171,8 +181,17 @@ def fit_and_test(cfg: DictConfig, composed, run_dir: Path, out_dir: Path, starte
                 if trainer.global_step == 0:
                     raise UserError(trained_nothing(trainer))
                 record = parts["record"]
+                # Trained nothing: what the folder says its run ran and logged is put back as it was, after the
+                # loggers have closed (the CSV logger rewrites the history it resumed, without the test's rows).
+                if record.steps == 0 and (past := past_its_length(trainer, ckpt)):
+                    close_loggers(loggers, exit_code=2)
+                    if trainer.is_global_zero:
+                        put_back_run_record(run_dir)
+                    raise UserError(past)
                 if record.steps == 0 and (kept := finished_already(trainer, out_dir)) is not None:
                     close_loggers(loggers)  # resumed at its end, with its record written: nothing to do
+                    if trainer.is_global_zero:  # its record stays the finished run's, as its metrics.json does
+                        put_back_run_record(run_dir)
                     return kept
                 metrics.update(record.fit_metrics(trainer))
                 best = parts["best"].best_model_path or None
@@ -234,6 +253,24 @@ def interrupted(trainer, run_dir: Path, mode: str, ctrl_c: bool = False) -> int:
         log.error("interrupted by %s at step %d (epoch %d), before the run finished (no metrics.json): %s; %s. "
                   "Exit code %d.", signal_name, trainer.global_step, trainer.current_epoch, kept, how, code)
     return code
+
+
+def past_its_length(trainer, ckpt: str) -> str | None:
+    """For a fit resumed from ``ckpt`` that took no step: why, when the checkpoint is past the run's length
+    (``trainer.max_epochs``/``max_steps`` lowered on resume, or a sweep resumed with its values in another order):
+    the run would be tested, or its finished record kept, under a config it was not trained with. None when the
+    checkpoint is at the run's end (a finished run, or one killed while testing)."""
+    over = []
+    if trainer.max_epochs is not None and 0 <= trainer.max_epochs < trainer.current_epoch:
+        over.append(f"{trainer.current_epoch} epochs, past trainer.max_epochs={trainer.max_epochs}")
+    if 0 <= trainer.max_steps < trainer.global_step:
+        over.append(f"{trainer.global_step} steps, past trainer.max_steps={trainer.max_steps}")
+    if not over:
+        return None
+    return (f"ckpt_path={ckpt} has trained {' and '.join(over)}: this run would train nothing and record a length it "
+            "was not trained for. Resume it with its own trainer.max_epochs/max_steps (its resolved_config.yaml "
+            "has them) or a longer one; to test it, `mode=test ckpt_path=" + str(ckpt) + "`; or start afresh in a "
+            "new directory (leave hydra.run.dir out).")
 
 
 def finished_already(trainer, out_dir: Path) -> dict | None:

@@ -205,6 +205,33 @@ def test_a_run_is_not_continued_under_another_seed(trained, env, tmp_path):
     assert digests(folder) == before
     again = run([*ARGS, "seed=42", "resume=true", f"hydra.run.dir={folder}"], env)
     assert "this run had finished already" in again.stdout + again.stderr
+    # Its metrics.json is kept, and so is what says what it ran (.hydra/overrides.yaml had this command's).
+    assert digests(folder) == before
+
+
+def test_a_finished_run_resumed_shorter_is_refused_and_keeps_its_record(trained, env, tmp_path):
+    """A finished 2-epoch run resumed with trainer.max_epochs=1 (a sweep resumed with its values in another order)
+    trained nothing, kept its metrics.json and rewrote resolved_config.yaml and .hydra/ to say max_epochs=1: its
+    2-epoch result was reported as a 1-epoch run's. Refused, and its record left as it was."""
+    folder = copy_run(trained, tmp_path)
+    before = digests(folder)
+    user_error([*ARGS, "trainer.max_epochs=1", "resume=true", f"hydra.run.dir={folder}"], env,
+               f"ckpt_path={folder / 'checkpoints' / 'last.ckpt'} has trained 2 epochs, past trainer.max_epochs=1",
+               "mode=test")
+    assert digests(folder) == before
+    assert "max_epochs: 2" in (folder / "resolved_config.yaml").read_text()
+
+
+def test_a_refused_sweep_job_keeps_the_record_of_the_run_in_its_folder(trained, env, tmp_path):
+    """The same sweep run again into its folder (another value changed): each job is refused, but Hydra had written
+    the job's .hydra/ files over the finished run's first (its config.yaml then said what the refused command
+    asked). They are put back."""
+    sweep = tmp_path / "sweep"
+    shutil.copytree(trained[0], sweep / "0_modelnet_external")
+    before = digests(sweep / "0_modelnet_external")
+    proc = run(["-m", *ARGS, "optim.optimizer.lr=0.5", f"hydra.sweep.dir={sweep}"], env, check=False)
+    assert proc.returncode == 2 and "holds another run's results" in proc.stderr, proc.stderr[-2000:]
+    assert digests(sweep / "0_modelnet_external") == before
 
 
 def test_a_directory_is_not_used_by_two_training_runs_at_once(env, tmp_path):
