@@ -51,6 +51,8 @@ LIGHTNING_WORDS = {"Timer(duration": "max_time", "gpu backend": "accelerator"}
 def as_user_error(err: BaseException) -> UserError | None:
     """The user-facing error behind ``err``, or None when ``err`` is a bug (it keeps its traceback)."""
     for cause in chain(err):
+        if (original := wrapped_user_error(cause)) is not None:
+            return original
         if isinstance(cause, UserError):
             return cause
         mapped = trainer_option_error(cause) or optimizer_option_error(cause) or disk_error(cause) \
@@ -58,6 +60,35 @@ def as_user_error(err: BaseException) -> UserError | None:
         if mapped is not None:
             return mapped
     return None
+
+
+# torch's ExceptionWrapper (torch._utils), which carries an exception out of a DataLoader worker (or the pin-memory
+# thread): it raises a new exception of the same type whose message is "Caught <type> <where>.\nOriginal " and the
+# worker's whole traceback, or a RuntimeError with that message when the type takes other arguments (DataError).
+WRAPPED = re.compile(r"\ACaught (\w+) (.+?)\.\nOriginal Traceback \(most recent call last\):\n")
+
+
+def wrapped_user_error(err: BaseException) -> UserError | None:
+    """The user error raised in a DataLoader worker, with its own message, when ``err`` is torch's re-raised copy
+    of it: that copy's message is the worker's traceback followed by the message, some 20 lines where the user
+    should read one paragraph. None for anything else, a bug in a worker included (its traceback is kept)."""
+    text = str(err)
+    match = WRAPPED.match(text)
+    if match is None:
+        return None
+    # The traceback's last section is the raised exception's (what it was raised while handling comes first); its
+    # frames are indented, the exception's "module.Type: message" starts its first unindented line.
+    last = text[match.end():].rsplit("Traceback (most recent call last):\n", 1)[-1].splitlines()
+    start = next((i for i, line in enumerate(last) if line and not line.startswith(" ")), None)
+    if start is None:
+        return None
+    qualified, _, first = last[start].partition(": ")
+    module, _, name = qualified.rpartition(".")
+    cls = getattr(sys.modules.get(module), name, None) if module else None
+    if name != match.group(1) or not (isinstance(cls, type) and issubclass(cls, UserError)):
+        return None
+    message = "\n".join([first, *last[start + 1:]]).strip()
+    return UserError(message) if message else None
 
 
 def disk_error(err: BaseException) -> UserError | None:

@@ -60,6 +60,35 @@ def modelnet_release():
     return make
 
 
+@pytest.fixture
+def unwritable(monkeypatch, tmp_path_factory):
+    """``unwritable(folder)``: writing a processed-data cache under ``folder`` fails with EACCES, as in a shared data
+    set the user may only read (the tests run as root, whom permission bits do not stop); the user's cache folder
+    (``XDG_CACHE_HOME``) is a fresh temporary folder, which it returns."""
+    import errno
+
+    import datamodules.cache as cache
+
+    real_replace = os.replace
+    denied = []
+
+    def replace(src, dst, *args, **kwargs):  # the last step of every cache write: moving it into place
+        if any(Path(dst).is_relative_to(folder) for folder in denied):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(dst))
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", replace)
+    user_cache = tmp_path_factory.mktemp("user-cache")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(user_cache))
+    monkeypatch.setattr(cache, "_said", set(), raising=False)  # the warnings said so far: each test says its own
+
+    def deny(folder: Path) -> Path:
+        denied.append(Path(folder))
+        return user_cache
+
+    return deny
+
+
 # ---------------------------------------------------------------------------
 # ShapeNet part segmentation releases (official layouts), for tests/datamodules.
 

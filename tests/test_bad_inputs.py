@@ -21,6 +21,8 @@ import numpy as np
 import pytest
 import yaml
 
+from attention.errors import UserError
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -199,6 +201,49 @@ def test_full_disk_names_the_file_and_loses_nothing(tmp_path, monkeypatch):
 
 
 # --- data ------------------------------------------------------------------------------------------------------------
+class _RaisesInWorker:
+    """A data set whose sample 1 raises ``error`` (in a DataLoader worker)."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, index):
+        if index == 1:
+            raise self.error
+        return index
+
+
+def test_a_user_error_in_a_loader_worker_keeps_its_one_paragraph(capsys):
+    """torch re-raises a worker's exception with "Caught UserError in DataLoader worker process 0. Original
+    Traceback ..." and the worker's stack as its message: run.py printed those 20 lines before the message. A
+    DataError (two arguments: torch makes it a RuntimeError) the same; a bug in a worker keeps its traceback."""
+    import torch
+
+    from datamodules.base import DataError
+    from suite.cli import exit_with_message
+    from suite.errors import as_user_error
+
+    said = "/data/x.png has label value(s) 30; expected 0..20 or 255. Replace it, or set data.on_bad_file=skip."
+    def raised_by_a_worker(error: Exception) -> Exception:
+        batches = iter(torch.utils.data.DataLoader(_RaisesInWorker(error), batch_size=1, num_workers=2))
+        try:
+            list(batches)
+        except Exception as err:  # noqa: BLE001 - what run.py meets
+            return err.with_traceback(None)  # its frames hold the loader: its workers end now, not at teardown
+        raise AssertionError("the worker raised nothing")
+
+    for error in (UserError(said), DataError(said, "/data/x.png: label 30")):
+        raised = raised_by_a_worker(error)
+        assert "Original Traceback" in str(raised)  # torch's wrapping, as run.py meets it
+        with pytest.raises(SystemExit):
+            exit_with_message(str(as_user_error(raised)))
+        assert capsys.readouterr().err == f"error: {said}\n"
+    assert as_user_error(raised_by_a_worker(ValueError("a bug"))) is None
+
+
 def test_download_is_attempted_by_the_run(home, tmp_path):
     """data.download=true reaches the download on the run's path (it did nothing for ModelNet40 before): an
     unreachable URL is reported, naming it."""

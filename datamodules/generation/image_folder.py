@@ -10,7 +10,7 @@ import torch
 
 from attention.errors import UserError
 from datamodules.base import DECODE_ERRORS, DataError
-from datamodules.formats.image_folder import open_rgb, square_crop, visible_entries, visible_files
+from datamodules.formats.image_folder import file_tree, open_rgb, square_crop, visible_entries, visible_files
 from datamodules.generation.base import ImageDataModule
 
 log = logging.getLogger(__name__)
@@ -22,11 +22,14 @@ class ImageFolder(ImageDataModule):
     """Every image of a folder, optionally one sub-folder per class::
 
         <root>/<class>/<any name>     sub-folders (sorted names) are the classes; files
-                                      directly in <root> are then ignored (with a warning)
+        <root>/<class>/<sub>/.../<any name>   directly in <root> are then ignored (with a warning)
         <root>/<any name>             no sub-folders with files: one class, named after <root>
 
     Every non-hidden regular file is a candidate, decoded with PIL (RGB, EXIF orientation
-    applied); class folders are not searched recursively. Images may have any size: the
+    applied). Class folders are searched recursively, as torchvision's ``ImageFolder`` and the
+    classification folders (:mod:`datamodules.classification.folder`) do: a class whose images
+    sit in sub-folders is a class, not dropped; a sub-folder with no file at any depth is not a
+    class (named in a warning). Images may have any size: the
     shorter side is resized to R (bicubic, antialiased) and the centre R x R is kept. Files
     that cannot be decoded raise a UserError, or with ``on_bad_file="skip"`` are skipped
     and reported in one warning. Classes and files are listed in ``__init__``; the
@@ -56,8 +59,13 @@ class ImageFolder(ImageDataModule):
                 f"one sub-folder of images per class."
             )
         subfolders, _ = visible_entries(root)
-        classes = [(name, files) for name in subfolders if (files := visible_files(root / name))]
+        trees = {name: file_tree(root / name) for name in subfolders}
+        classes = [(name, files) for name, files in trees.items() if files]
         loose = visible_files(root)
+        empty = [name for name, files in trees.items() if not files]
+        if classes and empty:  # an empty folder is no class: said, as a class that lost its files would be
+            log.warning("%s: ignoring %d sub-folder(s) that hold no files, so are not classes: %s%s.", root,
+                        len(empty), ", ".join(empty[:5]), ", ..." if len(empty) > 5 else "")
         if classes:
             if loose:
                 log.warning(

@@ -62,7 +62,8 @@ class ShapeNetPart(ShapeNetPartModule):
 
     Args:
         root: folder containing the release folder, or the release folder itself;
-            the parse cache goes to ``<root>/processed``.
+            the parse cache goes to ``<root>/processed`` (to the user's cache folder, with a warning, when
+            ``root`` cannot be written: :func:`datamodules.cache.write_cache`).
         download: in :meth:`prepare_data`, fetch ``url`` into ``root`` when the release is missing.
         url: where to download the release zip from.
         md5: expected md5 of the zip (None: only check that it is a valid zip).

@@ -13,7 +13,9 @@ the release folder itself::
                                                     "ply_data_train0 (1).h5", is named in a warning, not read)
 
 Get it with ``data.download=true`` (fetches ``url``, ~415 MB) or unzip
-``modelnet40_ply_hdf5_2048.zip`` into ``data.root`` by hand.
+``modelnet40_ply_hdf5_2048.zip`` into ``data.root`` by hand. The ShapeNet part HDF5 release has files of the same
+names: a folder without ``shape_names.txt`` and the two lists that holds it is refused (``data=shapenet_part_h5``
+reads it), and a file with no samples is a bad file (``data.on_bad_file``).
 
 ``num_classes == 40`` and ``class_names`` are available right after construction;
 ``setup()`` replaces ``class_names`` by the contents of ``shape_names.txt`` when present
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import h5py
 import numpy as np
 
 from attention.errors import UserError
@@ -78,6 +81,7 @@ class ModelNet40(PointCloudDataModule):
         """The release folder and its train and test files (those ``train_files.txt`` / ``test_files.txt`` list,
         else the sorted ``ply_data_{train,test}*.h5``); UserError if missing."""
         folder = self._folder()
+        _refuse_shapenet_part(folder)
         train = sorted(folder.glob("ply_data_train*.h5"))
         test = sorted(folder.glob("ply_data_test*.h5"))
         if not (train and test):
@@ -102,6 +106,35 @@ class ModelNet40(PointCloudDataModule):
         train = ArraySource(*_load_h5_files(train_files, self.npoints, self.bad, len(self.skipped)))
         test = ArraySource(*_load_h5_files(test_files, self.npoints, self.bad, len(self.skipped)))
         return train, None, test
+
+
+def _refuse_shapenet_part(folder: Path) -> None:
+    """UserError when ``folder`` holds the ShapeNet part HDF5 release: its ``ply_data_{train,test}*.h5`` match the
+    ModelNet40 globs and pass the ModelNet40 checks (16 categories are valid labels), so it would train as ModelNet40.
+
+    A folder with one of the ModelNet40 release's own files (``shape_names.txt``, ``train_files.txt``,
+    ``test_files.txt``) is ModelNet40: its lists decide what is read. Without them (a hand-made or trimmed copy) the
+    ShapeNet part release shows by its split lists, its val split or the part labels ("pid") in its files."""
+    if not folder.is_dir() or any((folder / name).is_file() for name in ("shape_names.txt", *FILE_LISTS)):
+        return
+    signs = [p.name for p in sorted(folder.glob("*_hdf5_file_list.txt"))] + \
+        [p.name for p in sorted(folder.glob("ply_data_val*.h5"))]  # fmt: skip
+    first = min(folder.glob("ply_data_*.h5"), default=None)
+    if not signs and first is not None:
+        try:
+            with h5py.File(first, "r") as f:
+                if "pid" in f:
+                    signs = [f"a 'pid' (part label) dataset in {first.name}"]
+        except (OSError, ValueError):  # a corrupt file: the reader names it when it loads it
+            pass
+    if signs:
+        raise UserError(
+            f"data.root={folder} looks like the ShapeNet part HDF5 release, not ModelNet40: it holds "
+            f"{', '.join(signs[:3])}{' ...' if len(signs) > 3 else ''} and none of the ModelNet40 release's "
+            f"shape_names.txt, train_files.txt, test_files.txt. For part segmentation use task=shapenet "
+            f"data=shapenet_part_h5 data.root={folder}; for ModelNet40 set data.root to the folder that holds "
+            f"{HDF5_FOLDER}/ (unzipped from {HDF5_FOLDER}.zip, or fetched with data.download=true)."
+        )
 
 
 def _read_shape_names(path: Path) -> list[str]:
@@ -152,6 +185,9 @@ def _load_h5(path: Path, npoints: int, bad: BadFiles) -> tuple[np.ndarray, np.nd
     none = np.empty((0, npoints, 3), np.float32), np.empty(0, np.int64)
     try:
         arrays = read_h5(path, {"data": ([("n", "points", 3)], "f"), "label": ([("n", 1), ("n",)], "iu")}, fix)
+        if len(arrays["label"]) == 0:  # a listed shard emptied (an interrupted re-export): its samples are missing
+            raise DataError(f"{path} holds no samples ('data' has shape {arrays['data'].shape}). {fix}",
+                            f"{path}: holds no samples")  # fmt: skip
     except DataError as err:
         bad.file(err)
         return none

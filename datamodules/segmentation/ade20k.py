@@ -6,7 +6,7 @@ from pathlib import Path
 
 from attention.errors import UserError
 from datamodules.segmentation.base import SegDataModule
-from datamodules.segmentation.files import find_folder, root_state, visible_files
+from datamodules.segmentation.files import files_in_the_way, find_folder, root_state, visible_files
 from datamodules.segmentation.labels import IGNORE_INDEX, LabelMap, bit_colormap
 from datamodules.segmentation.sources import FileSource
 
@@ -63,11 +63,12 @@ class ADE20K(SegDataModule):
     def _check(self) -> Path:
         root = Path(self.root).expanduser()
         required = [f"{kind}/{split}" for kind in ("images", "annotations") for split in ADE20K_SPLITS.values()]
-        folder = find_folder([root / "ADEChallengeData2016", root], required)
+        candidates = [root / "ADEChallengeData2016", root]
+        folder = find_folder(candidates, required)
         if folder is None:
-            near = find_folder([root / "ADEChallengeData2016", root], ["images", "annotations"])
+            near = find_folder(candidates, ["images", "annotations"])
             what = (f"{near} lacks some of {', '.join(required)}" if near else
-                    f"data.root={root} {root_state(root)}")  # fmt: skip
+                    f"data.root={root} {root_state(root)}") + files_in_the_way(candidates, required)  # fmt: skip
             raise UserError(f"ADE20K not found: {what}. Expected {ADE20K_LAYOUT}. {ADE20K_SOURCE}")
         return folder
 

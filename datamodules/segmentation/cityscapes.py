@@ -9,7 +9,7 @@ import numpy as np
 
 from attention.errors import UserError
 from datamodules.segmentation.base import SegDataModule
-from datamodules.segmentation.files import files_ending, find_folder, root_state
+from datamodules.segmentation.files import files_ending, files_in_the_way, find_folder, root_state
 from datamodules.segmentation.labels import IGNORE_INDEX, LabelMap
 from datamodules.segmentation.sources import FileSource
 
@@ -76,6 +76,7 @@ class Cityscapes(SegDataModule):
         if folder is None:
             near = find_folder(candidates, ["leftImg8bit"]) or find_folder(candidates, ["gtFine"])
             what = f"{near} lacks some of {', '.join(required)}" if near else f"data.root={root} {root_state(root)}"
+            what += files_in_the_way(candidates, required)
             raise UserError(f"Cityscapes not found: {what}. Expected {CITYSCAPES_LAYOUT}. {CITYSCAPES_SOURCE}")
         return folder
 

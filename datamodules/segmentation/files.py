@@ -12,16 +12,19 @@ from PIL import Image
 
 from attention.errors import UserError
 from datamodules.base import DECODE_ERRORS
+from datamodules.formats.image_folder import refuse_high_bit_depth
 
 MASK_MODES = ("P", "L")  # single-channel 8-bit index images (palette PNGs decode to their indices)
 
 
 def read_image(path: Path, fix: str) -> np.ndarray:
-    """RGB uint8 (H, W, 3) of ``path``; UserError naming it if PIL cannot decode it.
+    """RGB uint8 (H, W, 3) of ``path``; UserError naming it if PIL cannot decode it, or if it has more than 8 bits
+    a channel (:class:`~datamodules.formats.image_folder.HighBitDepthImage`).
 
     No EXIF rotation: the masks are aligned with the stored pixels."""
     try:
         with Image.open(path) as img:
+            refuse_high_bit_depth(img)
             return np.array(img.convert("RGB"), dtype=np.uint8)  # writable (asarray is read-only)
     except DECODE_ERRORS as err:
         raise UserError(f"{path} cannot be decoded as an image ({type(err).__name__}: {err}). {fix}") from None
@@ -44,11 +47,12 @@ def read_index_mask(path: Path, fix: str) -> np.ndarray:
 
 def header_problem(image: Path, mask: Path) -> tuple[Path, str] | None:
     """``(file, what is wrong)`` when the headers of an image / mask pair show a problem, else None:
-    a file PIL cannot identify, a mask that is not single-channel 8-bit, sizes that differ. Reads the
-    headers only; truncated pixel data is found when the sample is decoded."""
+    a file PIL cannot identify, an image of more than 8 bits a channel, a mask that is not single-channel 8-bit,
+    sizes that differ. Reads the headers only; truncated pixel data is found when the sample is decoded."""
     try:
         with Image.open(image) as img:
             size = img.size
+            refuse_high_bit_depth(img)
     except DECODE_ERRORS as err:
         return image, f"cannot be opened as an image ({type(err).__name__}: {err})"
     try:
@@ -94,11 +98,22 @@ def header_size(path: Path) -> tuple[int, int]:
 
 
 def find_folder(candidates: list[Path], required: Sequence[str]) -> Path | None:
-    """The first candidate folder holding every path of ``required``."""
+    """The first candidate folder holding every folder of ``required`` (a file of that name does not count: listing
+    it would fail)."""
     for folder in candidates:
-        if all((folder / r).exists() for r in required):
+        if all((folder / r).is_dir() for r in required):
             return folder
     return None
+
+
+def files_in_the_way(candidates: list[Path], required: Sequence[str]) -> str:
+    """For a layout not found: ``" (<path> is a file, not a folder: ...)"`` naming the required folders that are
+    files (a stray download, an archive not unpacked, a partial unzip), else ``""``."""
+    found = sorted({str(c / r) for c in candidates for r in required if (c / r).exists() and not (c / r).is_dir()})
+    if not found:
+        return ""
+    return (f" ({', '.join(found)} {'is a file' if len(found) == 1 else 'are files'}, not a folder: move it away and "
+            f"unpack the release there again)")
 
 
 def visible_files(folder: Path, suffixes: Sequence[str]) -> list[Path]:

@@ -11,9 +11,10 @@ import numpy as np
 
 from attention.errors import UserError
 from datamodules.base import DataError, int_option
-from datamodules.cache import read_cache, write_cache
+from datamodules.cache import cache_exists, read_cache, write_cache
 from datamodules.segmentation.base import SegDataModule
-from datamodules.segmentation.files import find_folder, header_size, large_images, read_image, root_state, visible_files
+from datamodules.segmentation.files import (files_in_the_way, find_folder, header_size, large_images, read_image,
+                                            root_state, visible_files)
 from datamodules.segmentation.labels import IGNORE_INDEX
 from datamodules.segmentation.sources import ArraySource
 
@@ -86,7 +87,8 @@ class GID(SegDataModule):
         <root>/GID/Fine_Image_Dataset/         (or the two folders directly in <root>/GID/)
             image_RGB/<stem>.tif                    large RGB tiles (6800 x 7200)
             label_15classes/<stem>_label.tif        RGB colour labels (.png also accepted)
-        <root>/GID/processed/patches_<patch>_<fingerprint>.npz   the patch cache (written here)
+        <root>/GID/processed/patches_<patch>_<fingerprint>.npz   the patch cache (written here; in the user's cache
+                                                 folder when <root> cannot be written: datamodules.cache)
 
     Label colours map to the classes in :data:`GID_CLASSES` order (colours in
     ``palette``); black is unlabelled (255, ignored); any other colour is an error.
@@ -129,11 +131,12 @@ class GID(SegDataModule):
 
     def _check(self) -> Path:
         root = Path(self.root).expanduser()
-        folder = find_folder([root / layout for layout in GID_LAYOUTS], ["image_RGB", "label_15classes"])
+        candidates, required = [root / layout for layout in GID_LAYOUTS], ["image_RGB", "label_15classes"]
+        folder = find_folder(candidates, required)
         if folder is None:
             raise UserError(
-                f"GID-15 not found: data.root={root} {root_state(root)}. Accepted layouts: {GID_LAYOUT}. "
-                f"{GID_SOURCE}"
+                f"GID-15 not found: data.root={root} {root_state(root)}{files_in_the_way(candidates, required)}. "
+                f"Accepted layouts: {GID_LAYOUT}. {GID_SOURCE}"
             )
         return folder
 
@@ -175,13 +178,15 @@ class GID(SegDataModule):
     def prepare_data(self) -> None:
         """Check the layout and build the patch cache if it is missing (on rank 0, before the workers start)."""
         path, fingerprint, pairs = self._cache_path()
-        if not path.is_file():
+        if not cache_exists(path):
             self._store(path, self._cut(pairs, fingerprint))
 
     def _store(self, path: Path, arrays: dict[str, np.ndarray]) -> None:
-        write_cache(path, str(arrays["fingerprint"]), arrays)
-        for stale in path.parent.glob(f"patches_{self.patch}_*.npz"):
-            if stale != path:
+        written = write_cache(path, str(arrays["fingerprint"]), arrays)  # elsewhere when the data is read-only
+        if written is None:  # neither the data folder nor the user's cache folder could be written
+            return
+        for stale in written.parent.glob(f"patches_{self.patch}_*.npz"):
+            if stale != written:
                 log.info("Deleting stale GID patch cache %s.", stale)
                 stale.unlink(missing_ok=True)
 

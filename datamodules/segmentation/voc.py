@@ -10,7 +10,7 @@ from attention.errors import UserError
 from datamodules.base import bool_option, describe
 from datamodules.download import read_lines
 from datamodules.segmentation.base import SegDataModule
-from datamodules.segmentation.files import find_folder, root_state
+from datamodules.segmentation.files import files_in_the_way, find_folder, root_state
 from datamodules.segmentation.labels import LabelMap, bit_colormap
 from datamodules.segmentation.sources import FileSource
 
@@ -69,10 +69,12 @@ class VOC(SegDataModule):
     def _check(self) -> Path:
         root = Path(self.root).expanduser()
         required = ["JPEGImages", "SegmentationClass", "ImageSets/Segmentation"]
-        folder = find_folder([root / "VOCdevkit" / "VOC2012", root / "VOC2012", root], required)
+        candidates = [root / "VOCdevkit" / "VOC2012", root / "VOC2012", root]
+        folder = find_folder(candidates, required)
         if folder is None:
             raise UserError(
-                f"PASCAL VOC 2012 not found: data.root={root} {root_state(root)}. Expected {VOC_LAYOUT}. "
+                f"PASCAL VOC 2012 not found: data.root={root} {root_state(root)}"
+                f"{files_in_the_way(candidates, required)}. Expected {VOC_LAYOUT}. "
                 f"{VOC_SOURCE}"
             )
         if self.aug and not (folder / "SegmentationClassAug").is_dir():

@@ -150,6 +150,21 @@ def test_a_file_found_bad_in_a_worker_is_named_or_dropped(tmp_path):
         collate([lenient[1]])
 
 
+def test_a_16_bit_image_is_refused_in_the_worker_and_at_set_up(tmp_path):
+    """A 16-bit greyscale PNG decoded to a white RGB image without a word, in the loader and in the set-up check."""
+    root = imagenet_tree(tmp_path / "w", train=2, val=1)
+    deep = root / "train" / "n01443537" / "deep.png"
+    Image.fromarray(np.full((16, 20), 4000, np.uint16)).save(deep)  # PIL mode I;16
+    source = FileSource(root / "train", [(deep, 1)])
+    with pytest.raises(UserError, match=r"deep\.png cannot be decoded.*PIL mode I;16.*8-bit"):
+        ClassificationDataset(source, lambda im: torch.zeros(3, 4, 4), "error")[0]
+    with pytest.raises(UserError, match=r"deep\.png cannot be decoded.*PIL mode I;16.*on_bad_file=skip"):
+        FolderClassification(str(root), **EVAL).setup()  # verify_images=auto: decoded at set-up
+    dm = FolderClassification(str(root), on_bad_file="skip", **EVAL)
+    dm.setup()
+    assert dm.skipped == [str(deep)] and len(dm.train_set) == 6
+
+
 def test_files_dropped_in_the_workers_are_counted_once(tmp_path):
     """verify_images=false with data.on_bad_file=skip: the workers drop the bad files as they decode them, and
     their count never reached the run (no data/skipped in metrics.json). The data module now counts each

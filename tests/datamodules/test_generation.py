@@ -405,6 +405,25 @@ def test_class_folders_with_mixed_sizes(tmp_path, caplog):
     assert batch["image"].shape == (2, 3, 16, 16)
 
 
+def test_class_folders_are_searched_recursively(tmp_path, caplog):
+    """A class whose images sit in sub-folders was dropped without a word; torchvision's ImageFolder and the
+    classification folders read them."""
+    for i in range(2):
+        save(tmp_path / "cats" / f"{i}.png", np.full((8, 8, 3), 10, np.uint8))
+    for i, part in enumerate(("part1", "part2/deeper", "part2")):
+        save(tmp_path / "dogs" / part / f"{i}.png", np.full((8, 8, 3), 200, np.uint8))
+    (tmp_path / "dogs" / "part2" / ".hidden").mkdir()
+    save(tmp_path / "dogs" / "part2" / ".hidden" / "x.png", np.zeros((8, 8, 3), np.uint8))  # hidden: ignored
+    (tmp_path / "birds" / "none").mkdir(parents=True)  # no file at any depth: not a class, and said so
+    with caplog.at_level(logging.WARNING):
+        dm = ImageFolder(root=str(tmp_path), resolution=8)
+    assert dm.class_names == ["cats", "dogs"] and "birds" in caplog.text
+    assert [p.relative_to(tmp_path).as_posix() for p, _ in dm.files] == [
+        "cats/0.png", "cats/1.png", "dogs/part1/0.png", "dogs/part2/2.png", "dogs/part2/deeper/1.png"]
+    dm.setup()
+    assert dm.train_labels.tolist() == [0, 0, 1, 1, 1] and (dm.train_images[2:] == 200).all()
+
+
 def test_flat_folder_is_one_class(tmp_path):
     folder = tmp_path / "faces"
     for i in range(3):
@@ -458,6 +477,23 @@ def test_a_dangling_link_is_a_bad_file_not_dropped(folder_with_bad_files):
     dm = ImageFolder(root=str(folder_with_bad_files), on_bad_file="skip", batch_size=3)
     dm.setup()
     assert dm.train_images.shape[0] == 3 and len(dm.skipped) == 1 and "moved.png" in str(dm.skipped[0])
+
+
+def test_high_bit_depth_images_are_refused_not_clipped(tmp_path):
+    """A 16-bit or float image became a white or black RGB image without a word (convert("RGB") clips it)."""
+    ramp = np.linspace(0, 65535, 16 * 16).reshape(16, 16).astype(np.uint16)
+    save(tmp_path / "ok.png", np.full((16, 16, 3), 100, np.uint8))
+    Image.fromarray(ramp).save(tmp_path / "ramp16.png")  # PIL mode I;16
+    Image.fromarray((ramp / 65535).astype(np.float32)).save(tmp_path / "rampf.tif")  # mode F, values in 0..1
+    with pytest.raises(UserError, match=r"ramp16\.png .*16-bit greyscale image \(PIL mode I;16\).*convert it to an "
+                                        r"8-bit image.*data\.on_bad_file=skip") as err:
+        ImageFolder(root=str(tmp_path), resolution=8).setup()
+    assert "\n" not in str(err.value)
+    dm = ImageFolder(root=str(tmp_path), resolution=8, on_bad_file="skip", batch_size=1)
+    dm.setup()
+    assert len(dm.train_images) == 1 and (dm.train_images == 100).all()
+    assert [s.split(": ")[0] for s in dm.skipped] == [str(tmp_path / "ramp16.png"), str(tmp_path / "rampf.tif")]
+    assert "PIL mode F" in dm.skipped[1] and "floating-point" in dm.skipped[1]
 
 
 def test_folder_errors(tmp_path):

@@ -227,6 +227,45 @@ def test_bad_file_names_file_and_sample(release, case):
     assert str(path) in str(err.value) and expected in str(err.value)
 
 
+def test_empty_listed_shard_is_a_bad_file(release):
+    root, written = release
+    path = root / HDF5_FOLDER / "ply_data_train0.h5"
+    rewrite(path, data=points(n=0), label=labels(n=0))  # an interrupted re-export: its 5 samples are gone
+    with pytest.raises(UserError, match="holds no samples") as err:
+        ModelNet40(root=str(root), npoints=16).setup()
+    assert str(path) in str(err.value) and "on_bad_file=skip" in str(err.value)
+    dm = ModelNet40(root=str(root), npoints=16, on_bad_file="skip")
+    dm.setup()
+    assert dm.skipped == [f"{path}: holds no samples"] and len(dm.train_set) == 4
+
+
+@pytest.mark.parametrize("trim", ["as unzipped", "without lists or val", "without lists"])
+def test_shapenet_part_h5_release_is_refused(tmp_path, shapenet_h5_release, trim):
+    folder = tmp_path / "hdf5_data"  # what shapenet_part_seg_hdf5_data.zip unpacks to
+    shapenet_h5_release(folder, points=32)
+    for split in ("train", "val", "test"):
+        (folder / f"{split}_hdf5_file_list.txt").write_text(f"ply_data_{split}0.h5\n")
+    if trim != "as unzipped":
+        for path in folder.glob("*_hdf5_file_list.txt"):
+            path.unlink()
+    if trim == "without lists or val":  # only the 'pid' part labels tell it apart
+        (folder / "ply_data_val0.h5").unlink()
+    dm = ModelNet40(root=str(folder), npoints=16)
+    for call in (dm.prepare_data, dm.setup):
+        with pytest.raises(UserError, match="looks like the ShapeNet part HDF5 release") as err:
+            call()
+        assert str(folder) in str(err.value) and "data=shapenet_part_h5" in str(err.value)
+
+
+def test_modelnet_with_a_stray_val_file_is_still_modelnet(release):
+    root, written = release
+    folder = root / HDF5_FOLDER
+    rewrite(folder / "ply_data_val0.h5", data=points(), label=labels())
+    dm = ModelNet40(root=str(root), npoints=16)  # shape_names.txt says ModelNet40: the globs decide, as before
+    dm.setup()
+    assert len(dm.train_set) == len(written["train"][1])
+
+
 def test_truncated_file(release):
     root, _ = release
     path = root / HDF5_FOLDER / "ply_data_test0.h5"

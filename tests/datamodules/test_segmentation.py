@@ -4,6 +4,7 @@ import inspect
 import logging
 import os
 import re
+import shutil
 from pathlib import Path
 
 import lightning as L
@@ -362,6 +363,29 @@ def test_missing_dataset_roots_show_the_layout(tmp_path):
         VOC(str(tmp_path), aug=True).setup()
 
 
+@pytest.mark.parametrize("cls, folder, fixture", [
+    (Cityscapes, "leftImg8bit/train", "cityscapes_root"),
+    (ADE20K, "ADEChallengeData2016/images/training", "ade_root"),
+    (VOC, "VOCdevkit/VOC2012/SegmentationClass", "voc_root"),
+])  # fmt: skip
+def test_a_layout_folder_that_is_a_file_is_named(cls, folder, fixture, request):
+    """A split folder that is a file (a stray download, an archive not unpacked) ended in a bare NotADirectoryError."""
+    root, _ = request.getfixturevalue(fixture)
+    path = root / folder
+    shutil.rmtree(path)
+    path.write_text("x")
+    with pytest.raises(UserError, match=f"{re.escape(str(path))} is a file, not a folder") as err:
+        cls(str(root)).setup()
+    assert "\n" not in str(err.value)
+
+
+def test_a_gid_folder_that_is_a_file_is_named(tmp_path):
+    (tmp_path / "GID" / "label_15classes").mkdir(parents=True)
+    (tmp_path / "GID" / "image_RGB").write_text("x")
+    with pytest.raises(UserError, match=r"GID/image_RGB is a file, not a folder.*Accepted layouts"):
+        GID(str(tmp_path)).setup()
+
+
 # ---------------------------------------------------------------------------
 # ADE20K
 
@@ -469,6 +493,20 @@ def test_cityscapes_unpaired_and_root_forms(cityscapes_root, caplog):
     assert len(dm.val_set) == 1 and "frankfurt_000009_000019_leftImg8bit.png: image without mask" in dm.skipped[0]
 
 
+def test_high_bit_depth_image_is_a_setup_problem(cityscapes_root):
+    """A 16-bit image (a raw export) was read as a white RGB image without a word."""
+    root, _ = cityscapes_root
+    path = root / "leftImg8bit" / "train" / "aachen" / "aachen_000001_000019_leftImg8bit.png"
+    Image.fromarray(np.full((H, W), 30000, np.uint16)).save(path)  # PIL mode I;16
+    with pytest.raises(UserError, match=r"aachen_000001_000019_leftImg8bit\.png.*PIL mode I;16.*8-bit"):
+        seg.read_image(path, "Replace it.")
+    with pytest.raises(UserError, match=r"aachen_000001_000019_leftImg8bit\.png: .*PIL mode I;16.*on_bad_file=skip"):
+        Cityscapes(str(root)).setup()
+    dm = Cityscapes(str(root), on_bad_file="skip")
+    dm.setup()
+    assert len(dm.train_set) == 2 and len(dm.skipped) == 1 and str(path) in dm.skipped[0]
+
+
 # ---------------------------------------------------------------------------
 # GID
 
@@ -521,6 +559,22 @@ def test_gid_cache_is_reused_and_rebuilt_when_stale(gid_root, monkeypatch):
     (rebuilt,) = (root / "GID" / "processed").glob("*.npz")
     assert rebuilt != cache  # the stale cache was replaced
     assert not list((root / "GID" / "processed").glob("*.tmp"))
+
+
+def test_gid_cache_of_an_unwritable_data_folder(gid_root, unwritable, monkeypatch):
+    """The patch cache of a read-only GID folder goes to the user's cache folder, found again by prepare_data and
+    setup: the tiles are cut once."""
+    root, _, _ = gid_root
+    user_cache = unwritable(root)
+    calls = []
+    real = seg.gid.read_image
+    monkeypatch.setattr("datamodules.segmentation.gid.read_image", lambda *a: calls.append(a[0]) or real(*a))
+    GID(str(root)).prepare_data()
+    assert len(calls) == 4 and not list(root.rglob("*.npz")) and len(list(user_cache.rglob("*.npz"))) == 1
+    dm = GID(str(root))
+    dm.prepare_data()
+    dm.setup()
+    assert len(calls) == 4 and len(dm.train_set) == 4
 
 
 def test_gid_bad_tiles(gid_root, caplog):

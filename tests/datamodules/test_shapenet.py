@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import logging
 import os
 import zipfile
 
@@ -204,6 +205,34 @@ def test_cache_is_reused_and_rebuilt_when_files_change(txt, monkeypatch):
     dm = ShapeNetPart(root=str(root), npoints=8)
     dm.setup()
     assert len(dm.test_set) == 2 and len(calls) == 2
+
+
+def test_unwritable_data_folder_keeps_its_cache_in_the_users_cache_folder(txt, unwritable, monkeypatch, caplog):
+    """A shared data set the user may not write ended the run with a bare PermissionError (exit code 1)."""
+    import datamodules.partseg.shapenet_part as shapenet_part
+
+    root, _ = txt
+    user_cache = unwritable(root)
+    with caplog.at_level(logging.WARNING):
+        ShapeNetPart(root=str(root)).prepare_data()
+    assert caplog.text.count("cannot be written") == 1 and str(root / "processed") in caplog.text  # once, 3 splits
+    assert not list(root.rglob("*.npz"))
+    assert sorted(p.name for p in user_cache.rglob("*.npz")) == [f"shapenet_part_{s}.npz" for s in ("test", "train",
+                                                                                                    "val")]
+    calls = []
+    original = shapenet_part.read_shape_txt
+    monkeypatch.setattr(shapenet_part, "read_shape_txt", lambda *a: calls.append(a[0]) or original(*a))
+    dm = ShapeNetPart(root=str(root), npoints=8)
+    dm.setup()
+    assert calls == [] and len(dm.train_set) == 4  # read from the user's cache folder
+
+    unwritable(user_cache)  # that one too, and a file changed: the run parses again, goes on without a cache
+    os.utime(next((root / TXT_FOLDER).glob("*/*.txt")), ns=(1, 1))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        dm = ShapeNetPart(root=str(root), npoints=8)
+        dm.setup()
+    assert calls and "going on without it" in caplog.text and len(dm.train_set) == 4
 
 
 def test_corrupt_cache_is_rebuilt(txt):
@@ -548,7 +577,7 @@ def test_pyg_needs_every_synset_folder(pyg):
     os.rmdir(root / "raw" / "04379243")  # Table: empty in the fixture, but PyG checks it exists
     with pytest.raises(UserError, match="lacks 04379243"):
         ShapeNetPartPyG(root=str(root)).setup()
-    assert not (root / "processed").exists()
+    assert not list(root.rglob("*.npz"))
 
 
 def test_pyg_malformed_file(pyg):
