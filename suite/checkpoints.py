@@ -84,6 +84,7 @@ class LastCheckpoint(RunCheckpoint):
     def __init__(self, dirpath: Path):
         super().__init__(dirpath=dirpath, filename=LAST, monitor=None, save_top_k=1, enable_version_counter=False)
         self._cut_validation = False  # saving on an interruption inside a validation of fit
+        self._interrupted = False  # saving on an interruption of fit
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from suite.validate import check_validation_batches
@@ -97,16 +98,18 @@ class LastCheckpoint(RunCheckpoint):
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if isinstance(exception, INTERRUPTS) and trainer.state.fn == "fit":
-            self._cut_validation = trainer.validating
+            self._cut_validation, self._interrupted = trainer.validating, True
             try:
                 self._save_final(trainer)
             finally:
-                self._cut_validation = False
+                self._cut_validation = self._interrupted = False
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         super().on_save_checkpoint(trainer, pl_module, checkpoint)
         if self._cut_validation:
             validate_again_on_resume(checkpoint)
+        elif self._interrupted:
+            start_next_epoch_on_resume(checkpoint)
 
     def _save_final(self, trainer: L.Trainer) -> None:
         """Save unless nothing was trained since the last save (or this is a ``fast_dev_run``), then say where.
@@ -139,6 +142,34 @@ def validate_again_on_resume(checkpoint: dict) -> None:
     for counts, before in ((progress["total"], progress["total"]["completed"] - done), (progress["current"], 0)):
         counts.update(ready=before + 1, started=before + 1, processed=before, completed=before)
     progress["is_last_batch"] = False
+
+
+def start_next_epoch_on_resume(checkpoint: dict) -> None:
+    """Make a checkpoint saved between two epochs (interrupted after an epoch's last batch and its end) start the
+    next epoch at its first batch when resumed.
+
+    A SIGTERM or Ctrl-C during an epoch's last training batch stops the run once that epoch has ended (Lightning
+    checks for it at the end of the epoch), before the next one has started: its loops count the epoch complete,
+    with the epoch's batches still counted as served in it. A run limited by ``trainer.max_steps`` (segmentation,
+    the GAN) is always restarted as if inside an epoch (Lightning's ``FitLoop.restarting``), so those counts were
+    kept: the resumed run's next epoch ended after one batch, the rest of its samples never seen, and the run that
+    exited 0 had other weights, another best checkpoint and test score than the run that never stopped. Set here as
+    Lightning sets them when a new epoch starts (``_TrainingEpochLoop.reset``), which an epoch-limited run gets."""
+    loops = checkpoint["loops"]["fit_loop"]
+    epochs = loops["epoch_progress"]["current"]
+    if not epochs["ready"] == epochs["started"] == epochs["processed"] == epochs["completed"]:
+        return  # inside an epoch: its counts are where it continues
+    zeros = {"ready": 0, "started": 0, "processed": 0, "completed": 0}
+    batches = loops["epoch_loop.batch_progress"]
+    batches["current"] = {key: 0 for key in batches["current"]}
+    batches["is_last_batch"] = False
+    schedulers = loops["epoch_loop.scheduler_progress"]
+    schedulers["current"] = {key: 0 for key in schedulers["current"]}
+    optimizer = loops["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]
+    for event in optimizer.values():  # step, zero_grad
+        event["current"] = {key: 0 for key in event["current"]}
+    validation = loops["epoch_loop.val_loop.batch_progress"]
+    validation["total"] = {key: zeros[key] for key in validation["total"]}  # counts the validations of one epoch
 
 
 class RunIdentity(L.pytorch.callbacks.Callback):

@@ -148,6 +148,8 @@ class OptimOptions:
     base_batch_size: Optional[int] = option(512, ge=1, note="the global batch the learning rates were tuned for")
     weight_decay: float = option(1.0e-4, ge=0)
     power: float = option(0.9, ge=0, note="the poly schedule's exponent")
+    schedule_steps: int = option(40000, ge=-1, note="the poly schedule's length in steps (-1: by schedule_epochs)")
+    schedule_epochs: int = option(100, ge=-1, note="the poly schedule's length in epochs, when schedule_steps=-1")
 
 
 @dataclass

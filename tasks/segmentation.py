@@ -200,16 +200,22 @@ class Segmentation(Task):
         optimizer = instantiate(optim["optimizer"])(param_groups(self.net, float(optim.get("weight_decay", 1e-4))))
         trainer = self.trainer
 
+        # The schedule's length: optim.schedule_steps/schedule_epochs (the run's trainer.max_steps/max_epochs, or a
+        # resumed run's checkpoint's, suite.resume.check_same_recipe); the trainer's where a config lacks them.
+        steps, epochs = (int(optim.get(k, default)) for k, default in (("schedule_steps", trainer.max_steps),
+                                                                         ("schedule_epochs", trainer.max_epochs)))
+
         def max_steps() -> int:
-            # Of an epoch-based run (trainer.max_steps=-1), Lightning's estimate, read once training has started:
-            # made here it would set up the training loader before a resumed run's state is restored, and Lightning
-            # then leaves the loader's saved position out (the resumed epoch would start again from its first batch).
-            if trainer.max_steps and trainer.max_steps > 0:
-                return int(trainer.max_steps)
-            estimate = trainer.estimated_stepping_batches
-            if math.isinf(estimate):
+            # Of an epoch-based run (schedule_steps=-1), Lightning's estimate scaled to the schedule's epochs, read
+            # once training has started: made here it would set up the training loader before a resumed run's state
+            # is restored, and Lightning then leaves the loader's saved position out (the resumed epoch would start
+            # again from its first batch).
+            if steps > 0:
+                return steps
+            trainer.estimated_stepping_batches  # sets up the training loader, which counts its batches
+            if epochs <= 0 or math.isinf(trainer.num_training_batches):
                 raise UserError(NO_END)
-            return int(estimate)
+            return math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches) * epochs
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, poly_lambda(max_steps, float(optim.get("power", 0.9))))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

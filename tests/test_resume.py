@@ -145,6 +145,30 @@ def test_a_validation_cut_by_sigterm_runs_again_on_resume(env, straight, tmp_pat
     assert sorted(fields) == ["epoch", "step", "train/loss_epoch", "train/oa"] and fields["step"] == "17"
 
 
+@pytest.mark.xdist_group("resume")
+def test_a_step_limited_run_stopped_between_epochs_resumes_with_a_whole_epoch(env, tmp_path):
+    """A run limited by trainer.max_steps (segmentation's and the GAN's recipes), stopped by a SIGTERM during an
+    epoch's last batch, with no validation there: Lightning restarts such a run as if inside an epoch and kept the
+    ended epoch's batch counts, so the next epoch ended after one batch (8 of its 9 batches never trained) and the
+    run exited 0 with other weights than the run that never stopped. Now it resumes as that run, bit for bit."""
+    args = [*ARGS, "logger=csv", "trainer.max_epochs=-1", "++trainer.max_steps=27",
+            "++trainer.check_val_every_n_epoch=2"]
+    run([*args, f"hydra.run.dir={tmp_path / 'straight'}"], env)
+    stopped = tmp_path / "stopped"
+    interrupt = ["+callbacks.interrupt._target_=interrupt_at.InterruptAt", "+callbacks.interrupt.step=9",
+                 "+callbacks.interrupt.how=sigterm"]  # epoch 0's last batch; its validation comes after epoch 1
+    proc = launch(INTERRUPT, [*args, f"hydra.run.dir={stopped}", *interrupt], env, check=False)
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    run([*args, f"hydra.run.dir={stopped}", "resume=true"], env)
+    a, b = (torch.load(d / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+            for d in (tmp_path / "straight", stopped))
+    assert (a["global_step"], a["epoch"]) == (b["global_step"], b["epoch"]) and a["global_step"] == 27
+    for key, value in a["state_dict"].items():
+        assert torch.equal(value, b["state_dict"][key]), key
+    names = [sorted(p.name for p in (d / "checkpoints").glob("best-*.ckpt")) for d in (tmp_path / "straight", stopped)]
+    assert names[0] == names[1]
+
+
 def test_ckpt_path_last_needs_a_checkpoint_in_the_run_directory(env, tmp_path):
     """The message says where a run's directory is (it claimed "it is printed at the start of every run", which it
     is not) and the other ways: a checkpoint file, or resume=true."""
@@ -315,6 +339,37 @@ def test_gan_resumed_mid_epoch_continues_where_it_stopped(env, tmp_path):
     assert steps[0]["global_step"] == steps[1]["global_step"] == 6
     for key, value in steps[0]["state_dict"].items():  # G, D and the EMA generator, bit for bit
         assert torch.equal(value, steps[1]["state_dict"][key]), key
+
+
+def test_segmentation_keeps_its_checkpoints_schedule_length(tmp_path, caplog):
+    """The poly schedule read trainer.max_steps itself: a 24-step run resumed with trainer.max_steps=48 went on at
+    the rate of a poly over 48 steps (0.0081 at step 10 where its own schedule gives 0.0062), without a word, where
+    the other tasks keep their checkpoint's schedule (T_max) and say so. Its length is now optim.schedule_steps
+    (${trainer.max_steps}), which a resumed run keeps from its checkpoint's run, with that warning."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from suite.resume import check_same_recipe
+    from tasks.segmentation import Segmentation
+    from test_config_checks import compose_run
+
+    common = ["task=segmentation", "data=blobs", "trainer.max_epochs=-1"]
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"")
+    OmegaConf.save(compose_run([*common, "trainer.max_steps=24"]), tmp_path / "resolved_config.yaml", resolve=True)
+    cfg = compose_run([*common, "trainer.max_steps=48"])
+    with caplog.at_level("WARNING"):
+        check_same_recipe(cfg, tmp_path, resume=True, slurm_restart=False)
+    assert "optim.schedule_steps=24. trainer.max_steps=48 changes where it stops" in caplog.text
+    assert cfg.trainer.max_steps == 48 and cfg.optim.schedule_steps == 24
+    optim = {**OmegaConf.to_container(cfg.optim, resolve=True), "optimizer": {
+        "_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.01}}
+    task = Segmentation(2, ["a", "b"], {"backbone": "resnet18", "head_channels": 8, "pretrained": False},
+                        {"name": "external"}, optim, crop=(32, 32))
+    task._trainer = SimpleNamespace(max_steps=48, max_epochs=-1)
+    scheduler = task.configure_optimizers()["lr_scheduler"]["scheduler"]
+    assert scheduler.lr_lambdas[0](10) == pytest.approx((1 - 10 / 24) ** 0.9, rel=1e-12)
 
 
 def test_what_a_resumed_run_may_change():
