@@ -246,6 +246,9 @@ def interrupted(trainer, run_dir: Path, mode: str, ctrl_c: bool = False) -> int:
         kept = f"its weights are in {last} (step {trainer.global_step})" if last.is_file() else \
             "it wrote no checkpoint (no training step was taken)"
         how = f"continue it with the same command plus `hydra.run.dir={run_dir} resume=true`"
+        if (sweep := sweep_of_this_job()) is not None:  # a job of a multirun: Hydra ignores hydra.run.dir there
+            how = (f"continue the sweep with the same command plus `resume=true hydra.sweep.dir={sweep}` (its "
+                   "finished runs are kept as they are)")
         if SLURMEnvironment.detect():
             how = f"a requeued SLURM job resumes by itself from its newest checkpoint there; by hand, {how}"
         if trainer.state.fn == "test":
@@ -271,6 +274,16 @@ def past_its_length(trainer, ckpt: str) -> str | None:
             "was not trained for. Resume it with its own trainer.max_epochs/max_steps (its resolved_config.yaml "
             "has them) or a longer one; to test it, `mode=test ckpt_path=" + str(ckpt) + "`; or start afresh in a "
             "new directory (leave hydra.run.dir out).")
+
+
+def sweep_of_this_job() -> Path | None:
+    """The folder of the multirun (``-m``) this run is a job of; None for a single run."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    return Path(str(HydraConfig.get().sweep.dir)).absolute()
 
 
 def finished_already(trainer, out_dir: Path) -> dict | None:

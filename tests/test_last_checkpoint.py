@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from test_reliability import launch
-from test_run import GAN_TINY, TINY, env, run  # noqa: F401 - env is a fixture
+from test_run import GAN_TINY, ROOT, TINY, env, run  # noqa: F401 - env is a fixture
 
 # A config callback that interrupts the run after the training batch that reaches global step `step`: as Ctrl-C
 # does (KeyboardInterrupt, which Lightning handles gracefully and ends with exit code 1) or with a SIGTERM to the
@@ -173,3 +173,35 @@ def test_a_run_started_from_another_folders_checkpoint_starts_its_own_best(tmp_p
     best = fit_scored(tmp_path / "b", 3, ckpt_path=tmp_path / "a" / "checkpoints" / "last.ckpt")
     assert best.best_model_score == pytest.approx(0.7)
     assert Path(best.best_model_path).parent == tmp_path / "b" / "checkpoints"
+
+
+def test_an_interrupted_sweep_job_says_how_to_continue_the_sweep(tmp_path, caplog):
+    """A job of a multirun stopped by SIGTERM said to rerun with `hydra.run.dir=<job dir> resume=true`, which Hydra
+    ignores under -m: followed, it started the whole sweep afresh in a new folder (seed 0 trained twice, the stopped
+    run left unfinished). It now names the sweep's own form."""
+    from types import SimpleNamespace
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from omegaconf import open_dict
+
+    from suite.train import interrupted
+
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("config", overrides=[f"hydra.sweep.dir={tmp_path / 'sweep'}"], return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.mode = RunMode.MULTIRUN
+    trainer = SimpleNamespace(is_global_zero=True, global_step=3, current_epoch=0, state=SimpleNamespace(fn="fit"))
+    job = tmp_path / "sweep" / "1_modelnet_external"
+    try:
+        HydraConfig.instance().set_config(cfg)
+        with caplog.at_level("ERROR"):
+            assert interrupted(trainer, job, "train") == 143
+    finally:
+        HydraConfig.instance().cfg = None
+    assert f"continue the sweep with the same command plus `resume=true hydra.sweep.dir={tmp_path / 'sweep'}`" \
+        in caplog.text and "hydra.run.dir" not in caplog.text
+    with caplog.at_level("ERROR"):  # a single run: its own folder
+        interrupted(trainer, job, "train")
+    assert f"`hydra.run.dir={job} resume=true`" in caplog.text
