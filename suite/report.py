@@ -182,10 +182,12 @@ class Run:
     protocol_recorded: bool = True  # False: derived from the config (runs from before protocols were recorded)
     history: object = None          # a metrics.csv path, or a W&B run (scan_history)
     provenance: dict | None = None  # code, torch, device (suite.run_record.provenance); None: not recorded
+    trained_seed: object = None     # a test's (mode=test/eval): its checkpoint's run's seed (metrics.json tested)
 
     @property
     def seed(self):
-        return self.config.get("seed")
+        """The seed the tested network was trained with: a test's own ``seed`` is its command's."""
+        return self.trained_seed if self.trained_seed is not None else self.config.get("seed")
 
     @property
     def task(self) -> str:
@@ -286,7 +288,9 @@ def read_run_dir(folder: Path) -> Run | LeftOut | None:
         proto = derive_protocol(config, str(best[-1]) if best else None)
     history = next((p for p in (folder / "csv" / "metrics.csv", folder / "wandb_fallback" / "metrics.csv")
                     if p.is_file()), None)
-    return Run(str(folder), config, metrics, cost, proto, recorded, history, recorded_provenance(data))
+    tested = data.get("tested") if config.get("mode") in ("test", "eval") else None
+    trained_seed = tested.get("seed") if isinstance(tested, dict) else None
+    return Run(str(folder), config, metrics, cost, proto, recorded, history, recorded_provenance(data), trained_seed)
 
 
 def progress(items, desc: str):

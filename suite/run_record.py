@@ -218,11 +218,24 @@ def _evaluation(p: dict, config: dict, task, data: dict, on_val: bool, val_is_te
 
 
 def tested_checkpoint(path: str) -> dict:
-    """``{"checkpoint": file name, "epoch", "step"}`` of checkpoint ``path``, as Lightning saved them."""
+    """``{"checkpoint": file name, "epoch", "step"}`` of checkpoint ``path``, as Lightning saved them, and
+    ``"seed"``, the one its run was trained with (its ``resolved_config.yaml``'s), when beside it: a ``mode=test``
+    run's own ``seed`` is the test command's (42 unless given), and ``mode=report`` took the tests of three
+    checkpoints of seeds 0, 1, 2 for one seed tested three times, counting one of them."""
+    import yaml
+
     from suite.checkpoint_io import safe_torch_load
+    from suite.checkpoints import run_config_of
 
     state = safe_torch_load(path, f"checkpoint {path}", mmap=True)
-    return {"checkpoint": Path(path).name, "epoch": int(state["epoch"]), "step": int(state["global_step"])}
+    out = {"checkpoint": Path(path).name, "epoch": int(state["epoch"]), "step": int(state["global_step"])}
+    try:
+        config = yaml.safe_load(saved.read_text()) if (saved := run_config_of(path)) is not None else None
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        config = None
+    if isinstance(config, dict) and "seed" in config:
+        out["seed"] = config["seed"]
+    return out
 
 
 def tested_part(trainer: dict, key: str = "limit_test_batches") -> str | None:

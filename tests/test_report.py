@@ -375,6 +375,24 @@ def test_each_run_is_counted_once(sweep, tmp_path):
         f"seed 0 again in the row attn=self (one run per seed: {jobs[('self', 0)]}, read first, is counted)")}]
 
 
+def test_tests_of_checkpoints_count_under_the_seeds_they_were_trained_with(sweep, tmp_path):
+    """`mode=test ckpt_path=<run>/checkpoints/...` for the runs of seeds 0 and 1: each test's own seed is its
+    command's (42 unless given), and the report took them for one seed tested twice and left one out. A test's
+    metrics.json names the seed its checkpoint was trained with (`tested.seed`), which the report counts."""
+    out, _ = sweep
+    jobs = copy_runs(out, tmp_path / "runs")
+    for seed in SEEDS:
+        job = jobs[("self", seed)]
+        set_config(job, mode="test", seed=42)
+        record = json.loads((job / "metrics.json").read_text())
+        record["tested"] = {**record.get("tested", {}), "seed": seed}
+        (job / "metrics.json").write_text(json.dumps(record))
+    document = rep.report(cfg(runs=[str(jobs[("self", s)]) for s in SEEDS], out=str(tmp_path / "rep"),
+                              baseline="self"))
+    (row,) = document["rows"]
+    assert row["seeds"] == list(SEEDS) and document["left_out"] == []
+
+
 def test_rows_say_what_code_produced_them_and_flag_mixed_code(sweep, tmp_path):
     """Each table says which code, torch and device produced its runs (metrics.json's provenance). A row whose
     seeds ran different code (half the seeds before a fix, a run resumed after a commit) or uncommitted changes is

@@ -258,7 +258,8 @@ def test_train_writes_metrics_and_checkpoints(wandb_run):
     assert "test/oa" in proc.stdout and "metrics.json" in proc.stdout
     (best,) = (out / "checkpoints").glob("best-*.ckpt")  # the tested weights, and where in the fit they stood
     saved = torch.load(best, weights_only=True, mmap=True)
-    assert metrics["tested"] == {"checkpoint": best.name, "epoch": saved["epoch"], "step": saved["global_step"]}
+    assert metrics["tested"] == {"checkpoint": best.name, "epoch": saved["epoch"], "step": saved["global_step"],
+                                 "seed": 42}  # the seed its run was trained with
 
 
 @pytest.mark.xdist_group("runs")
