@@ -33,6 +33,7 @@ import lightning as L
 
 from attention.errors import UserError
 from suite.run_record import floats
+from suite.distributed import is_rank_zero
 
 log = logging.getLogger(__name__)
 WANDB_ID_FILE = "wandb_run_id"
@@ -56,6 +57,14 @@ def resume_checkpoint(ckpt_path: str | None, resume: bool, out_dir: Path) -> str
                         "file as `ckpt_path=<file>.ckpt`. In a job script that may start from nothing, use "
                         "resume=true, which starts afresh when there is nothing to resume.")
     log.info("resume=true: no checkpoint in %s yet, starting from scratch", out_dir / "checkpoints")
+    # A part of this run killed while it wrote its first last.ckpt, its best checkpoint written just before: the
+    # run trains that part again, and its own best then lay beside that one (two best-*.ckpt of one run).
+    stale = sorted((out_dir / "checkpoints").glob("best-*.ckpt"))
+    if stale and is_rank_zero():
+        log.warning("resume=true: deleting %s, written by a part of this run stopped before its first last.ckpt, "
+                    "which this run trains again from scratch", ", ".join(p.name for p in stale))
+        for path in stale:
+            path.unlink(missing_ok=True)
     return None
 
 

@@ -180,9 +180,15 @@ def test_ckpt_path_last_needs_a_checkpoint_in_the_run_directory(env, tmp_path):
 
 
 def test_resume_true_starts_afresh_when_nothing_to_resume(env, tmp_path):
+    """... and a best checkpoint of a part killed while writing its first last.ckpt (trained again now) is not left
+    beside the run's own best."""
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "best-epoch000-step000099.ckpt").write_bytes(b"the killed part's")
     proc = run([*TINY, "resume=true", "logger=none", f"hydra.run.dir={tmp_path}"], env)
     assert "no checkpoint" in proc.stdout + proc.stderr
     assert (tmp_path / "metrics.json").is_file()
+    (best,) = (tmp_path / "checkpoints").glob("best-*.ckpt")
+    assert best.name != "best-epoch000-step000099.ckpt"
 
 
 def test_resuming_a_finished_run_keeps_its_record(env, tmp_path):
