@@ -19,8 +19,12 @@ e = ``expand_size``, fw = ``focal_window``, L = ``focal_level``:
 - levels l = 1 .. L-1, coarse (k = l - 1 below, as in the official loops): the
   padded map is pooled over sub-windows of g = floor(ws / 2^k) pixels a side
   by 'fc' pooling, a learned Linear(g*g, 1) over a sub-window's positions
-  shared by the channels (initialised to the mean, as the official block
-  does). The pooled map has 2^k tokens per window a side and covers the centre
+  shared by the channels. The mixer initialises it to the mean, the value
+  the official block writes; the official ``FocalTransformer`` then draws
+  it again with its other Linears (truncated normal, std 0.02), which
+  ``model=focal_t|focal_s`` does too. The mean stays the default elsewhere:
+  those networks have no official pool init, and it is the pool that point
+  sets use. The pooled map has 2^k tokens per window a side and covers the centre
   of the padded map (the official trim when 2^k * g < ws, e.g. ws = 7, k = 1).
   A window attends to the K x K pooled tokens around it, K = fw + 2^k - 1:
   its own 2^k x 2^k sub-windows and (fw - 1) / 2 more on each side (the
@@ -264,7 +268,7 @@ class FocalAttention(Mixer):
         for k in range(focal_level - 1):
             g = ws // 2 ** k
             pool = nn.Linear(g * g, 1)
-            nn.init.constant_(pool.weight, 1 / (g * g))
+            nn.init.constant_(pool.weight, 1 / (g * g))  # the mean (the Focal backbone re-draws it, as official)
             nn.init.zeros_(pool.bias)
             self.pool_layers.append(pool)
             side = focal_window + 2 ** k - 1  # K

@@ -7,7 +7,9 @@ One loader for every network and every file the papers released:
    ``CfgNode`` of Focal-Transformer's (and Swin's) ``save_checkpoint`` as a plain ``OrderedDict`` (yacs need not
    be installed, and no yacs code runs);
 2. the state dict is taken out of its container: a plain state dict (PCT_Pytorch's ``model.t7``), or the entry
-   ``state_dict`` (StudioGAN, Lightning), ``model`` (DeiT, DilateFormer, Focal) or ``net``;
+   ``state_dict`` (StudioGAN, Lightning), ``model`` (DeiT, DilateFormer, Focal) or ``net``; a network whose
+   official evaluation scores an EMA of the weights names that entry first in ``official_ema_keys`` (EAMLP:
+   ``state_dict_ema``, which timm's ``CheckpointSaver`` writes beside ``state_dict``), and the loader logs it;
 3. ``module.``, which ``nn.DataParallel`` puts before every key, is dropped;
 4. keys already in the network's own layout load as they are, and so do the entries of a task checkpoint under
    ``net.`` (a Lightning checkpoint of ``task=classification``, say); otherwise the network's ``from_official``
@@ -18,6 +20,7 @@ One loader for every network and every file the papers released:
 A network declares a key map by two class attributes (see ``tasks/nets/pct.py``)::
 
     official_weights: ClassVar[str]          # which released files, from which repository
+    official_ema_keys: ClassVar[tuple[str, ...]] = ()  # optional: entries read before the others (EMA weights)
     @staticmethod
     def from_official(state) -> dict: ...    # official keys -> this network's keys
 
@@ -28,6 +31,7 @@ timm's models only); this module is the one place that reads them.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -36,6 +40,8 @@ import torch
 from torch import nn
 
 from attention.errors import UserError
+
+log = logging.getLogger(__name__)
 
 # task -> {weights option -> the network class it loads into}, by import path; task=classification's network is the
 # backbone its model config names (tasks/nets/backbones/registry.py). Read by :func:`released_weights`.
@@ -75,21 +81,33 @@ def _is_state(obj) -> bool:
     return isinstance(obj, Mapping) and len(obj) > 0 and all(torch.is_tensor(v) for v in obj.values())
 
 
-def describe(obj) -> str:
-    """What a loaded file holds, in one phrase: its container keys, tensor count and first keys with shapes."""
+def _containers(first: Sequence[str]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys([*first, *CONTAINER_KEYS]))
+
+
+def _entry(obj, containers: Sequence[str]) -> str | None:
+    """The first of ``containers`` that holds a state dict in the loaded ``obj``, or None."""
+    return next((k for k in containers if isinstance(obj, Mapping) and _is_state(obj.get(k))), None)
+
+
+def describe(obj, first: Sequence[str] = ()) -> str:
+    """What a loaded file holds, in one phrase: its container keys, tensor count and first keys with shapes
+    (``first``: entries read before :data:`CONTAINER_KEYS`, as :func:`read_state`)."""
     if _is_state(obj):
-        first = ", ".join(f"{k} {tuple(v.shape)}" for k, v in list(obj.items())[:3])
-        return f"a state dict of {len(obj)} tensors (first: {first})"
+        shown = ", ".join(f"{k} {tuple(v.shape)}" for k, v in list(obj.items())[:3])
+        return f"a state dict of {len(obj)} tensors (first: {shown})"
     if isinstance(obj, Mapping):
-        inner = next((k for k in CONTAINER_KEYS if _is_state(obj.get(k))), None)
+        inner = _entry(obj, _containers(first))
         shown = ", ".join(repr(k) for k in list(obj)[:8])
         return f"a dict with keys [{shown}]" + (f" whose {inner!r} is {describe(obj[inner])}" if inner else
                                                  ", none of them a state dict")
     return f"a {type(obj).__name__}"
 
 
-def read_state(path: str, option: str) -> tuple[dict[str, torch.Tensor], str]:
-    """The state dict in the file at ``path`` (unwrapped, wrapper prefixes dropped) and a description of the file."""
+def read_state(path: str, option: str, first: Sequence[str] = ()) -> tuple[dict[str, torch.Tensor], str]:
+    """The state dict in the file at ``path`` (unwrapped, wrapper prefixes dropped) and a description of the file.
+
+    ``first``: container entries tried before :data:`CONTAINER_KEYS` (a network's ``official_ema_keys``)."""
     if not os.path.isfile(path):
         raise UserError(f"{option}={path} is not a file: pass the path of a weights file (a state dict or a "
                         f"checkpoint that holds one), or drop {option}.")
@@ -102,9 +120,13 @@ def read_state(path: str, option: str) -> tuple[dict[str, torch.Tensor], str]:
                         "corrupt, not a torch file, or pickles objects that could run code. If you trust it, "
                         "re-save only its weights: torch.save(torch.load(PATH, weights_only=False)['model'], "
                         "'weights.pth') (or the entry that holds them), and pass that file.") from None
-    what = describe(obj)
-    state = obj if _is_state(obj) else next((obj[k] for k in CONTAINER_KEYS
-                                             if isinstance(obj, Mapping) and _is_state(obj.get(k))), None)
+    what = describe(obj, first)
+    entry = _entry(obj, _containers(first))
+    state = obj if _is_state(obj) else obj[entry] if entry else None
+    if entry in first and not _is_state(obj):  # the user should know which of the file's weights are scored
+        raw = [k for k in CONTAINER_KEYS if k != entry and _is_state(obj.get(k))]
+        log.info("%s=%s: loading its %r entry, the EMA weights that the official evaluation scores%s", option, path,
+                 entry, f" (not {raw[0]!r})" if raw else "")
     if state is None:
         raise UserError(f"{option}={path} holds no state dict: the file is {what}. Expected a state dict, or a "
                         f"dict holding one under one of {list(CONTAINER_KEYS)}.")
@@ -137,7 +159,7 @@ def load_weights(net: nn.Module, path: str, option: str = "model.weights", skip:
     network as the user chose it (``model.backbone=resnet50``), for messages; ``prefixes``: where the network sits
     in its task's own checkpoints (``G.`` in a ``task=gan`` checkpoint), tried before :data:`TASK_PREFIXES`.
     """
-    state, what = read_state(path, option)
+    state, what = read_state(path, option, getattr(net, "official_ema_keys", ()))
     own = net.state_dict()
     candidates = {"own": state}
     for prefix in dict.fromkeys([*prefixes, *TASK_PREFIXES]):  # a task checkpoint: its network's entries only

@@ -231,3 +231,29 @@ def test_a_deit_file_is_refused_with_the_keys_named(tmp_path):
     assert "missing" in message and "stem.0.weight" in message
     assert "unexpected" in message and "cls_token" in message
     assert "JIAOJIAYUASD/dilateformer" in message  # what the network does read
+
+
+def test_msda_qkv_keeps_the_official_1x1_conv_init():
+    """The official MSDA's qkv is nn.Conv2d(C, 3C, 1, bias=True), which _init_weights (Linear and LayerNorm only)
+    leaves at PyTorch's conv init: kaiming_uniform(a=sqrt(5)), i.e. U(+-1/sqrt(C)) weights, and U(+-1/sqrt(C))
+    biases, C = fan_in. The official Linears (MSDA's proj, the global stages' qkv, the head) are drawn with std
+    0.02 and zero biases."""
+    torch.manual_seed(0)
+    net = build_backbone({"name": "dilateformer_t"}, {"name": "dilated"}, num_classes=1000, img_size=224)
+    weights, biases = [], []
+    for stage in (0, 1):
+        for block in net.stages[stage]:
+            qkv = block.block.attn.qkv
+            bound = qkv.in_features ** -0.5  # 1/sqrt(fan_in) of the 1x1 conv: in_channels * 1 * 1
+            assert qkv.bias is not None and qkv.bias.abs().min() > 0
+            weights.append(qkv.weight.flatten() / bound)
+            biases.append(qkv.bias / bound)
+            proj = block.block.attn.proj
+            assert proj.weight.std().item() == pytest.approx(0.02, rel=0.05) and not proj.bias.any()
+    w, b = torch.cat(weights), torch.cat(biases)  # 186,624 and 1,296 draws of U(-1, 1)
+    assert w.abs().max() <= 1 and w.abs().max() > 0.999 and b.abs().max() <= 1
+    assert w.std().item() == pytest.approx(3 ** -0.5, rel=0.01) and abs(w.mean().item()) < 4 / 3 ** 0.5 / 432
+    assert b.std().item() == pytest.approx(3 ** -0.5, rel=0.06)
+    for block in net.stages[2]:  # global attention: an official Linear
+        qkv = block.block.attn.qkv
+        assert qkv.weight.std().item() == pytest.approx(0.02, rel=0.02) and not qkv.bias.any()

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+import attention
 from attention.errors import UserError
 from tasks.nets.backbones import build_backbone
 from tasks.nets.weights import load_weights
@@ -186,7 +187,8 @@ def test_files_that_do_not_fit_eamlp_are_refused_with_the_keys_named(tmp_path):
             "blocks.1.attn.mem_k and 3 more)") in message
     assert "unexpected 2 (blocks.0.attn.qkv.weight, blocks.1.attn.qkv.weight)" in message
     assert "wrong shape 2 (blocks.0.attn.proj.weight (48, 48) (the network's: (48, 192))" in message
-    assert "a dict with keys ['state_dict_ema', 'state_dict', 'epoch'] whose 'state_dict' is a state dict" in message
+    # EAMLP reads the EMA entry first (official_ema_keys), so that is the one described
+    assert "a dict with keys ['state_dict_ema', 'state_dict', 'epoch'] whose 'state_dict_ema' is a state" in message
     assert "MenghaoGuo/EANet, EAMLP/: T2T_ViT with tokens_type='performer'" in message
 
     shallow = {k: v for k, v in official.state_dict().items() if not k.startswith("blocks.1.")}
@@ -207,3 +209,54 @@ def test_files_that_do_not_fit_eamlp_are_refused_with_the_keys_named(tmp_path):
     message = str(err.value)
     assert "missing 2 (blocks.1.attn.proj.weight, blocks.1.attn.proj.bias)" in message
     assert "unexpected 1 (blocks.1.attn.linear_1.bias)" in message
+
+
+def test_memories_start_as_the_official_t2t_init():
+    """The official memories are nn.Linear layers that T2T_ViT's _init_weights draws (t2t_vit.py): a normal truncated
+    at +-2, std 0.02, zero-mean. In the 14 main blocks linear_0 and linear_1 are independent draws; the token blocks'
+    linear_1 is a view of linear_0's storage (token_performer.py), so the two start equal there. Not EANet's tied
+    N(0, 1/d) init, which the external variant keeps for itself."""
+    torch.manual_seed(0)
+    net = build_backbone({"name": "eamlp"}, {"name": "external"}, num_classes=1000, img_size=224)
+    main = [(b.attn.mem_k, b.attn.mem_v) for b in net.blocks]
+    assert len(main) == 14
+    for k, v in main:
+        assert not torch.equal(k, v)
+        assert abs(torch.corrcoef(torch.stack([k.flatten(), v.flatten()]))[0, 1]) < 0.08  # 4096 pairs: sd 0.016
+        for m in (k, v):  # 4096 draws each: the std's sampling error is 1.1%
+            assert m.std().item() == pytest.approx(0.02, rel=0.05)
+    pooled = torch.cat([m.flatten() for pair in main for m in pair])  # 114,688 draws: std within 0.2%
+    assert pooled.std().item() == pytest.approx(0.02, rel=0.01) and abs(pooled.mean().item()) < 4 * 0.02 / 338
+    for block in (net.tokens_to_token.block1, net.tokens_to_token.block2):
+        k, v = block.attn.mem_k, block.attn.mem_v
+        assert torch.equal(k, v) and k.data_ptr() != v.data_ptr()  # equal at the start, trained separately here
+        assert k.std().item() == pytest.approx(0.02, rel=0.04)  # 8192 draws: sd 0.8%
+    default = attention.build("external", dim=64, heads=1)  # the variant alone keeps EANet's tied init
+    assert torch.equal(default.mem_k, default.mem_v)
+
+
+def test_an_official_checkpoint_loads_its_ema_weights(tmp_path, caplog):
+    """EAMLP's main.py evaluates load_checkpoint(model, path, args.model_ema) with model_ema on by default, and
+    keeps the checkpoint whose EMA scored best: of timm's {"state_dict", "state_dict_ema"} the EMA is the model."""
+    raw = randomise(T2TViT(32, 48, 2, 2, 3.0, 16, classes=10).double(), 0)
+    ema = randomise(T2TViT(32, 48, 2, 2, 3.0, 16, classes=10).double(), 1)
+    torch.save({"epoch": 299, "arch": "T2t_vit_14", "state_dict": raw.state_dict(),
+                "state_dict_ema": ema.state_dict(), "metric": 78.9}, tmp_path / "model_best.pth.tar")
+    ours = build_backbone({"name": "eamlp", **SMALL}, {"name": "external"}, num_classes=10, img_size=32).double()
+    with caplog.at_level("INFO", logger="tasks.nets.weights"):
+        assert load_weights(ours.eval(), str(tmp_path / "model_best.pth.tar")) == "official"
+    assert "loading its 'state_dict_ema' entry, the EMA weights" in caplog.text and "(not 'state_dict')" in caplog.text
+    expected = ours.from_official(ema.state_dict())
+    assert all(torch.equal(v, expected[k]) for k, v in ours.state_dict().items())
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), ema(x), rtol=1e-9, atol=1e-9)
+
+    # Without an EMA entry the raw weights load, as before, and nothing is said about an EMA.
+    torch.save({"state_dict": raw.state_dict(), "epoch": 299}, tmp_path / "raw.pth.tar")
+    caplog.clear()
+    with caplog.at_level("INFO", logger="tasks.nets.weights"):
+        load_weights(ours, str(tmp_path / "raw.pth.tar"))
+    assert "EMA" not in caplog.text
+    expected = ours.from_official(raw.state_dict())
+    assert all(torch.equal(v, expected[k]) for k, v in ours.state_dict().items())

@@ -392,3 +392,18 @@ def test_a_wrong_file_gets_the_loaders_message(tmp_path):
     with pytest.raises(UserError, match=r"model.weights=.*does not fit.*nearest: its official key layout.*"
                                         r"missing 1 \(head.bias\).*wrong shape 1 \(stages.0.blocks.0.attn.qkv.weight"):
         load_weights(ours, str(tmp_path / "focal-small.pth"))
+
+
+def test_pools_are_drawn_as_the_official_focal_transformer():
+    """The official block fills each 'fc' pool with 1/49 (focal_transformer.py:531-533), but FocalTransformer's
+    self.apply(self._init_weights) then draws every Linear, the pools included: a normal truncated at +-2 with std
+    0.02, bias 0. The focal variant on its own keeps the mean (other networks have no official pool init)."""
+    torch.manual_seed(0)
+    net = build_backbone({"name": "focal_t"}, {"name": "focal"}, num_classes=1000, img_size=224)
+    pools = [pool for stage in net.stages for block in stage.blocks for pool in block.attn.pool_layers]
+    assert len(pools) == 12 and all(p.weight.shape == (1, 49) and not p.bias.any() for p in pools)
+    w = torch.cat([p.weight.flatten() for p in pools])  # 588 draws: the std's sampling error is 2.9%
+    assert w.std().item() == pytest.approx(0.02, rel=0.12) and abs(w.mean().item()) < 4 * 0.02 / 588 ** 0.5
+    assert net.head.weight.std().item() == pytest.approx(0.02, rel=0.01)
+    alone = attention.build("focal", dim=32, heads=2)
+    assert torch.equal(alone.pool_layers[0].weight, torch.full((1, 49), 1 / 49))

@@ -86,3 +86,18 @@ def test_files_that_do_not_fit_deit_s_are_refused_with_the_keys_named(tmp_path):
     assert "missing 12 (blocks.1.norm1.weight, blocks.1.norm1.bias, blocks.1.attn.qkv.weight" in message
     assert "unexpected none; wrong shape none" in message
     assert all(torch.equal(v, before[k]) for k, v in ours.state_dict().items())  # a refused file changes nothing
+
+
+def test_a_deit_file_with_an_ema_loads_the_raw_weights(tmp_path):
+    """DeiT's main.py keeps an EMA (saved as ``model_ema``) but evaluates ``model``: only networks whose official
+    evaluation scores the EMA (``official_ema_keys``, EAMLP) read it first."""
+    deit = randomise(timm.create_model("deit_small_patch16_224", pretrained=False, num_classes=10, img_size=64,
+                                       **SMALL).double(), 0)
+    ema = randomise(timm.create_model("deit_small_patch16_224", pretrained=False, num_classes=10, img_size=64,
+                                      **SMALL).double(), 1)
+    torch.save({"model": deit.state_dict(), "model_ema": ema.state_dict(), "state_dict_ema": ema.state_dict(),
+                "epoch": 299}, tmp_path / "deit.pth")
+    ours = build_backbone({"name": "vit_s", **SMALL}, {"name": "self"}, num_classes=10, img_size=64).double().eval()
+    assert load_weights(ours, str(tmp_path / "deit.pth")) == "official"
+    expected = ours.from_official(deit.state_dict())
+    assert all(torch.equal(v, expected[k]) for k, v in ours.state_dict().items())

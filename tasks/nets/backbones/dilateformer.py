@@ -41,6 +41,7 @@ from torch import nn
 
 import attention
 from attention.errors import UserError
+from attention.variants.dilated import DilatedAttention
 
 from .common import Backbone, Block, attn_defaults, drop_path_rates, init_linears, make_mixer, per_stage
 from .registry import register
@@ -111,7 +112,12 @@ class DilateFormer(Backbone):
             self.downsamples.append(nn.Sequential(nn.Conv2d(dim, 2 * dim, 3, 2, 1), nn.BatchNorm2d(2 * dim))
                                     if i < n - 1 else nn.Identity())
         self._add_head(widths, [4 * 2 ** i for i in range(n)], num_classes, eps=1e-6)
-        init_linears(self)
+        # The official MSDA's qkv is a 1x1 Conv2d, which its _init_weights (Linear and LayerNorm only) leaves at
+        # PyTorch's conv init: kaiming_uniform(a=sqrt(5)) weights and U(+-1/sqrt(C)) biases over fan_in C, which is
+        # what nn.Linear's own reset_parameters drew when ours was built, so those are kept. Every other official
+        # conv (stem, CPE, merging) is a Conv2d here too, also left at PyTorch's init.
+        msda_qkv = {m.qkv for m in self.stages.modules() if isinstance(m, DilatedAttention)}
+        init_linears(self, skip=lambda m: m in msda_qkv)
 
     @staticmethod
     def from_official(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -42,6 +42,7 @@ from torch import nn
 import attention
 from attention.errors import UserError
 from attention.tensor_cache import tensor_cache
+from attention.variants.external import ExternalAttention
 
 from .common import Backbone, Block, attn_options, drop_path_rates, init_linears, make_mixer
 from .registry import register
@@ -108,6 +109,9 @@ class EAMLP(Backbone):
     native_attn = "external"
     official_weights: ClassVar[str] = ("EAMLP's ImageNet checkpoints (MenghaoGuo/EANet, EAMLP/: T2T_ViT with "
                                        "tokens_type='performer', e.g. EAMLP-14's model_best.pth.tar)")
+    # The official main.py evaluates load_checkpoint(..., use_ema=args.model_ema), model_ema on by default, and
+    # keeps the checkpoint whose EMA scored best: of a file holding both, the EMA weights are the published model.
+    official_ema_keys: ClassVar[tuple[str, ...]] = ("state_dict_ema",)
 
     def __init__(self, name: str, attn: Mapping, num_classes: int, img_size: int, in_chans: int = 3, *,
                  embed_dim: int, depth: int, heads: int, mlp_ratio: float, drop_path_rate: float, ea_expand: int,
@@ -141,6 +145,25 @@ class EAMLP(Backbone):
         if self.cls_token is not None:
             trunc_normal_(self.cls_token, std=0.02)
         init_linears(self)
+        self._init_memories()
+
+    def _init_memories(self) -> None:
+        """The memories as the official ``T2T_ViT._init_weights`` leaves them, not the variant's EANet init.
+
+        Officially they are ``nn.Linear`` layers, so the model-wide ``apply`` draws them like every Linear: a
+        normal truncated at +-2 with std 0.02. In the 14 main blocks ``linear_0`` and ``linear_1`` are drawn
+        independently. In the token blocks ``linear_1.weight.data`` is set to a view of ``linear_0``'s transposed
+        weight (``token_performer.py``): one storage, so the second draw overwrites the first and both memories
+        start equal (M_v = M_k here, since ``mem_v`` is ``linear_1.weight`` transposed).
+        """
+        with torch.no_grad():
+            for block in (self.tokens_to_token.block1, self.tokens_to_token.block2):
+                trunc_normal_(block.attn.mem_v, std=0.02)
+                block.attn.mem_k.copy_(block.attn.mem_v)
+            for block in self.blocks:
+                if isinstance(block.attn, ExternalAttention):  # attn=external: the paper's blocks
+                    trunc_normal_(block.attn.mem_k, std=0.02)
+                    trunc_normal_(block.attn.mem_v, std=0.02)
 
     @staticmethod
     def from_official(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -114,7 +114,9 @@ class FocalTransformer(Backbone):
             else:
                 self.downsamples.append(ConvEmbed(dim, 2 * dim, 2, 2))
         self._add_head(widths, [4 * 2 ** i for i in range(n)], num_classes)
-        init_linears(self, skip=lambda m: m.out_features == 1)  # the focal mixer's 'fc' pools keep their mean init
+        # Every Linear, the focal mixers' 'fc' pools included: the official block fills a pool with its mean
+        # (1/g^2), but FocalTransformer's self.apply(_init_weights) then draws it again like every Linear.
+        init_linears(self)
 
     def _forward(self, x):
         return self._stages_forward(x)
