@@ -25,6 +25,14 @@ def check_positive(name: str, value, variant: str, minimum: int = 1):
                         f"expected an integer >= {minimum}.")
 
 
+def check_bool(name: str, value, variant: str):
+    """A boolean option: true or false only. A string such as "false" (a quoted yaml value, a command line typo) is
+    truthy, so it would silently switch a layer on; it is refused, as is 0/1 (not what the yaml writes)."""
+    if not isinstance(value, bool):
+        raise UserError(f"attn.{name}={value!r} is invalid for attention variant {variant!r}: expected true or false "
+                        f"(a boolean, not a string or a number).")
+
+
 def check_divides(name: str, value: int, dim: int, variant: str, what: str = "the channel count"):
     check_positive(name, value, variant)
     if dim % value:
@@ -74,6 +82,7 @@ class Mixer(nn.Module):
 
     def projection(self, cin: int, cout: int, on: bool, option: str, bias: bool = True) -> nn.Module:
         """``nn.Linear(cin, cout)``, or the identity when the option ``attn.<option>`` is false (cin == cout)."""
+        check_bool(option, on, self.name)
         if on:
             return nn.Linear(cin, cout, bias=bias)
         if cin != cout:
@@ -85,6 +94,10 @@ class Mixer(nn.Module):
 
     def forward(self, x: torch.Tensor, layout: Grid | Points | None = None) -> torch.Tensor:
         self.check_input(x, layout)
+        if x.numel() == 0:  # no samples or no tokens: nothing to mix (the point searches divide by the batch)
+            # the empty (B, N, C) output; every parameter takes part with a zero gradient, as in a variant that
+            # computes through the empty input, so that DDP's ranks agree on which parameters got one
+            return x + sum(p.sum() * 0 for p in self.parameters())
         return self.mix(x, layout)
 
     def mix(self, x: torch.Tensor, layout) -> torch.Tensor:  # pragma: no cover - abstract
@@ -98,6 +111,7 @@ class Mixer(nn.Module):
         if x.dim() != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"{self.name!r} mixer expects x of shape (B, N, {self.dim}), got {tuple(x.shape)}.")
         if layout is not None and len(layout) != x.shape[1]:
+            # a Points layout's repr is its shape, not its coordinates (Points.__repr__)
             raise ValueError(f"{self.name!r} mixer: layout {layout!r} holds {len(layout)} tokens, x has {x.shape[1]}.")
         if isinstance(layout, Points) and layout.xyz.shape[0] != x.shape[0]:
             raise ValueError(f"{self.name!r} mixer: Points batch {layout.xyz.shape[0]} != x batch {x.shape[0]}.")
@@ -136,10 +150,14 @@ class Mixer(nn.Module):
         a private generator, so a seeded run's random stream is left untouched.
         """
         generator = torch.Generator().manual_seed(0)
-        x = torch.randn(batch, n, self.dim, generator=generator).to(next(self.parameters()).device)
+        # inputs of the module's dtype and device (its first floating parameter's): a float64 or half mixer's
+        # projections refuse float32 inputs
+        like = next((p for p in self.parameters() if p.is_floating_point()), None)
+        dtype, device = (torch.get_default_dtype(), "cpu") if like is None else (like.dtype, like.device)
+        x = torch.randn(batch, n, self.dim, generator=generator).to(device, dtype)
         layout = self.example_layout(n, batch, layout, generator)
         if isinstance(layout, Points):
-            layout = Points(layout.xyz.to(x.device))
+            layout = Points(layout.xyz.to(device, dtype))
         with FlopCounterMode(display=False) as counter:
             self(x, layout)
         return {"params": self.num_params(), "flops": int(counter.get_total_flops())}

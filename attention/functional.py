@@ -315,9 +315,9 @@ class OffsetProjected(torch.autograd.Function):
         x, w_qk, w_v, b_v, rows, weight, qk, v, attn, denom, out = ctx.saved_tensors
         heads, eps, half = ctx.heads, ctx.eps, ctx.half
         if torch.is_grad_enabled():  # create_graph: the plain ops' graph, recomputed
-            def plain(*t):
+            def plain(x, w_qk, w_v, b_v=None):  # b_v is not among the inputs where there is none
                 with torch.autocast(x.device.type, dtype=half or torch.bfloat16, enabled=half is not None):
-                    return _offset_projected_plain(*t, heads, eps)
+                    return _offset_projected_plain(x, w_qk, w_v, b_v, heads, eps)
 
             inputs = (x, w_qk, w_v) if b_v is None else (x, w_qk, w_v, b_v)
             return (*recomputed_grads(plain, grad, inputs), *[None] * (7 - len(inputs)))
@@ -362,6 +362,10 @@ class OffsetChunked(torch.autograd.Function):
     D = eps + c and G the output's gradient: dU = G / D and dD_j = -(G_j . out_j) / D_j; per chunk of rows,
     recomputing A: dv = A dU, dA_ij = v_i . dU_j + dD_j, dS = A (dA - rowsum(A dA)) (softmax's backward, row by
     row), dq = dS k, dk += dS^T q. Every tensor is (rows, M) or (N or M, d): memory O((N + M) d + rows M).
+
+    ``create_graph`` (a gradient penalty) differentiates the plain ops of the same chunked passes
+    (:func:`_offset_chunked_plain`), recomputed from the inputs: autograd's graph of them keeps every chunk's
+    (rows, M) map, so the second derivative takes O(N M) memory, as the full form's does.
     """
 
     @staticmethod
@@ -381,8 +385,12 @@ class OffsetChunked(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
+        if torch.is_grad_enabled():  # create_graph: the plain ops' graph, recomputed
+            q, k, v = ctx.saved_tensors[:3]
+            plain = functools.partial(_offset_chunked_plain, eps=ctx.eps, rows=ctx.rows)
+            with autocast_off(grad.device.type):
+                return (*recomputed_grads(plain, grad, (q, k, v)), None, None)
         with autocast_off(grad.device.type):  # in float32 as the forward (float32_kernel), also
             return OffsetChunked._backward(ctx, grad)  # when the caller's backward is under autocast
 
@@ -408,6 +416,18 @@ class OffsetChunked(torch.autograd.Function):
             dq[..., i:i + ctx.rows, :] = d_logits @ k
             dk_3d.baddbmm_(d_logits.flatten(0, 1).transpose(1, 2), qc.flatten(0, 1))  # += dS^T q
         return dq, dk, dv, None, None
+
+
+def _offset_chunked_plain(q, k, v, eps, rows):
+    """:class:`OffsetChunked`'s forward as plain differentiable ops (no in-place accumulation), for its
+    ``create_graph`` backward: the column sums and A^T v summed over chunks of ``rows`` queries, then divided."""
+    kt = k.transpose(-2, -1)  # (B, h, d, M)
+    colsum, u = 0, 0
+    for i in range(0, q.shape[-2], rows):
+        attn = torch.softmax(q[..., i:i + rows, :] @ kt, dim=-1)  # (B, h, rows, M)
+        colsum = colsum + attn.sum(dim=-2)  # (B, h, M)
+        u = u + attn.transpose(-2, -1) @ v[..., i:i + rows, :]  # (B, h, M, d_v): += A^T v
+    return u / (colsum + eps).unsqueeze(-1)  # (B, h, M, d_v)
 
 
 @float32_kernel

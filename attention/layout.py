@@ -7,6 +7,7 @@ know which tokens are neighbours. A mixer declares which layouts it serves
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -28,8 +29,11 @@ class Grid:
     kind = "grid"
 
     def __post_init__(self):
-        if self.h < 1 or self.w < 1:
-            raise ValueError(f"Grid(h={self.h}, w={self.w}): both sides must be >= 1.")
+        # integers only (a SymInt too: a map's size under torch.compile's dynamic shapes): Grid(2.0, 3) built and
+        # then failed in len(), and Grid(True, 3) passed as a side of 1
+        if not all(isinstance(s, (numbers.Integral, torch.SymInt)) and not isinstance(s, bool) and s >= 1
+                   for s in (self.h, self.w)):
+            raise ValueError(f"Grid(h={self.h!r}, w={self.w!r}): both sides must be integers >= 1.")
 
     def __len__(self) -> int:
         return self.h * self.w
@@ -56,16 +60,26 @@ class Points:
     def __len__(self) -> int:
         return self.xyz.shape[1]
 
+    def __repr__(self) -> str:
+        # the shape, not the coordinates: a message naming the layout printed the whole tensor
+        return f"Points(xyz of shape {tuple(self.xyz.shape)}, {self.xyz.dtype}, {self.xyz.device})"
+
     def memo(self, key: Hashable, make: Callable[[], T]) -> T:
         """``make()``, a function of the points alone named by ``key`` (the deriving code and its options), made
         once for this layout and kept while ``xyz`` is not changed in place (its version counter is part of the
         key). Made anew under torch.compile (dynamo traces ``make`` into the graph: a dict on the layout is not
-        state a graph can keep) and under a fake mode (its tensors would be fake)."""
+        state a graph can keep) and under a fake mode (its tensors would be fake).
+
+        An inference tensor (made under ``torch.inference_mode``, as Lightning's validation and test make their
+        batches) keeps no version counter: its results are kept as made, so the layers of a network share one
+        neighbour search at evaluation too. Changing such a tensor in place inside inference mode and calling
+        mixers on the same layout again would reuse the old neighbourhoods: make a new ``Points`` for new
+        coordinates (nothing in the suite changes a layout's points)."""
         if torch.compiler.is_compiling() or under_fake_mode():
             return make()
         try:
             version = self.xyz._version
-        except RuntimeError:  # an inference-mode tensor keeps no version; it cannot change outside inference mode
+        except RuntimeError:  # an inference tensor keeps no version (see above)
             version = None
         stamp = (key, version)
         if stamp not in self._memo:

@@ -86,6 +86,14 @@ def farthest_point_sample(xyz: torch.Tensor, m: int, start: int | torch.Tensor =
 
 
 @torch.no_grad()
+def farthest_from_centroid(xyz: torch.Tensor) -> torch.Tensor:
+    """The index (B,) of each sample's point farthest from its centroid: a :func:`farthest_point_sample` start
+    chosen by geometry, so that the sampled set, and whatever is pooled over it, does not depend on the order of
+    the points (start 0 would pick another first point for every permutation). Ties to the lowest index."""
+    return (xyz - xyz.mean(dim=1, keepdim=True)).square().sum(-1).argmax(-1)  # (B,)
+
+
+@torch.no_grad()
 def _farthest_point_sample(xyz: torch.Tensor, m: int, start: torch.Tensor | None, start_index: int,
                            like_kernel: bool, backend: str) -> torch.Tensor:
     """The op's kernel (arguments checked by :func:`farthest_point_sample`): ``start`` a (B,) LongTensor, or None

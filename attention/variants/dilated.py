@@ -38,7 +38,7 @@ from einops import rearrange
 from torch import nn
 
 from .. import functional
-from ..base import Mixer, check_positive
+from ..base import Mixer, check_bool, check_positive
 from ..errors import UserError
 from ..layout import Grid
 from ..pointops import knn
@@ -68,6 +68,7 @@ class DilatedAttention(Mixer):
                             f"of {', '.join(repr(b) for b in functional.DILATED_BORDERS)}.")
         if neighbours is not None:
             check_positive("neighbours", neighbours, self.name)
+        check_bool("qkv_bias", qkv_bias, self.name)
         self.kernel_size = kernel_size
         self.border = border
         self.neighbours = kernel_size ** 2 if neighbours is None else neighbours

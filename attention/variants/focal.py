@@ -98,9 +98,9 @@ from einops import rearrange
 from torch import nn
 
 from .. import functional
-from ..base import Mixer, check_positive
+from ..base import Mixer, check_bool, check_positive
 from ..errors import UserError
-from ..pointops import MORTON_BITS, farthest_point_sample, gather, knn, morton_codes
+from ..pointops import MORTON_BITS, farthest_from_centroid, farthest_point_sample, gather, knn, morton_codes
 from ..registry import register
 from ..tensor_cache import tensor_cache
 
@@ -241,6 +241,7 @@ class FocalAttention(Mixer):
         self._check_options(window_size, expand_size, focal_level, focal_window, neighbours)
         if coarse_neighbours is not None:
             check_positive("coarse_neighbours", coarse_neighbours, self.name)
+        check_bool("qkv_bias", qkv_bias, self.name)
         if border not in BORDERS:
             raise UserError(f"attn.border={border!r} is invalid for attention variant {self.name!r}: expected one of "
                             f"{list(BORDERS)} (roll = the official cyclic roll of the zero-padded map, mask = "
@@ -388,7 +389,7 @@ class FocalAttention(Mixer):
         areas = [(self.window_size // 2 ** k) ** 2 for k in range(self.focal_level - 1)]
         if not areas:
             return fine, [], []
-        start = (xyz - xyz.mean(dim=1, keepdim=True)).square().sum(-1).argmax(-1)  # (B,) farthest from centroid
+        start = farthest_from_centroid(xyz)  # (B,): the regions do not depend on the order of the points
         centres = gather(xyz, farthest_point_sample(xyz, math.ceil(n / min(areas)), start))  # (B, m_max, 3)
         # FPS picks prefixes: the first m centres of a longer run are those of a run of m
         regions, seen = [], []

@@ -19,7 +19,7 @@ from typing import ClassVar
 from einops import rearrange
 
 from .. import functional
-from ..base import Mixer, check_divides
+from ..base import Mixer, check_bool, check_divides
 from ..registry import register
 
 
@@ -34,6 +34,7 @@ class TaylorLinearAttention(Mixer):
         check_divides("qk_ratio", qk_ratio, dim, self.name)
         self.qk_dim = dim // qk_ratio
         check_divides("heads", heads, self.qk_dim, self.name, what="the query/key channels dim/qk_ratio")
+        check_bool("qkv_bias", qkv_bias, self.name)  # out_proj: checked by projection()
         self.qkv = self.projection(dim, 2 * self.qk_dim + dim, True, "in_proj", bias=qkv_bias)
         self.proj = self.projection(dim, dim, out_proj, "out_proj")
 

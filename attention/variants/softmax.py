@@ -15,7 +15,8 @@ normalises each of the three matrices, as StudioGAN does, not their stack.
 
 ``kv_pool=p`` pools keys and values by p x p max-pooling on a ``Grid`` (sides
 divisible by p); on ``Points`` it max-pools over the p*p nearest neighbours of
-N / p^2 farthest-point-sampled centres, the point-set analogue.
+N / p^2 farthest-point-sampled centres, the point-set analogue (sampling starts at the point farthest from the
+centroid, so the output does not depend on the order of the points).
 
 ``fused=false`` computes softmax(q k^T) v in plain ops instead of SDPA's fused
 kernels, whose backward cannot be differentiated again: a discriminator with a
@@ -24,15 +25,17 @@ gradient penalty (R1, WGAN-GP) needs it (as timm's ``fused_attn=False``).
 
 from __future__ import annotations
 
+import math
+
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
 from .. import functional
-from ..base import Mixer, check_divides, check_positive
+from ..base import Mixer, check_bool, check_divides, check_positive
 from ..errors import UserError
 from ..layout import Grid, Points
-from ..pointops import farthest_point_sample, gather, knn
+from ..pointops import farthest_from_centroid, farthest_point_sample, gather, knn
 from ..registry import register
 
 
@@ -50,9 +53,14 @@ class SelfAttention(Mixer):
         self.qk_dim, self.v_dim = dim // qk_ratio, dim // v_ratio
         check_divides("heads", heads, self.qk_dim, self.name, what="the query/key channels dim/qk_ratio")
         check_divides("heads", heads, self.v_dim, self.name, what="the value channels dim/v_ratio")
-        if scale is not None and not float(scale) > 0:
-            raise UserError(f"attn.scale={scale!r} is invalid for attention variant 'self': expected a positive "
-                            "number, or null for d^-0.5.")
+        # a number, not float(scale): float() takes strings ("abc" raised its own ValueError) and inf, whose logits
+        # inf * 0 made every output NaN
+        if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
+                                      and math.isfinite(scale) and scale > 0):
+            raise UserError(f"attn.scale={scale!r} is invalid for attention variant 'self': expected a finite "
+                            "positive number, or null for d^-0.5.")
+        for option, value in (("qkv_bias", qkv_bias), ("proj_bias", proj_bias), ("separate_qkv", separate_qkv)):
+            check_bool(option, value, self.name)
         if not isinstance(fused, bool):
             raise UserError(f"attn.fused={fused!r} is invalid for attention variant 'self': expected true (SDPA's "
                             "fused kernels) or false (plain ops, which a gradient penalty can differentiate twice).")
@@ -86,7 +94,10 @@ class SelfAttention(Mixer):
             return rearrange(F.max_pool2d(grid, p), "b c h w -> b (h w) c")
         if isinstance(layout, Points):
             m = max(1, len(layout) // (p * p))
-            centres = gather(layout.xyz, farthest_point_sample(layout.xyz, m))  # (B, M, 3)
+            # sampling starts at the point farthest from the centroid, not at point 0: the pooled keys and values,
+            # and so the output, are then the same whatever the order of the points (as focal's regions)
+            start = farthest_from_centroid(layout.xyz)  # (B,)
+            centres = gather(layout.xyz, farthest_point_sample(layout.xyz, m, start))  # (B, M, 3)
             groups = knn(centres, layout.xyz, min(p * p, len(layout)))  # (B, M, p*p)
             return gather(t, groups).amax(dim=2)  # (B, M, C')
         raise ValueError(f"'self' with kv_pool={p} needs a Grid or Points layout to pool keys and values over; "

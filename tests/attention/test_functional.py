@@ -596,6 +596,19 @@ def test_offset_projected_double_backward():
     assert torch.autograd.gradgradcheck(lambda *t: projected(*t, 2, 1e-9), inputs)
 
 
+@pytest.mark.parametrize("heads", [1, 2])
+def test_offset_projected_double_backward_without_bias(heads):
+    """Without b_v (None, not an input of the recomputed plain ops) a gradient penalty still differentiates twice:
+    second derivatives against finite differences, and the create_graph gradients equal the plain ops'."""
+    x, w_qk, w_v, _ = projected_inputs(47, b=1, n=4, c=8, d_qk=2, bias=False)
+    assert torch.autograd.gradgradcheck(lambda *t: projected(*t, None, heads, 1e-9), (x, w_qk, w_v))
+    assert torch.autograd.gradgradcheck(lambda *t: AF.offset_projected(*t, None, heads), (x, w_qk, w_v))
+    got = torch.autograd.grad(projected(x, w_qk, w_v, None, heads, 1e-9).square().sum(), (x, w_qk, w_v),
+                              create_graph=True)
+    want = torch.autograd.grad(ref_offset_projected(x, w_qk, w_v, None, heads).square().sum(), (x, w_qk, w_v))
+    assert all(rel_err(g, w) < 1e-12 for g, w in zip(got, want))
+
+
 def test_offset_projected_takes_fewer_nodes_and_kernels():
     """One autograd node where the two nn.Linear and the kernel made eleven (views, transposes, the products, the
     sums of q's and k's and of x's two uses' gradients): 6 nodes a forward + backward with the weights' 3
@@ -731,6 +744,22 @@ def test_offset_chunked_gradcheck():
     inputs = tuple(t.requires_grad_() for t in qkv_inputs("offset", (1, 2, 5, 4, 3, 2), seed=23))
     assert torch.autograd.gradcheck(lambda q, k, v: AF.OffsetChunked.apply(q, k, v, 1e-9, 2), inputs,
                                     eps=1e-6, atol=1e-6, rtol=1e-5)
+
+
+def test_offset_chunked_double_backward(monkeypatch):
+    """A gradient penalty through the chunked form (above OFFSET_FULL_MAX_ELEMENTS): the plain chunked ops
+    recomputed under create_graph, so second derivatives exist (gradgradcheck), for separate q, k and for PCT's
+    one q = k; the penalty's gradients equal those of the whole-map reference in float64."""
+    inputs = tuple(t.requires_grad_() for t in qkv_inputs("offset", (1, 2, 5, 4, 3, 2), seed=25))
+    assert torch.autograd.gradgradcheck(lambda q, k, v: AF.OffsetChunked.apply(q, k, v, 1e-9, 2), inputs)
+    monkeypatch.setattr(AF, "OFFSET_FULL_MAX_ELEMENTS", 1)  # every size chunked: offset_attention as a user calls it
+    qk, v = inputs[0], inputs[2]  # q = k (N = 5 rows), v of the queries' length
+    assert torch.autograd.gradgradcheck(lambda t, u: AF.offset_attention(t, t, u), (qk, v))
+    penalties = []
+    for fn in (AF.offset_attention, offset_full):
+        grad, = torch.autograd.grad(fn(qk, qk, v).square().sum(), qk, create_graph=True)
+        penalties.append(torch.autograd.grad(grad.square().sum(), (qk, v)))
+    assert all(rel_err(g, w) < 1e-12 for g, w in zip(*penalties))
 
 
 def test_offset_goes_chunked_above_its_budget_and_never_holds_the_map(monkeypatch):

@@ -137,6 +137,23 @@ def test_batch_independence(name, kind):
 
 
 @pytest.mark.parametrize("name", attention.names())
+def test_empty_inputs_give_empty_outputs(name):
+    """No samples (B = 0) or no tokens (N = 0): the empty (B, N, C) output, on every layout the variant serves (a
+    grid has >= 1 token), and a backward that reaches x and every parameter (with zeros)."""
+    mixer = build(name)
+    cases = [(0, N, layouts(0)[kind]) for kind in ("grid", "points", "none") if kind in mixer.layouts]
+    cases += [(2, 0, layout) for kind, layout in layouts(2, n=0).items() if kind != "grid" and kind in mixer.layouts]
+    for b, n, layout in cases:
+        x = torch.randn(b, n, DIM, requires_grad=True)
+        y = mixer(x, layout)
+        assert y.shape == (b, n, DIM) and y.dtype == x.dtype, (b, n, layout)
+        y.sum().backward()
+        assert x.grad.shape == x.shape
+        assert all(p.grad is not None and not p.grad.any() for p in mixer.parameters())
+        mixer.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("name", attention.names())
 def test_layout_mismatch_raises(name):
     mixer = build(name)
     x = torch.randn(2, N, DIM)
@@ -155,6 +172,9 @@ def test_layout_mismatch_raises(name):
 def test_layout_constructors_validate():
     with pytest.raises(ValueError):
         Grid(0, 3)
+    for h, w in ((2.0, 3), (True, 3), (3, "4"), (3, None)):  # a float side failed later in len(); True passed as 1
+        with pytest.raises(ValueError, match="integers"):
+            Grid(h, w)
     with pytest.raises(ValueError):
         Points(torch.rand(2, 5, 2))
     assert len(Grid(3, 5)) == 15
@@ -195,6 +215,14 @@ def test_layers_sharing_a_points_layout_search_the_points_once(name):
     assert torch.equal(out, second(h, Points(-xyz)))
 
 
+def test_points_repr_and_messages_name_the_shape_not_the_coordinates():
+    layout = Points(torch.rand(2, 1000, 3))
+    assert repr(layout) == "Points(xyz of shape (2, 1000, 3), torch.float32, cpu)"
+    with pytest.raises(ValueError, match=r"Points\(xyz of shape \(2, 1000, 3\)") as raised:
+        build("external")(torch.randn(2, 999, DIM), layout)
+    assert len(str(raised.value)) < 200 and "tensor(" not in str(raised.value)
+
+
 def test_points_memo_is_kept_per_key_and_not_under_a_fake_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -231,6 +259,26 @@ def test_heads_zero(name):
 def test_unknown_option(name):
     with pytest.raises(UserError, match="bogus_option"):
         attention.build(name, dim=DIM, bogus_option=1)
+
+
+def bool_options():
+    return [(n, o) for n in attention.names() for o, v in attention.options(n).items() if isinstance(v, bool)]
+
+
+@pytest.mark.parametrize("name,option", bool_options())
+def test_boolean_options_refuse_other_values(name, option):
+    """A string like "false" is truthy: taken as is it switched a layer on. Every boolean option (its default a
+    bool) refuses strings and numbers at build time, naming the option; true and false build."""
+    for value in ("false", "no", "true", 0, 1, None):
+        with pytest.raises(UserError, match=f"attn.{option}="):
+            attention.build(name, dim=DIM, **{option: value})
+    for value in (True, False):
+        attention.build(name, dim=DIM, **{option: value})
+
+
+def test_boolean_options_cover_the_reported_ones():
+    assert {("external", "in_proj"), ("external", "out_proj"), ("self", "qkv_bias"), ("self", "separate_qkv"),
+            ("linear_elu", "out_proj"), ("dilated", "qkv_bias"), ("focal", "qkv_bias")} <= set(bool_options())
 
 
 @pytest.mark.parametrize("memory", [0, -3, 2.5])
@@ -412,6 +460,46 @@ def test_self_unfused_is_the_same_function():
         build("self", fused="no")
 
 
+@pytest.mark.parametrize("scale", [float("inf"), float("nan"), 0, -1.0, "abc", "0.5", True])
+def test_self_scale_must_be_a_finite_positive_number(scale):
+    """scale=inf built and gave NaN everywhere; "abc" raised float()'s own ValueError: both name the option now."""
+    with pytest.raises(UserError, match="attn.scale"):
+        build("self", scale=scale)
+
+
+def test_self_kv_pool_on_points_is_permutation_equivariant():
+    """kv_pool on Points samples its centres from the point farthest from the centroid (not from point 0), so the
+    output, in float64, is permuted with the points to 1e-12, and equals the pooled attention written out: brute-force
+    farthest point sampling from that start, each centre's p*p nearest points max-pooled, softmax attention."""
+    gen = torch.Generator().manual_seed(12)
+    n, p = 40, 2
+    mixer = build("self", heads=2, kv_pool=p).double()
+    x = torch.randn(2, n, DIM, generator=gen, dtype=torch.float64)
+    xyz = torch.rand(2, n, 3, generator=gen, dtype=torch.float64)
+    perm = torch.randperm(n, generator=gen)
+    with torch.no_grad():
+        y = mixer(x, Points(xyz))
+        assert rel_err(mixer(x[:, perm], Points(xyz[:, perm])), y[:, perm]) < 1e-12
+
+        q, k, v = mixer.qkv(x).split(DIM, dim=-1)  # (B, N, C) each
+        want = []
+        for b in range(2):
+            pts = xyz[b]
+            dist = ((pts[:, None] - pts[None]) ** 2).sum(-1)  # (N, N)
+            picked = [int(((pts - pts.mean(0)) ** 2).sum(-1).argmax())]
+            while len(picked) < n // (p * p):
+                picked.append(int(dist[picked].min(0).values.argmax()))
+            groups = dist[picked].argsort(dim=1, stable=True)[:, :p * p]  # (M, p*p) nearest, ties to lower index
+            kb, vb = k[b][groups].amax(1), v[b][groups].amax(1)  # (M, C)
+            heads = []
+            for h in range(2):
+                sl = slice(h * DIM // 2, (h + 1) * DIM // 2)
+                logits = q[b, :, sl] @ kb[:, sl].T / (DIM // 2) ** 0.5
+                heads.append(torch.softmax(logits, dim=-1) @ vb[:, sl])
+            want.append(mixer.proj(torch.cat(heads, dim=-1)))
+    assert rel_err(y, torch.stack(want)) < 1e-12
+
+
 # --------------------------------------------------------------------------------------------
 # Cost
 # --------------------------------------------------------------------------------------------
@@ -500,6 +588,13 @@ def test_cost_reports_ints_and_scales_with_batch(name):
     assert isinstance(c1["params"], int) and isinstance(c1["flops"], int)
     assert c1["params"] == sum(p.numel() for p in mixer.parameters()) > 0
     assert c1["flops"] > 0 and c2["flops"] == 2 * c1["flops"]
+
+
+@pytest.mark.parametrize("name", attention.names())
+def test_cost_of_a_float64_mixer(name):
+    """cost() makes its inputs in the module's dtype: a float64 mixer's projections refused float32 inputs. The same
+    FLOPs as in float32."""
+    assert build(name).double().cost(16) == build(name).cost(16)
 
 
 def test_cost_uses_one_layout_kind_and_leaves_global_rng_alone():
