@@ -23,7 +23,9 @@ the main process, and start with those signals blocked until it has run (:class:
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 import os
 import signal
 import threading
@@ -31,7 +33,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler
+from lightning.pytorch import Callback
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler
 
 from attention.errors import UserError
 
@@ -173,7 +176,12 @@ def seed_workers(generator: torch.Generator | None, seed: int, epoch: int) -> No
 
 
 class _SkipFirst:
-    """Batches of ``batches`` after the first ``skip`` (whose samples are never loaded); full length."""
+    """The batches of ``batches`` (a ``BatchSampler``) made of its sampler's indices after the first ``skip``, whose
+    samples are never loaded; full length.
+
+    Skipped by samples, not batches, so that a run resumed with another batch size (a smaller one, after running out
+    of memory) goes on with exactly the samples the epoch had not served, in their order: skipping as many batches
+    of the new size as were served of the old one served samples twice (a smaller batch) or never (a larger one)."""
 
     def __init__(self, batches: Iterable, skip: int):
         self.batches, self.skip = batches, skip
@@ -183,57 +191,133 @@ class _SkipFirst:
 
     def __iter__(self) -> Iterator:
         skip, self.skip = self.skip, 0  # once: a persistent-worker iterator re-iterates this object every epoch
-        for i, batch in enumerate(self.batches):
-            if i >= skip:
-                yield batch
+        if not isinstance(self.batches, BatchSampler):  # one sample per "batch" (batch_size=None)
+            yield from itertools.islice(self.batches, skip, None)
+            return
+        indices = itertools.islice(iter(self.batches.sampler), skip, None)
+        size, drop_last = self.batches.batch_size, self.batches.drop_last
+        while batch := list(itertools.islice(indices, size)):
+            if len(batch) < size and drop_last:
+                return
+            yield batch
 
 
 class ResumableLoader(Loader):
     """A training ``DataLoader`` whose position is saved in checkpoints.
 
     Lightning stores ``state_dict()`` of every training loader that has one and hands it back on resume:
-    here the epoch and the batches already served, so a run resumed from a mid-epoch checkpoint (the GAN and
-    segmentation validate every N steps) continues with the next batch of the same permutation instead of
-    starting the epoch over, as a plain loader would. Works with the sampler Lightning puts in under DDP.
+    here the epoch and the samples already served (of this process's share), so a run resumed from a mid-epoch
+    checkpoint (the GAN and segmentation validate every N steps) continues with the next sample of the same
+    permutation instead of starting the epoch over, as a plain loader would, in batches of its own size. Works
+    with the sampler Lightning puts in under DDP.
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._served = 0
+        self._served = 0  # samples of this epoch served (or skipped on resume)
         self._skip = 0
+        self._skip_epoch = None  # the epoch the saved position is in: a later epoch starts at its beginning
+        self._resumed_from = None  # (samples, batch size) of a mid-epoch position saved with another batch size
 
     def _epoch(self) -> int:
         return int(getattr(self.sampler, "epoch", 0))
 
+    def _epoch_done(self) -> bool:
+        """Whether this epoch has no batch left to serve (a dropped last partial batch is none)."""
+        left = len(self.sampler) - self._served
+        return left <= 0 or (self.drop_last and left < (self.batch_size or 1))
+
     def state_dict(self) -> dict:
-        if self._served >= len(self):  # the epoch is complete: the next one starts at its beginning
-            return {"epoch": self._epoch() + 1, "batches": 0, "processes": processes()}
-        return {"epoch": self._epoch(), "batches": self._served, "processes": processes()}
+        if self._epoch_done():  # the epoch is complete: the next one starts at its beginning
+            return {"epoch": self._epoch() + 1, "samples": 0, "batch_size": self.batch_size,
+                    "processes": processes()}
+        return {"epoch": self._epoch(), "samples": self._served, "batch_size": self.batch_size,
+                "processes": processes()}
 
     def load_state_dict(self, state: dict) -> None:
+        epoch = int(state["epoch"])
         if hasattr(self.sampler, "set_epoch"):  # worker processes draw indices as soon as they start
-            self.sampler.set_epoch(int(state["epoch"]))
-        self._skip = int(state["batches"])
+            self.sampler.set_epoch(epoch)
+        self._skip_epoch = epoch
+        if "samples" in state:
+            self._skip = int(state["samples"])
+            saved_size = state.get("batch_size")
+            if self._skip and saved_size and saved_size != self.batch_size:
+                self._resumed_from = (self._skip, int(saved_size))
+        else:  # written before the position was kept in samples: batches, of a size it did not record
+            self._skip = int(state["batches"]) * (self.batch_size or 1)
+            if self._skip and (processes() == 1 or dist.get_rank() == 0):
+                log.warning(
+                    "Resumed in the middle of epoch %d from a checkpoint that records the %d batches served in it, "
+                    "not their size: the rest of the epoch skips %d batches of data.batch_size=%s. If the run was "
+                    "stopped with another data.batch_size, the rest of this epoch sees some samples twice or misses "
+                    "some; resuming with the data.batch_size it was stopped with continues it exactly.",
+                    epoch, int(state["batches"]), int(state["batches"]), self.batch_size)
         saved, now = state.get("processes"), processes()
         if self._skip and saved is not None and int(saved) != now and (now == 1 or dist.get_rank() == 0):
             log.warning(
                 "Resumed in the middle of epoch %d on %d process(es), from a checkpoint written on %d: each process "
-                "skips the %d batches served before, but of another split of the samples among the processes, so "
-                "the rest of this epoch may see some samples twice and miss others, and the run is not the one that "
-                "never stopped. Resuming on %d process(es) (trainer.devices, trainer.num_nodes) continues it "
-                "exactly.", int(state["epoch"]), now, int(saved), self._skip, int(saved))
+                "skips the %d samples it served before, but of another split of the samples among the processes, "
+                "so the rest of this epoch may see some samples twice and miss others, and the run is not the one "
+                "that never stopped. Resuming on %d process(es) (trainer.devices, trainer.num_nodes) continues it "
+                "exactly.", epoch, now, int(saved), self._skip, int(saved))
+        elif self._skip and state.get("batch_size") not in (None, self.batch_size):
+            log.info("Resumed in the middle of epoch %d after %d samples served in batches of %s: the rest of the "
+                     "epoch comes in batches of data.batch_size=%s.", epoch, self._skip, state["batch_size"],
+                     self.batch_size)
+
+    def batches_before(self, epoch_batches: int) -> int | None:
+        """Where a mid-epoch position saved with another batch size puts this epoch's batch count: the batches of
+        this size the epoch of ``epoch_batches`` (Lightning's, ``trainer.limit_train_batches`` applied) counts
+        before the rest it will serve; None where Lightning's own count, batches of the saved size, is right.
+
+        Lightning restores how many batches of the epoch were served and ends the epoch (validates, steps the
+        schedule) when its count reaches the epoch's number of batches, now of another size: 5 batches of 8 served,
+        then 6 of 4 to serve in an epoch of 16, it ended at batch 11, never validated. :class:`LoaderPosition`
+        moves its count here."""
+        if self._resumed_from is None or self._epoch() != self._skip_epoch:
+            return None
+        size, left = self.batch_size or 1, max(0, len(self.sampler) - self._resumed_from[0])
+        rest = left // size if self.drop_last else -(-left // size)
+        return max(0, epoch_batches - rest)
+
+    def served_before(self) -> int | None:
+        """The batches of the saved size served before a position :meth:`batches_before` moves."""
+        return None if self._resumed_from is None else self._resumed_from[0] // self._resumed_from[1]
 
     @property
     def _index_sampler(self):
         base = super()._index_sampler
+        if self._skip and self._skip_epoch is not None and self._epoch() != self._skip_epoch:
+            self._skip = 0  # the saved epoch ended before this loader was iterated again (trainer.limit_train_batches)
         return _SkipFirst(base, self._skip) if self._skip else base
 
     def __iter__(self) -> Iterator:
         iterator = super().__iter__()  # builds its index iterator from _index_sampler, skipping what was served
-        self._served, self._skip = self._skip, 0
+        self._served, self._skip, self._resumed_from = self._skip, 0, None
+        total, size = len(self.sampler), self.batch_size or 1
         for batch in iterator:
-            self._served += 1
+            self._served = min(self._served + size, total)  # every batch full but an undropped last one
             yield batch
+
+
+class LoaderPosition(Callback):
+    """Moves Lightning's count of the batches an epoch has served to where a training loader resumed with another
+    ``data.batch_size`` (:meth:`ResumableLoader.batches_before`): the resumed epoch then ends, validates and steps
+    its schedule after its last sample, as an epoch of the new size does. The count is moved as a whole (each stage
+    of Lightning's progress by as many), before the epoch loop reads it."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        loader = trainer.train_dataloader
+        if not isinstance(loader, ResumableLoader) or math.isinf(trainer.num_training_batches):
+            return
+        now = loader.batches_before(int(trainer.num_training_batches))
+        if now is None:
+            return
+        shift = now - loader.served_before()
+        progress = trainer.fit_loop.epoch_loop.batch_progress.current
+        for stage in ("ready", "started", "processed", "completed"):
+            setattr(progress, stage, getattr(progress, stage) + shift)
 
 
 def train_sampling(dataset: Dataset, sampler: type = EpochRandomSampler, **options) -> dict:

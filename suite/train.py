@@ -340,6 +340,7 @@ def build_trainer(config: dict, module, out_dir: Path, loggers: list, identity: 
     from suite.tf32 import install_hint_filter
     from suite.tf32 import take_option as take_tf32
     from suite.callbacks import TrainThroughput
+    from datamodules.loaders import LoaderPosition
 
     callbacks = [instantiate(c) for c in (config.get("callbacks") or {}).values() if c]
     best, last, run_identity = checkpoint_callbacks(out_dir, config["monitor"], identity)
@@ -354,7 +355,7 @@ def build_trainer(config: dict, module, out_dir: Path, loggers: list, identity: 
     record = FitRecord(started)
     stop = AgreedSigterm()
     callbacks += [best, last, run_identity, RandomState(), record, guard, stop, MetricDtypes(),
-                  SupersededRecord(out_dir)]
+                  SupersededRecord(out_dir), LoaderPosition()]
     compiling = take_options(trainer_kwargs)
     tf32 = take_tf32(trainer_kwargs)
     install_hint_filter(tf32)  # Lightning's Tensor Cores hint names trainer.tf32

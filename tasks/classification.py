@@ -215,6 +215,18 @@ class ImageClassification(Task):
             self._ema_step = self.global_step
             self.ema.update(self.net, step=self.global_step)
 
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["ema_step"] = self._ema_step
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """The optimiser step the EMA last saw comes back with the weights: left at 0, a resumed run under gradient
+        accumulation took its first micro-batch (global step N, no optimiser step yet) for a new step and updated
+        the EMA once more than the run that never stopped. A checkpoint saved between the step and the EMA's update
+        (SLURM's requeue checkpoint, from a callback's batch end) holds the step before, so the update it missed is
+        made. Checkpoints written before this key hold an updated EMA: their global step."""
+        super().on_load_checkpoint(checkpoint)
+        self._ema_step = int(checkpoint.get("ema_step", checkpoint.get("global_step", 0)))
+
     def _evaluate(self, batch, stage: str):
         logits = self.eval_net(batch["image"])  # (B, K)
         label = batch["label"]

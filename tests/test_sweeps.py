@@ -79,3 +79,53 @@ def test_sweep_cli_prints_writes_and_refuses(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     assert sweeps.main(["gan", "--create"]) == 2  # never prompts for a login
     assert "needs credentials" in capsys.readouterr().err
+
+
+NOT_A_SWEEP = {  # a sweep file, and what the refusal says: each exited 0 with the config printed, for W&B or every
+    # run it started to refuse later
+    "program: run.py\nmethod: bayes\nparameters: {task: {value: modelnet}, seed: {values: [0, 1]}}\n":
+        "method: bayes optimises a metric, and the file has none",
+    "program: train.py\nparameters: {task: {value: modelnet}}\n": "has no `method`: expected one of grid, random",
+    "program: run.py\nmethod: hyperband\nparameters: {task: {value: modelnet}}\n":
+        "method='hyperband' is not a W&B search method",
+    "program: train.py\nmethod: grid\nparameters: {task: {value: modelnet}}\n":
+        "program='train.py': the suite's sweeps run run.py",
+    "program: run.py\nmethod: grid\ncommand: ['${env}', '${interpreter}', '${program}', '${args}']\n"
+    "parameters: {task: {value: modelnet}}\n": "does not pass the parameters as Hydra overrides",
+    "program: run.py\nmethod: grid\nparameters: {attn: {values: [self, nonesuch]}, task: {value: modelnet}}\n":
+        "parameter attn names nonesuch, which is no configs/attn/<name>.yaml: expected one of dilated,",
+    "program: run.py\nmethod: grid\nparameters: {task: {value: modelnett}}\n":
+        "parameter task names modelnett, which is no configs/task/<name>.yaml",
+    "program: run.py\nmethod: grid\nparameters: {task: {value: classification}, model: {values: [vit_s, vit_x]}}\n":
+        "parameter model names vit_x",
+    "program: run.py\nmethod: grid\nparameters: {task: {value: modelnet}, seed: {min: 0, max: 3}}\n":
+        "parameter seed={'min': 0, 'max': 3} has no values",
+    "program: run.py\nmethod: bayes\nmetric: {name: val/oa_best, goal: up}\nparameters: {task: {value: modelnet}}\n":
+        "is not a W&B sweep metric",
+}
+
+
+@pytest.mark.parametrize("text", NOT_A_SWEEP, ids=range(len(NOT_A_SWEEP)))
+def test_a_file_that_is_not_a_sweep_of_run_py_is_refused(text, tmp_path, capsys):
+    (tmp_path / "sweep.yaml").write_text(text)
+    assert sweeps.main([str(tmp_path / "sweep.yaml"), "--out", str(tmp_path / "out.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path / 'sweep.yaml'}") and NOT_A_SWEEP[text] in err, err
+    assert not (tmp_path / "out.yaml").exists()
+
+
+def test_random_and_bayes_sweeps_of_run_py_are_accepted(tmp_path):
+    path = tmp_path / "sweep.yaml"
+    path.write_text("program: run.py\nmethod: bayes\nmetric: {name: val/oa_best, goal: maximize}\n"
+                    "parameters: {task: {value: modelnet}, optim.optimizer.lr: {min: 0.0001, max: 0.01}}\n")
+    config = sweeps.sweep_config(path)
+    assert config["command"] == ["${env}", "${interpreter}", "${program}", "${args_no_hyphens}"]  # the suite's
+    path.write_text("program: run.py\nmethod: random\nparameters: {task: {value: modelnet}, seed: {values: [0, 1]}}\n")
+    assert sweeps.sweep_config(path)["method"] == "random"
+
+
+def test_out_into_a_missing_folder_is_a_user_error(tmp_path, capsys):
+    """It was a bare FileNotFoundError traceback, exit code 1."""
+    assert sweeps.main(["modelnet", "--out", str(tmp_path / "missing" / "sweep.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {tmp_path / 'missing' / 'sweep.yaml'}: the folder {tmp_path / 'missing'} does not exist" in err

@@ -3,13 +3,14 @@ loaders, option checks and bad-file policy of the one data-module base (``datamo
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
 import torch
 from torch.utils.data import TensorDataset
 
 from attention.errors import UserError
 from datamodules.base import BadFiles, DataError, DataModule, choice_option, float_option
-from datamodules.loaders import EpochRandomSampler, ResumableLoader, train_sampling
+from datamodules.loaders import EpochRandomSampler, LoaderPosition, ResumableLoader, train_sampling
 
 
 def loader(num_workers=0, seed=7):
@@ -43,29 +44,139 @@ def test_mid_epoch_state_resumes_with_the_next_batch(num_workers):
     first = loader(num_workers)
     assert batches(first, 2, limit=2) == full[:2]
     state = first.state_dict()
-    assert state == {"epoch": 2, "batches": 2, "processes": 1}
+    assert state == {"epoch": 2, "samples": 8, "batch_size": 4, "processes": 1}
 
     resumed = loader(num_workers)
     resumed.load_state_dict(state)  # sets the sampler's epoch itself
     assert [b.tolist() for (b,) in resumed] == full[2:]  # the rest of epoch 2, nothing repeated
-    assert resumed.state_dict() == {"epoch": 3, "batches": 0, "processes": 1}  # complete: the next starts afresh
+    assert resumed.state_dict() == {"epoch": 3, "samples": 0, "batch_size": 4, "processes": 1}  # complete: the
+    # next epoch starts afresh
     assert len(resumed) == 5
     assert batches(resumed, 3) == batches(loader(), 3)  # and later epochs are whole
 
 
 
 def test_a_mid_epoch_resume_on_another_number_of_processes_says_it_is_not_the_same_run(caplog):
-    """Each process skips the batches it had served, but of the split of the samples among the processes it has
+    """Each process skips the samples it had served, but of the split of the samples among the processes it has
     now: on another number of processes the rest of the epoch is not the uninterrupted run's. Said, not silent."""
-    written_on_two = {"epoch": 2, "batches": 2, "processes": 2}
+    written_on_two = {"epoch": 2, "samples": 8, "batch_size": 4, "processes": 2}
     with caplog.at_level("WARNING", logger="datamodules.loaders"):
         loader().load_state_dict(written_on_two)
-        loader().load_state_dict({**written_on_two, "batches": 0})  # at an epoch's start: nothing differs
-        loader().load_state_dict({"epoch": 2, "batches": 2})  # a checkpoint from before the count was kept
+        loader().load_state_dict({**written_on_two, "samples": 0})  # at an epoch's start: nothing differs
         loader().load_state_dict({**written_on_two, "processes": 1})
     (said,) = [r.getMessage() for r in caplog.records]
     assert said.startswith("Resumed in the middle of epoch 2 on 1 process(es), from a checkpoint written on 2")
     assert "Resuming on 2 process(es) (trainer.devices, trainer.num_nodes) continues it exactly" in said
+
+
+def sized(batch_size, drop_last=True, seed=7, size=23):
+    data = TensorDataset(torch.arange(size))
+    return ResumableLoader(data, batch_size=batch_size, drop_last=drop_last, sampler=EpochRandomSampler(data, seed))
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+@pytest.mark.parametrize("new_size", [2, 3, 4, 8])
+def test_a_mid_epoch_resume_with_another_batch_size_serves_the_rest_of_the_epoch_once(new_size, drop_last):
+    """The advice after running out of memory is to resume with a smaller data.batch_size. The position was a count
+    of batches, and the resumed loader skipped that many of the new size: 2 of 4 served, 2 of 2 skipped, so 4 of the
+    8 samples served trained twice in that epoch (a larger batch: samples never seen). It is the samples served
+    now: the rest of the epoch is the samples not served yet, in their order, in batches of the new size (the last
+    partial one dropped as the loader drops it)."""
+    order = [i for b in batches(sized(1, drop_last=False), 2) for i in b]  # epoch 2's permutation of the 23
+    first = sized(4, drop_last)
+    assert [i for b in batches(first, 2, limit=2) for i in b] == order[:8]
+    state = first.state_dict()
+    resumed = sized(new_size, drop_last)
+    resumed.load_state_dict(state)
+    rest = [b.tolist() for (b,) in resumed]
+    left = order[8:]
+    if drop_last:
+        left = left[:len(left) - len(left) % new_size]
+    assert [i for b in rest for i in b] == left
+    assert all(len(b) == new_size for b in rest[:-1]) and 0 < len(rest[-1]) <= new_size
+    assert resumed.state_dict()["epoch"] == 3 and resumed.state_dict()["samples"] == 0  # the epoch is complete
+    assert batches(resumed, 3) == batches(sized(new_size, drop_last), 3)  # and later epochs are whole
+
+
+def test_a_position_of_before_the_count_of_samples_skips_batches_and_says_so(caplog):
+    """Checkpoints written before the position was kept in samples hold batches, of a size they do not record: the
+    rest of the epoch skips that many batches of this size (exact when it is the size they were written with)."""
+    with caplog.at_level("WARNING", logger="datamodules.loaders"):
+        resumed = sized(4)
+        resumed.load_state_dict({"epoch": 2, "batches": 2, "processes": 1})
+        assert [b.tolist() for (b,) in resumed] == batches(sized(4), 2)[2:]
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert said.startswith("Resumed in the middle of epoch 2 from a checkpoint that records the 2 batches served "
+                           "in it, not their size: the rest of the epoch skips 2 batches of data.batch_size=4.")
+    assert "resuming with the data.batch_size it was stopped with continues it exactly" in said
+
+
+def test_a_position_in_an_epoch_that_has_ended_skips_nothing_in_the_next():
+    """A checkpoint at the end of an epoch shortened by trainer.limit_train_batches holds a position inside it (the
+    loader served 2 of its 5 batches): the next epoch, where the resumed run starts, skipped 2 batches."""
+    first = sized(4)
+    batches(first, 0, limit=2)
+    resumed = sized(4)
+    resumed.load_state_dict(first.state_dict())
+    assert batches(resumed, 1) == batches(sized(4), 1)
+
+
+class _Order(L.LightningModule):
+    """Records the samples of each training batch and the epochs validated, on the loader of ``batch_size``."""
+
+    def __init__(self, batch_size):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(1))
+        self.batch_size, self.trained, self.validated = batch_size, [], []
+
+    def training_step(self, batch, batch_idx):
+        self.trained.append((self.current_epoch, batch[0].tolist()))
+        return (self.w * batch[0].float()).sum()
+
+    def validation_step(self, batch, batch_idx):
+        pass
+
+    def on_validation_epoch_end(self):
+        self.validated.append(self.current_epoch)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def train_dataloader(self):
+        return sized(self.batch_size, size=64)
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(TensorDataset(torch.arange(2)))
+
+
+class _SaveAt(L.Callback):
+    def __init__(self, path):
+        self.path = path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 5:
+            trainer.save_checkpoint(self.path)
+
+
+@pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning")
+def test_an_epoch_resumed_with_a_smaller_batch_ends_validated(tmp_path):
+    """Lightning counts the batches an epoch has served, and its restored count was of the old size: 5 of 8 served,
+    then the 6 batches of 4 left, and the epoch ended at batch 11 of 16 without its validation. LoaderPosition moves
+    the count to batch 10 of 16: the rest of the epoch is trained once and validated."""
+    def fit(batch_size, ckpt_path=None, callbacks=()):
+        module = _Order(batch_size)
+        L.Trainer(accelerator="cpu", max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False, num_sanity_val_steps=0,
+                  callbacks=[LoaderPosition(), *callbacks]).fit(module, ckpt_path=ckpt_path)
+        return module
+
+    straight = fit(8, callbacks=[_SaveAt(tmp_path / "mid.ckpt")])
+    resumed = fit(4, ckpt_path=tmp_path / "mid.ckpt")
+    epoch0 = [i for epoch, b in straight.trained if epoch == 0 for i in b]
+    assert [i for epoch, b in resumed.trained if epoch == 0 for i in b] == epoch0[40:]
+    assert resumed.validated == straight.validated == [0, 1]
+    assert len([b for epoch, b in resumed.trained if epoch == 1]) == 16
+
 
 def test_end_of_epoch_state_starts_the_next_epoch():
     dl = loader()

@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 import attention
 from attention.errors import UserError
 from datamodules import TinyDigits
+from suite.resume import RandomState
 from tasks.classification import ImageClassification, topk_accuracy
 from test_run import env, run, user_error  # noqa: F401  (env is a fixture; tests/ is on the path)
 
@@ -176,6 +177,47 @@ def test_ema_schedule_and_weight_decay_in_a_short_fit(digits, tmp_path):
     fit.save_checkpoint(tmp_path / "c.ckpt")
     state = torch.load(tmp_path / "c.ckpt", weights_only=True)["state_dict"]
     assert torch.equal(state["ema.module.head.weight"], ema["head.weight"])
+
+
+class SaveAt(L.Callback):
+    """Checkpoints of a fit: after each validation (as last.ckpt is written: what a SIGKILL leaves, and what a
+    SIGTERM writes, after the batch's hooks), and at the end of the batch of optimizer step ``step`` from this
+    callback's hook (as SLURM's requeue checkpoint: before the task's own hook, which updates the EMA)."""
+
+    def __init__(self, folder: Path, step: int):
+        self.folder, self.step = folder, step
+
+    def on_validation_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            trainer.save_checkpoint(self.folder / f"val-{trainer.global_step}.ckpt")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step and not (self.folder / f"batch-{self.step}.ckpt").exists():
+            trainer.save_checkpoint(self.folder / f"batch-{self.step}.ckpt")
+
+
+def test_ema_of_a_resumed_run_under_accumulation_is_the_uninterrupted_ones(digits, tmp_path):
+    """Under trainer.accumulate_grad_batches > 1 every resume added one EMA update: the step the EMA last saw was
+    not in the checkpoint, and the resumed run's first micro-batch (no optimizer step yet) counted as a new step.
+    Resumed mid-epoch, at an epoch's end, and from a checkpoint saved before the EMA's update of its step, the net
+    and its EMA equal the uninterrupted run's, bit for bit."""
+    def fit(ckpt_path=None, callbacks=()):
+        L.seed_everything(0, verbose=False)
+        module = task(mixup={"enabled": False}, ema={"enabled": True, "decay": 0.5})
+        run = trainer(max_epochs=2, limit_train_batches=8, limit_val_batches=1, val_check_interval=4,
+                      num_sanity_val_steps=0, accumulate_grad_batches=2, callbacks=[RandomState(), *callbacks])
+        run.fit(module, datamodule=digits, ckpt_path=ckpt_path)
+        assert run.global_step == 8  # 2 epochs of 4 windows of 2 batches
+        return module
+
+    straight = fit(callbacks=[SaveAt(tmp_path, step=2)])
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["batch-2.ckpt", "val-2.ckpt", "val-4.ckpt",
+                                                               "val-6.ckpt", "val-8.ckpt"]
+    for name in ("val-2.ckpt", "val-4.ckpt", "batch-2.ckpt"):  # mid-epoch 0, its end, before the EMA's update
+        resumed = fit(ckpt_path=tmp_path / name)
+        for net in ("net", "ema"):
+            want, got = getattr(straight, net).state_dict(), getattr(resumed, net).state_dict()
+            assert all(torch.equal(want[key], got[key]) for key in want), (name, net)
 
 
 class StepRates(L.Callback):
