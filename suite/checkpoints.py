@@ -159,7 +159,6 @@ def start_next_epoch_on_resume(checkpoint: dict) -> None:
     epochs = loops["epoch_progress"]["current"]
     if not epochs["ready"] == epochs["started"] == epochs["processed"] == epochs["completed"]:
         return  # inside an epoch: its counts are where it continues
-    zeros = {"ready": 0, "started": 0, "processed": 0, "completed": 0}
     batches = loops["epoch_loop.batch_progress"]
     batches["current"] = {key: 0 for key in batches["current"]}
     batches["is_last_batch"] = False
@@ -169,7 +168,7 @@ def start_next_epoch_on_resume(checkpoint: dict) -> None:
     for event in optimizer.values():  # step, zero_grad
         event["current"] = {key: 0 for key in event["current"]}
     validation = loops["epoch_loop.val_loop.batch_progress"]
-    validation["total"] = {key: zeros[key] for key in validation["total"]}  # counts the validations of one epoch
+    validation["total"] = {key: 0 for key in validation["total"]}  # counts the validations of one epoch
 
 
 class RunIdentity(L.pytorch.callbacks.Callback):
