@@ -55,3 +55,29 @@ def test_bench_and_report_settings_join_their_mode_and_stay_overridable():
         (CONFIGS / "bench" / "default.yaml").read_text()).keys()
     report = composed("mode=report", "report.runs=[a,b]", "report.baseline=external")
     assert list(report.report.runs) == ["a", "b"] and report.report.baseline == "external" and "bench" not in report
+
+
+def _documented_overrides(experiment: str) -> list[str]:
+    """The overrides docs/recipes.md says ``experiment=<experiment>`` stands for."""
+    import re
+
+    text = (ROOT / "docs" / "recipes.md").read_text()
+    found = (re.search(rf"experiment/{experiment}\.yaml`: `([^`]*)`", text)
+             or re.search(rf"experiment={experiment} \(([^)]*)\)", text))
+    assert found, f"docs/recipes.md does not list what experiment={experiment} sets"
+    return re.sub(r"\n# ?", " ", found.group(1)).split()
+
+
+@pytest.mark.parametrize("experiment", ["imagenet_dilateformer", "imagenet_focal"])
+def test_the_papers_imagenet_recipes_are_the_overrides_the_docs_give(experiment):
+    """``experiment=imagenet_dilateformer|imagenet_focal`` compose exactly the documented command-line recipe under
+    ``trainer=ddp`` (whose BatchNorm synchronisation DilateFormer's turns off), the papers' setting; a model given on
+    the command line wins over the experiment's."""
+    overrides = _documented_overrides(experiment)
+    assert len(overrides) >= 5 and all("=" in o for o in overrides), overrides
+    assert composed(f"experiment={experiment}", "trainer=ddp") == composed("task=classification", "trainer=ddp",
+                                                                          *overrides)
+    assert composed("experiment=imagenet_dilateformer", "trainer=ddp").trainer.sync_batchnorm is False
+    larger = "dilateformer_s" if "dilate" in experiment else "focal_s"
+    assert composed(f"experiment={experiment}", "trainer=ddp", f"model={larger}") == composed(
+        "task=classification", "trainer=ddp", *overrides, f"model={larger}")
