@@ -264,9 +264,22 @@ def leaves(tree, prefix: str = ""):
         yield prefix[:-1], tree
 
 
+def changed_options(before: dict, config: dict) -> dict[str, tuple]:
+    """``{key: (value in before, value in config)}`` for each model, task or data option (not an
+    :data:`OPERATIONAL` one) that both configs set to different values: how a test command's network differs from
+    the one its checkpoint's run trained."""
+    out = {}
+    for section in ("model", "task", "data"):
+        was, now = dict(leaves(before.get(section) or {}, f"{section}.")), dict(leaves(config.get(section) or {},
+                                                                                       f"{section}."))
+        out.update({k: (was[k], now[k]) for k in sorted(was.keys() & now.keys())
+                    if was[k] != now[k] and k.rsplit(".", 1)[-1] not in OPERATIONAL})
+    return out
+
+
 def options_differing(path: str, config: dict) -> list[str]:
-    """[the run config beside checkpoint ``path``, then ``key=<its value> (here <this run's>)`` for each model,
-    task or data option that differs], or [] when there is no such config or nothing differs."""
+    """[the run config beside checkpoint ``path``, then ``key=<its value> (here <this run's>)`` for each option
+    :func:`changed_options` finds], or [] when there is no such config or nothing differs."""
     from omegaconf import OmegaConf
 
     if (saved := run_config_of(path)) is None:
@@ -275,10 +288,5 @@ def options_differing(path: str, config: dict) -> list[str]:
         before = OmegaConf.to_container(OmegaConf.load(saved), resolve=False)
     except Exception:  # noqa: BLE001 - unreadable: the tensors' message stands alone
         return []
-    out = []
-    for section in ("model", "task", "data"):
-        was, now = dict(leaves(before.get(section) or {}, f"{section}.")), dict(leaves(config.get(section) or {},
-                                                                                       f"{section}."))
-        out += [f"{k}={was[k]!r} (here {now[k]!r})" for k in sorted(was.keys() & now.keys())
-                if was[k] != now[k] and k.rsplit(".", 1)[-1] not in OPERATIONAL]
+    out = [f"{k}={was!r} (here {now!r})" for k, (was, now) in changed_options(before, config).items()]
     return [str(saved), *out[:6]] if out else []

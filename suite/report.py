@@ -48,7 +48,7 @@ TOO_FEW = 3  # fewer seeds than this on either side: flagged, not concluded
 IGNORED_KEYS = {"seed", "data_dir", "ckpt_path", "resume", "overwrite", "metrics.inception_weights",
                 "eval.save_samples", "trainer.enable_progress_bar", "trainer.enable_model_summary",
                 "trainer.log_every_n_steps", "data.num_workers"}
-IGNORED_PREFIXES = ("logger.", "callbacks.throughput.", "bench.", "report.", "hydra.", "protocol.")
+IGNORED_PREFIXES = ("logger.", "callbacks.throughput.", "bench.", "report.", "hydra.")
 IGNORED_SUFFIXES = ("_dir", ".root")
 # The weights files a run starts from, compared by file name: a run fine-tuned from published weights is not a run
 # from scratch, while the same file lies under another path on another machine.
@@ -125,10 +125,27 @@ def compare(variant: list[tuple], baseline: list[tuple], confidence: float = 0.9
         out["note"] = f"n < {TOO_FEW}: too few runs to conclude"
     elif flat:
         out["note"] = "no spread over the seeds: no test"
-    elif math.isfinite(out["p_value"]) and out["p_value"] < 1 - confidence:
-        out["note"] = f"differs (p < {1 - confidence:.2g})"
     else:
-        out["note"] = "no significant difference"
+        out["note"] = verdict(out["p_value"], 1 - confidence)
+    return out
+
+
+def verdict(p: float, alpha: float, adjusted: str = "") -> str:
+    """A comparison's note from its p-value (``adjusted``: the correction that gave it, named in the note)."""
+    if math.isfinite(p) and p < alpha:
+        return f"differs ({adjusted + ' ' if adjusted else ''}p < {alpha:.2g})"
+    return "no significant difference"
+
+
+def holm(p_values: list[float]) -> list[float]:
+    """Holm's step-down adjusted p-values, in the order given (NaN: no test, not counted in the family): the
+    k-th smallest of m p-values times m - k + 1, made non-decreasing in that order, at most 1. Rejecting where the
+    adjusted p < alpha keeps the chance of any false "differs" in the family at most alpha."""
+    ranked = sorted((p, i) for i, p in enumerate(p_values) if math.isfinite(p))
+    out, running = [math.nan] * len(p_values), 0.0
+    for k, (p, i) in enumerate(ranked):
+        running = max(running, min(1.0, (len(ranked) - k) * p))
+        out[i] = running
     return out
 
 
@@ -247,6 +264,62 @@ def recorded_provenance(record: dict) -> dict | None:
     return value
 
 
+TESTS = ("test", "eval")  # the modes that test a checkpoint (eval: the GAN task's name for it)
+
+
+def trained_config(command: dict, tested) -> dict | str:
+    """The config a test's results are grouped by: for a ``mode=test``/``eval`` run of a checkpoint, that of the
+    run that trained it (``tested.config`` of its record, else, for records from before it was recorded, the
+    ``resolved_config.yaml`` beside ``ckpt_path`` now), with the test command's mode and the model, task and data
+    options it changed (``suite.checkpoints.changed_options``: another network, an experiment of its own); its
+    evaluation options are its protocol's. A test command composes its own defaults (``trainer.max_epochs``,
+    ``optim``): grouped by them, a 1-epoch checkpoint's test was averaged with 100-epoch ones'. Any other run,
+    and a test of published weights (``model.weights``, no checkpoint): its own config. A string: why the
+    training run's config cannot be found."""
+    from suite.checkpoints import changed_options, run_config_of
+
+    ckpt = command.get("ckpt_path")
+    if command.get("mode") not in TESTS or not (ckpt or tested):
+        return command
+    trained = tested.get("config") if isinstance(tested, dict) else None
+    if not isinstance(trained, dict) and ckpt and (saved := run_config_of(str(ckpt))) is not None:
+        try:
+            trained = yaml.safe_load(saved.read_text())
+        except (yaml.YAMLError, OSError, UnicodeDecodeError):
+            trained = None
+    if not isinstance(trained, dict):
+        return (f"a mode={command['mode']} record of ckpt_path={ckpt} without the config its checkpoint was "
+                "trained with (not recorded as tested.config, which runs of this version record, nor a "
+                "resolved_config.yaml beside the checkpoint now): how its network was trained is unknown, so it "
+                "has no row. Put the training run's folder back where the checkpoint was, or test it again "
+                "with this version")
+    config = json.loads(json.dumps(trained))  # a copy: the overrides below are this record's
+    config["mode"] = command["mode"]
+    for key, (_, now) in changed_options(trained, command).items():
+        *parents, last = key.split(".")
+        section = config
+        for part in parents:  # mappings in both configs: changed_options compares their leaves
+            section = section[part]
+        section[last] = now
+    return config
+
+
+def as_run(where: str, command: dict, tested, metrics: dict, cost: dict, proto: dict, recorded: bool, history,
+           provenance: dict | None, source: str) -> Run | LeftOut:
+    """A record read from a folder or W&B as a :class:`Run` grouped by :func:`trained_config`, or left out when
+    that config is unknown or its seed is not one value (``source``: where the seed was read)."""
+    config = trained_config(command, tested)
+    if isinstance(config, str):
+        return LeftOut(where, config)
+    trained_seed = tested.get("seed") if isinstance(tested, dict) and command.get("mode") in TESTS else None
+    run = Run(where, config, metrics, cost, proto, recorded, history, provenance, trained_seed)
+    if isinstance(run.seed, bool) or not isinstance(run.seed, (int, str, type(None))):
+        return LeftOut(where, f"seed {json.dumps(run.seed)} ({source}) is not one integer, as `python run.py "
+                              "seed=<n>` records it (a hand-edited or corrupt record): a row counts its runs by "
+                              "seed; fix or remove the record")
+    return run
+
+
 def read_run_dir(folder: Path) -> Run | LeftOut | None:
     """One run folder as a :class:`Run`, a :class:`LeftOut` saying why it cannot be used, or None for the folder
     of a ``mode=summary|bench|report`` run (no results by design)."""
@@ -262,9 +335,13 @@ def read_run_dir(folder: Path) -> Run | LeftOut | None:
             break
     if isinstance(config, dict) and config.get("mode") in NOT_TRAINING:
         return None
+    # The lock before the record: a finished run resumed for longer holds it, with its new resolved_config.yaml,
+    # while its earlier part's metrics.json stays until its first training batch (suite/resume.py).
+    if in_use(folder):
+        return LeftOut(str(folder), "still running (" + (
+            "its metrics.json is an earlier part's, replaced when it ends" if metrics_file.is_file()
+            else "no metrics.json yet") + "; its process holds .run.lock)")
     if not metrics_file.is_file():
-        if in_use(folder):
-            return LeftOut(str(folder), "still running (no metrics.json yet; its process holds .run.lock)")
         return LeftOut(str(folder), "no metrics.json (the run crashed or was stopped: no process holds its .run.lock)")
     try:
         data = json.loads(metrics_file.read_text())
@@ -288,9 +365,8 @@ def read_run_dir(folder: Path) -> Run | LeftOut | None:
         proto = derive_protocol(config, str(best[-1]) if best else None)
     history = next((p for p in (folder / "csv" / "metrics.csv", folder / "wandb_fallback" / "metrics.csv")
                     if p.is_file()), None)
-    tested = data.get("tested") if config.get("mode") in ("test", "eval") else None
-    trained_seed = tested.get("seed") if isinstance(tested, dict) else None
-    return Run(str(folder), config, metrics, cost, proto, recorded, history, recorded_provenance(data), trained_seed)
+    return as_run(str(folder), config, data.get("tested"), metrics, cost, proto, recorded, history,
+                  recorded_provenance(data), f"{metrics_file} or {resolved}")
 
 
 def progress(items, desc: str):
@@ -364,9 +440,13 @@ def read_wandb(path: str, api=None) -> tuple[list[Run], list[LeftOut], int]:
         if (wrong := out_of_range(metrics)) is not None:
             left_out.append(LeftOut(where, f"its W&B summary holds {wrong}"))
             continue
-        recorded = isinstance(config.get("protocol"), dict)
-        proto = config["protocol"] if recorded else derive_protocol(config, "best")
-        runs.append(Run(where, config, metrics, cost, proto, recorded, wrun, recorded_provenance(config)))
+        # The run record (suite/train.py log_record) is logged as config, and is no setting of the run.
+        record = {k: config.pop(k) for k in RECORD_KEYS if k in config}
+        recorded = isinstance(record.get("protocol"), dict)
+        proto = record["protocol"] if recorded else derive_protocol(config, "best")
+        run = as_run(where, config, record.get("tested"), metrics, cost, proto, recorded, wrun,
+                     recorded_provenance(record), "its W&B config")
+        (left_out if isinstance(run, LeftOut) else runs).append(run)
     if not runs and not left_out:
         raise UserError(f"no runs in W&B {'sweep' if len(parts) == 3 else 'project'} {path}.")
     return runs, left_out, skipped
@@ -598,21 +678,45 @@ def build_rows(groups: list[Group], baseline: str | None, metric: str | None, co
         base, why = find_baseline(group, groups, chosen)
         if base is group:
             row.update(baseline=group.label, diff=0.0, diff_ci_low=math.nan, diff_ci_high=math.nan, test="",
-                       p_value=math.nan, note="baseline")
+                       p_value=math.nan, p_holm=math.nan, note="baseline")
         elif base is None:
             row.update(diff=math.nan, diff_ci_low=math.nan, diff_ci_high=math.nan, test="", p_value=math.nan,
-                       note=why)
+                       p_holm=math.nan, note=why)
         else:
             c = compare(values, [(r.seed, r.metrics[name]) for r in base.runs], confidence)
             row.update(baseline=base.label, diff=c["diff"], diff_ci_low=c["ci_low"], diff_ci_high=c["ci_high"],
-                       test=c["test"], p_value=c["p_value"], note=c["note"])
+                       test=c["test"], p_value=c["p_value"], p_holm=math.nan, note=c["note"])
         row.update(cost_of(group))
         row["protocol"] = group.protocol
         row["protocol_recorded"] = all(r.protocol_recorded for r in group.runs)
         row["runs"] = [r.path for r in group.runs]
         row.update(versions_of(group))
         rows.append(row)
+    judge_per_table(rows, 1 - confidence)
     return rows
+
+
+def row_blocks(rows: list[dict]) -> dict[tuple[str, str, str], list[dict]]:
+    """The rows by (task, data set, compared metric): one table and one set of plots each. Runs of one data set
+    chosen by different monitors compare different metrics (test/oa, test/loss), which shared the first row's
+    title, direction and axes."""
+    blocks = defaultdict(list)
+    for row in rows:
+        blocks[(row["task"], row["data"], row["metric"])].append(row)
+    return blocks
+
+
+def judge_per_table(rows: list[dict], alpha: float) -> None:
+    """Each table's comparisons (:func:`row_blocks`: every row against its baseline) are one family: their
+    p-values get Holm's adjustment (``p_holm``), and a row "differs" only where the adjusted p < ``alpha``. Judged
+    alone, with six variants against one baseline a false "differs" somewhere is likely (1 - 0.95**6 = 26%).
+    Rows flagged otherwise (too few runs, no spread) keep their note."""
+    for members in row_blocks(rows).values():
+        family = sum(math.isfinite(r["p_value"]) for r in members)
+        for row, adjusted in zip(members, holm([r["p_value"] for r in members])):
+            row["p_holm"] = adjusted
+            if row["note"] in (verdict(0.0, alpha), verdict(1.0, alpha)):
+                row["note"] = verdict(adjusted, alpha, "Holm" if family > 1 else "")
 
 
 def versions_of(group: Group) -> dict:
@@ -660,6 +764,24 @@ def fmt(value, digits: int = 4) -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "n/a"
     return f"{value:.{digits}f}"
+
+
+def places(value: float, digits: int = 4) -> int:
+    """Decimals for a row's numbers: ``digits``, or for a value below 0.01 (KID's 7e-4) as many as keep ``digits``
+    significant digits, which 4 decimals printed as 0.0007 ± 0.0000."""
+    if not math.isfinite(value) or value == 0 or abs(value) >= 0.01:
+        return digits
+    return min(12, digits - 1 - math.floor(math.log10(abs(value))))
+
+
+def fmt_diff(row: dict) -> str:
+    """A row's difference from its baseline with its interval, to the row's decimals (:func:`places`), or to more
+    where those round a difference to zero (-0.0000 beside "differs")."""
+    digits = places(row["mean"])
+    if row["diff"] != 0 and round(row["diff"], digits) == 0:
+        digits = places(row["diff"])
+    return (f"{row['diff']:+.{digits}f} [{fmt(row['diff_ci_low'], digits)}, {fmt(row['diff_ci_high'], digits)}]"
+            if math.isfinite(row["diff"]) else "n/a")
 
 
 def fmt_p(p: float, alpha: float) -> str:
@@ -720,23 +842,15 @@ def versions_text(rows: list[dict]) -> list[str]:
             for r in rows]
 
 
-def row_blocks(rows: list[dict]) -> dict[tuple[str, str, str], list[dict]]:
-    """The rows by (task, data set, compared metric): one table and one set of plots each. Runs of one data set
-    chosen by different monitors compare different metrics (test/oa, test/loss), which shared the first row's
-    title, direction and axes."""
-    blocks = defaultdict(list)
-    for row in rows:
-        blocks[(row["task"], row["data"], row["metric"])].append(row)
-    return blocks
-
-
 def markdown(rows: list[dict], left_out: list[LeftOut], sources: list[str], plots: dict, confidence: float) -> str:
     pct = f"{confidence:.0%}"
     lines = ["# Report", "", f"Sources: {', '.join(sources)}. {sum(len(r['runs']) for r in rows)} runs in "
              f"{len(rows)} rows; {len(left_out)} left out (listed at the end).", "",
              f"Per row: the seeds aggregated (mean, standard deviation, {pct} Student-t interval of the mean, min, "
              f"max; best of n is not the result). Difference = row mean - baseline mean, with its {pct} interval and "
-             "a paired t-test across seeds when both rows hold the same seeds, Welch's t-test otherwise. Cost: "
+             "a paired t-test across seeds when both rows hold the same seeds, Welch's t-test otherwise; the rows "
+             "of a table are one family of comparisons: \"differs\" means its Holm-adjusted p (p (Holm)) < "
+             f"{1 - confidence:.2g}. Cost: "
              "params and FLOPs for one sample (mode=summary's count), training samples/s of one process, peak "
              "memory (CUDA max allocated, or the process's peak RSS on CPU) and wall time, means over the seeds. "
              "Rows whose protocols differ are never averaged together.", ""]
@@ -744,18 +858,18 @@ def markdown(rows: list[dict], left_out: list[LeftOut], sources: list[str], plot
         direction = "higher is better" if members[0]["higher_is_better"] else "lower is better"
         lines += [f"## {task} on {data}: {metric} ({direction})", "",
                   f"| variant | n | seeds | mean ± std | {pct} CI | min | max | best of n | vs baseline | "
-                  f"difference [{pct} CI] | test | p | note | params | FLOPs/sample | samples/s | peak memory | "
-                  "wall time | protocol |",
-                  "|" + " --- |" * 19]
+                  f"difference [{pct} CI] | test | p | p (Holm) | note | params | FLOPs/sample | samples/s | "
+                  "peak memory | wall time | protocol |",
+                  "|" + " --- |" * 20]
         for r in members:
-            diff = "" if r["note"] == "baseline" else (
-                f"{r['diff']:+.4f} [{fmt(r['diff_ci_low'])}, {fmt(r['diff_ci_high'])}]"
-                if math.isfinite(r["diff"]) else "n/a")
+            d = places(r["mean"])
+            p = "" if r["note"] == "baseline" else (f"{fmt_p(r['p_value'], 1 - confidence)} | "
+                                                    f"{fmt_p(r['p_holm'], 1 - confidence)}")
             lines.append(
-                f"| `{r['variant']}` | {r['n']} | {', '.join(map(str, r['seeds']))} | {fmt(r['mean'])} ± "
-                f"{fmt(r['std'])} | [{fmt(r['ci_low'])}, {fmt(r['ci_high'])}] | {fmt(r['min'])} | {fmt(r['max'])} | "
-                f"{fmt(r['best_of_n'])} | `{r['baseline']}` | {diff} | {r['test'] or ''} | "
-                f"{'' if r['note'] == 'baseline' else fmt_p(r['p_value'], 1 - confidence)} | {r['note']} | "
+                f"| `{r['variant']}` | {r['n']} | {', '.join(map(str, r['seeds']))} | {fmt(r['mean'], d)} ± "
+                f"{fmt(r['std'], d)} | [{fmt(r['ci_low'], d)}, {fmt(r['ci_high'], d)}] | {fmt(r['min'], d)} | "
+                f"{fmt(r['max'], d)} | {fmt(r['best_of_n'], d)} | `{r['baseline']}` | "
+                f"{'' if r['note'] == 'baseline' else fmt_diff(r)} | {r['test'] or ''} | {p or ' | '} | {r['note']} | "
                 f"{fmt_count(r['params'])} | {fmt_count(r['flops'])} | {fmt(r['train_samples_per_sec'], 1)} | "
                 f"{fmt_bytes(r['peak_memory_bytes'])} | {fmt_seconds(r['wall_time_s'])} | "
                 f"{protocol_text(r['protocol'])}{'' if r['protocol_recorded'] else ' (from config)'} |")

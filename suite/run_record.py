@@ -217,11 +217,16 @@ def _evaluation(p: dict, config: dict, task, data: dict, on_val: bool, val_is_te
     return p
 
 
-def tested_checkpoint(path: str) -> dict:
+def tested_checkpoint(path: str, with_config: bool = False) -> dict:
     """``{"checkpoint": file name, "epoch", "step"}`` of checkpoint ``path``, as Lightning saved them, and
     ``"seed"``, the one its run was trained with (its ``resolved_config.yaml``'s), when beside it: a ``mode=test``
     run's own ``seed`` is the test command's (42 unless given), and ``mode=report`` took the tests of three
-    checkpoints of seeds 0, 1, 2 for one seed tested three times, counting one of them."""
+    checkpoints of seeds 0, 1, 2 for one seed tested three times, counting one of them.
+
+    ``with_config`` (a ``mode=test``/``eval`` run): also ``"config"``, that whole resolved config, by which
+    ``mode=report`` groups the test (how the network was trained: a test command composes its own defaults, and
+    a 1-epoch checkpoint's test was averaged with 100-epoch ones'). Recorded at test time, as the checkpoint's run
+    folder may be moved, deleted or resumed under a new config later."""
     import yaml
 
     from suite.checkpoint_io import safe_torch_load
@@ -235,6 +240,8 @@ def tested_checkpoint(path: str) -> dict:
         config = None
     if isinstance(config, dict) and "seed" in config:
         out["seed"] = config["seed"]
+    if isinstance(config, dict) and with_config:
+        out["config"] = config
     return out
 
 
@@ -403,7 +410,7 @@ def record(module, config: dict, tested: str | None, device_type: str, wall_time
     out["protocol"] = protocol(config, tested, val_is_test, chosen_in)
     if tested:
         try:
-            out["tested"] = tested_checkpoint(tested)
+            out["tested"] = tested_checkpoint(tested, with_config=config.get("mode") in ("test", "eval"))
         except Exception as err:  # noqa: BLE001
             log.warning("the tested checkpoint's step not recorded in metrics.json: %s", err)
     try:

@@ -431,8 +431,9 @@ def validates_on_test(datamodule) -> bool | None:
 
 
 def log_record(loggers, extra: dict) -> None:
-    """The run's cost (as metrics: in the run's summary), protocol and provenance (as config) to W&B, so that
-    ``report.wandb=`` finds there what metrics.json holds."""
+    """The run's cost (as metrics: in the run's summary), protocol, provenance and tested checkpoint (as config) to
+    W&B, so that ``report.wandb=`` finds there what metrics.json holds (a test's ``tested``: the seed and config its
+    checkpoint was trained with, by which the report groups it)."""
     from lightning.pytorch.loggers import WandbLogger
 
     numbers = {k: float(v) for k, v in extra.items() if isinstance(v, (int, float))}
@@ -441,7 +442,7 @@ def log_record(loggers, extra: dict) -> None:
             continue
         try:
             logger.log_metrics(numbers)
-            logger.log_hyperparams({k: extra[k] for k in ("protocol", "provenance") if k in extra})
+            logger.log_hyperparams({k: extra[k] for k in ("protocol", "provenance", "tested") if k in extra})
         except Exception as err:  # noqa: BLE001 - a logger never loses a run
             log.warning("could not log the run record to %s: %s", type(logger).__name__, err)
 

@@ -331,7 +331,9 @@ def test_a_report_run_again_into_its_folder_replaces_the_earlier_one_whole(sweep
 def test_a_run_still_running_is_told_from_a_crashed_one(tmp_path):
     """A folder without metrics.json: its run still running (its process holds the run folder's lock, as
     suite.run_dirs.hold does while a run trains and tests) is listed as such; once that process is gone (here
-    killed), as crashed or stopped."""
+    killed), as crashed or stopped. A folder whose lock is held is running even with a metrics.json: a finished run
+    resumed for more epochs keeps its earlier part's until its first training batch, and was averaged as
+    finished under its new config."""
     run = tmp_path / "run"
     run.mkdir()
     (run / "resolved_config.yaml").write_text("mode: train\nseed: 0\n")
@@ -342,9 +344,14 @@ def test_a_run_still_running_is_told_from_a_crashed_one(tmp_path):
     try:
         assert holder.stdout.readline().strip() == "held"
         assert rep.read_run_dir(run).reason == "still running (no metrics.json yet; its process holds .run.lock)"
+        (run / "metrics.json").write_text('{"test/oa": 0.5}')
+        assert rep.read_run_dir(run).reason == ("still running (its metrics.json is an earlier part's, replaced "
+                                               "when it ends; its process holds .run.lock)")
     finally:
         holder.kill()
         holder.wait()
+    assert isinstance(rep.read_run_dir(run), rep.Run)  # its process gone: finished
+    (run / "metrics.json").unlink()
     assert rep.read_run_dir(run).reason == ("no metrics.json (the run crashed or was stopped: no process holds its "
                                            ".run.lock)")
 
@@ -380,17 +387,52 @@ def test_tests_of_checkpoints_count_under_the_seeds_they_were_trained_with(sweep
     command's (42 unless given), and the report took them for one seed tested twice and left one out. A test's
     metrics.json names the seed its checkpoint was trained with (`tested.seed`), which the report counts."""
     out, _ = sweep
-    jobs = copy_runs(out, tmp_path / "runs")
-    for seed in SEEDS:
-        job = jobs[("self", seed)]
-        set_config(job, mode="test", seed=42)
-        record = json.loads((job / "metrics.json").read_text())
-        record["tested"] = {**record.get("tested", {}), "seed": seed}
-        (job / "metrics.json").write_text(json.dumps(record))
-    document = rep.report(cfg(runs=[str(jobs[("self", s)]) for s in SEEDS], out=str(tmp_path / "rep"),
-                              baseline="self"))
+    trained = copy_runs(out, tmp_path / "trained")
+    tests = make_tests(trained, tmp_path / "tests", record_config=True)
+    document = rep.report(cfg(runs=[str(tests[s]) for s in SEEDS], out=str(tmp_path / "rep"), baseline="self"))
     (row,) = document["rows"]
     assert row["seeds"] == list(SEEDS) and document["left_out"] == []
+
+
+def make_tests(trained: dict, dest: Path, record_config: bool) -> dict[int, Path]:
+    """seed -> a `mode=test` record (seed 42, its command's) of the best checkpoint of the self run of that seed
+    in ``trained``: its metrics.json as run.py writes it, ``tested.config`` (the training run's config) included
+    when ``record_config``, as in records from before it was recorded otherwise."""
+    tests = {}
+    for seed in SEEDS:
+        job = trained[("self", seed)]
+        tests[seed] = dest / job.name
+        shutil.copytree(job, tests[seed])
+        set_config(tests[seed], mode="test", seed=42, ckpt_path=str(job / "checkpoints" / "best.ckpt"))
+        record = json.loads((job / "metrics.json").read_text())
+        record["tested"] = {"checkpoint": "best.ckpt", "epoch": 1, "step": 2, "seed": seed}
+        if record_config:
+            record["tested"]["config"] = yaml.safe_load((job / "resolved_config.yaml").read_text())
+        (tests[seed] / "metrics.json").write_text(json.dumps(record))
+    return tests
+
+
+def test_tests_are_grouped_by_how_their_checkpoints_were_trained(sweep, tmp_path):
+    """The tests of two checkpoints, one of a full run, one of a 1-epoch debug run, at one test command: grouped by
+    the test command's config they were one row, the debug checkpoint averaged in as a seed. They are grouped by
+    the config of the run that trained each checkpoint (tested.config of the record, else the
+    resolved_config.yaml beside the checkpoint); a test whose training config is in neither is left out, said."""
+    out, _ = sweep
+    trained = copy_runs(out, tmp_path / "trained")
+    set_config(trained[("self", 1)], trainer__max_epochs=1)
+    for record_config in (True, False):
+        tests = make_tests(trained, tmp_path / f"tests-{record_config}", record_config)
+        document = rep.report(cfg(runs=[str(tests[s]) for s in SEEDS], out=str(tmp_path / f"rep-{record_config}"),
+                                  baseline="self"))
+        rows = {row["variant"]: row["seeds"] for row in document["rows"]}
+        assert rows == {"attn=self trainer.max_epochs=1": [1], "attn=self trainer.max_epochs=2": [0]}, rows
+    shutil.rmtree(trained[("self", 1)])  # the debug run's folder gone: its test, from before, cannot be grouped
+    document = rep.report(cfg(runs=[str(tests[s]) for s in SEEDS], out=str(tmp_path / "rep-gone")))
+    assert [row["seeds"] for row in document["rows"]] == [[0]]
+    ((path, reason),) = [(x["path"], x["reason"]) for x in document["left_out"]]
+    assert path == str(tests[1]) and reason.startswith(
+        f"a mode=test record of ckpt_path={trained[('self', 1)] / 'checkpoints' / 'best.ckpt'} without the config "
+        "its checkpoint was trained with")
 
 
 def test_rows_say_what_code_produced_them_and_flag_mixed_code(sweep, tmp_path):
@@ -600,6 +642,8 @@ class FakeWandbRun:
         data = json.loads((job / "metrics.json").read_text())
         self.config["protocol"] = data.pop("protocol")  # run.py logs these as config
         self.config["provenance"] = data.pop("provenance")
+        if "tested" in data:  # a test's
+            self.config["tested"] = data.pop("tested")
         self.summary = {**data, "_runtime": 3.0, "media": {"_type": "image-file"}}
         with (job / "csv" / "metrics.csv").open() as f:
             self._rows = [{"trainer/global_step": float(r["step"]), **{k: float(v) for k, v in r.items()
@@ -644,6 +688,106 @@ def test_report_from_wandb_matches_the_folders(sweep, tmp_path, monkeypatch):
     assert fake.asked[-1] == ("runs", "me/attention-suite")
     with pytest.raises(UserError, match="<entity>/<project>"):
         rep.report(cfg(wandb="just-a-name"))
+
+
+def test_wandb_groups_tests_and_provenance_as_the_folders(sweep, tmp_path):
+    """Read from W&B, the run record logged as config (protocol, provenance, a test's tested) split rows: a
+    test counted under its command's seed 42 and grouped by its command's config, a row whose runs ran on two
+    devices split in two (the folders: one row, flagged mixed). Both readers make the same rows."""
+    out, _ = sweep
+    trained = copy_runs(out, tmp_path / "runs" / "trained")
+    set_config(trained[("self", 1)], trainer__max_epochs=1)
+    make_tests(trained, tmp_path / "runs" / "tests", record_config=True)
+    record = json.loads((trained[("offset", 1)] / "metrics.json").read_text())
+    record["provenance"]["device"] = "another device"
+    (trained[("offset", 1)] / "metrics.json").write_text(json.dumps(record))
+    folders = rep.report(cfg(runs=[str(tmp_path / "runs")], out=str(tmp_path / "folders"), baseline="offset"))
+    fake = FakeApi([FakeWandbRun(job) for job in sorted((tmp_path / "runs").glob("*/*"))])
+    from_wandb = rep.report(cfg(wandb="me/attention-suite", out=str(tmp_path / "wandb"), baseline="offset"), api=fake)
+
+    def rows(document):
+        return [(r["variant"], r["seeds"], r["mixed"], r["mean"]) for r in document["rows"]]
+
+    assert rows(from_wandb) == rows(folders) and from_wandb["left_out"] == folders["left_out"] == []
+    assert ("attn=offset mode=train trainer.max_epochs=2", [0, 1], ["device"]) == rows(folders)[0][:3]
+    assert [r[:2] for r in rows(folders) if "mode=test" in r[0]] == [
+        ("attn=self mode=test trainer.max_epochs=1", [1]), ("attn=self mode=test trainer.max_epochs=2", [0])]
+
+
+def test_a_seed_that_is_not_one_number_is_left_out_said(sweep, tmp_path):
+    """A list as a run's seed (a hand-edited config, a malformed tested.seed) ended the report in a TypeError
+    traceback; such a record is left out, named, with what is wrong (one bad record does not cost the others)."""
+    out, _ = sweep
+    jobs = copy_runs(out, tmp_path / "runs")
+    set_config(jobs[("self", 1)], seed=[0, 1])
+    tests = make_tests(jobs, tmp_path / "tests", record_config=True)
+    record = json.loads((tests[0] / "metrics.json").read_text())
+    record["tested"]["seed"] = [0, 1]
+    (tests[0] / "metrics.json").write_text(json.dumps(record))
+    document = rep.report(cfg(runs=[str(tmp_path / "runs"), str(tests[0])], out=str(tmp_path / "rep")))
+    assert {x["path"]: x["reason"] for x in document["left_out"]} == {
+        str(path): f"seed [0, 1] ({path / 'metrics.json'} or {path / 'resolved_config.yaml'}) is not one integer, "
+                   "as `python run.py seed=<n>` records it (a hand-edited or corrupt record): a row counts its runs "
+                   "by seed; fix or remove the record" for path in (jobs[("self", 1)], tests[0])}
+    assert {r["attn"]: r["seeds"] for r in document["rows"]} == {"offset": [0, 1], "self": [0]}
+
+
+def test_small_values_keep_their_digits(sweep, tmp_path):
+    """KID (about 1e-3) printed to 4 decimals read 0.0007 ± 0.0000 in both rows, and the difference -0.0000 beside
+    "differs". A row whose mean is below 0.01 keeps 4 significant digits; a difference the row's decimals round to
+    zero gets its own; ordinary values print as before (0.7200 ± 0.0800)."""
+    assert [rep.places(v) for v in (0.72, 0.01, 0.0099, 7.123e-4, 0.0, math.nan, -3e-6)] == [4, 4, 6, 7, 4, 4, 9]
+    row = {"mean": 0.72, "diff": 0.0511, "diff_ci_low": -0.0936, "diff_ci_high": 0.1958}
+    assert rep.fmt_diff(row) == "+0.0511 [-0.0936, 0.1958]"  # as docs/results/compare/report.md prints it
+    assert rep.fmt_diff({**row, "diff": -2e-5, "diff_ci_low": -3e-5, "diff_ci_high": -1e-5}) == (
+        "-0.00002000 [-0.00003000, -0.00001000]")
+    out, _ = sweep
+    jobs = copy_runs(out, tmp_path / "runs")
+    kid = {("offset", 0): 7.10e-4, ("offset", 1): 7.30e-4, ("self", 0): 6.80e-4, ("self", 1): 6.95e-4}
+    for key, value in kid.items():
+        record = json.loads((jobs[key] / "metrics.json").read_text())
+        record["test/kid"] = value
+        (jobs[key] / "metrics.json").write_text(json.dumps(record))
+    rep.report(cfg(runs=[str(tmp_path / "runs")], out=str(tmp_path / "rep"), metric="test/kid", baseline="offset"))
+    text = (tmp_path / "rep" / "report.md").read_text()
+    self_values = [kid[("self", s)] for s in SEEDS]
+    mine, diff = by_hand(self_values), paired_by_hand(self_values, [kid[("offset", s)] for s in SEEDS])
+    assert (f"| `attn=self` | 2 | 0, 1 | {mine['mean']:.7f} ± {mine['std']:.7f} | [{mine['ci_low']:.7f}, "
+            f"{mine['ci_high']:.7f}] | 0.0006800 | 0.0006950 | 0.0006800 | `attn=offset` | {diff['diff']:+.7f} "
+            f"[{diff['ci_low']:.7f}, {diff['ci_high']:.7f}] |") in text
+
+
+def test_holm_adjusts_each_tables_p_values(sweep, tmp_path):
+    """Each row's "differs (p < 0.05)" was judged alone: with six variants against one baseline a false one is
+    likely. Holm's step-down adjustment by hand: sorted p 0.01, 0.02, 0.04 (m = 3) -> 0.03, max(0.03, 0.04),
+    max(0.04, 0.04); NaN (no test) is not in the family. Each table is a family; the verdict is the adjusted p's."""
+    assert rep.holm([0.04, math.nan, 0.01, 0.02]) == pytest.approx([0.04, math.nan, 0.03, 0.04], nan_ok=True)
+    assert rep.holm([0.3, 0.5]) == pytest.approx([0.6, 0.6]) and rep.holm([0.9, 0.8]) == [1.0, 1.0]
+    assert rep.holm([]) == [] and rep.holm([0.2]) == [0.2]
+    # The committed docs/results/compare/report.json (before this column): six p-values against offset.
+    committed = json.loads((ROOT / "docs" / "results" / "compare" / "report.json").read_text())["rows"]
+    adjusted = dict(zip([r["variant"] for r in committed],
+                        rep.holm([math.nan if r["p_value"] is None else r["p_value"] for r in committed])))
+    assert round(adjusted["attn=external"], 3) == 0.259  # as docs/recipes.md says: 6 x 0.0431
+    rows = [{"task": "t", "data": "d", "metric": "m", "p_value": p, "note": rep.verdict(p, 0.05)}
+            for p in (0.01, 0.02, 0.04, math.nan)]
+    rows[3]["note"] = "baseline"
+    rep.judge_per_table(rows, 0.05)
+    assert [r["note"] for r in rows] == ["differs (Holm p < 0.05)", "differs (Holm p < 0.05)",
+                                         "differs (Holm p < 0.05)", "baseline"]
+    rows = [{"task": "t", "data": "d", "metric": "m", "p_value": p, "note": rep.verdict(p, 0.05)}
+            for p in (0.01, 0.02, 0.045, math.nan, 0.6)]
+    rows[3]["note"] = "n < 3: too few runs to conclude"
+    rep.judge_per_table(rows, 0.05)  # m = 4: 0.04, 0.06, 0.09, 0.6 -> only the first survives
+    assert [r["note"] for r in rows][:3] == ["differs (Holm p < 0.05)"] + ["no significant difference"] * 2
+    assert [r["p_holm"] for r in rows] == pytest.approx([0.04, 0.06, 0.09, math.nan, 0.6], nan_ok=True)
+    out, _ = sweep  # through the report: the column, and in report.csv / report.json
+    document = rep.report(cfg(runs=[str(out / "multirun")], out=str(tmp_path / "rep"), baseline="offset"))
+    assert [r["p_holm"] for r in document["rows"]] == [r["p_value"] for r in document["rows"]]  # a family of one
+    with (tmp_path / "rep" / "report.csv").open() as f:
+        assert [r["p_holm"] for r in csv.DictReader(f)] == ["nan", "nan" if document["rows"][1]["p_value"] is None
+                                                            else str(document["rows"][1]["p_value"])]
+    assert "| p | p (Holm) | note |" in (tmp_path / "rep" / "report.md").read_text()
 
 
 # --- the pure parts ---------------------------------------------------------------------------------------------------

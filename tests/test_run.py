@@ -278,7 +278,7 @@ def test_wandb_offline_without_credentials_and_readable(wandb_run):
             config.update({i.key: json.loads(i.value_json) for i in r.config.update if i.key})
     assert config["attn"]["name"] == "external" and config["model"]["neighbours"] == 16
     recorded = json.loads((out / "metrics.json").read_text())
-    for key in ("protocol", "provenance"):  # the run record, where report.wandb= reads it
+    for key in ("protocol", "provenance", "tested"):  # the run record, where report.wandb= reads it
         assert config.pop(key) == recorded[key], key
     # The whole resolved config and nothing else: Lightning logged the task's arguments over it (its `model` without
     # model.weights) and the data module's as top-level keys, so report.wandb= grouped runs unlike their folders.
@@ -323,6 +323,36 @@ def test_test_mode_reproduces_the_tested_checkpoint(wandb_run, env, tmp_path):
     assert (f"{last} is tested under other values than its run ({out}) was trained with: model.neighbours=16 "
             "(this command: 8). To test it as it was trained, pass its values (model.neighbours=16).") \
         in proc.stdout + proc.stderr
+
+
+@pytest.mark.xdist_group("runs")
+def test_a_test_logs_its_tested_checkpoint_to_wandb_as_the_report_reads_it(wandb_run, env, tmp_path):
+    """A `mode=test` run records the seed and config its checkpoint was trained with (metrics.json's tested),
+    by which mode=report groups it, and logs them to W&B: W&B had its protocol and provenance only, and
+    `report.wandb=` counted the tests of seeds 0, 1, 2 as the command's seed three times, left out two. Read back
+    from what offline W&B wrote, the report's W&B reader makes the run the folder reader makes."""
+    from suite import report as rep
+
+    out, _ = wandb_run
+    run([*TINY, "mode=test", f"ckpt_path={out / 'checkpoints' / 'last.ckpt'}", "seed=7",
+         f"hydra.run.dir={tmp_path}"], env)
+    recorded = json.loads((tmp_path / "metrics.json").read_text())
+    assert recorded["tested"]["seed"] == 42  # the training run's; the command's is 7
+    assert recorded["tested"]["config"] == yaml.safe_load((out / "resolved_config.yaml").read_text())
+    (wandb_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    config = {}
+    for r in wandb_records(wandb_file):
+        if r.WhichOneof("record_type") == "config":
+            config.update({i.key: json.loads(i.value_json) for i in r.config.update if i.key})
+    assert config["tested"] == recorded["tested"] and config["seed"] == 7
+    logged = type("WandbRun", (), {"id": "t", "state": "finished", "config": config, "summary": recorded,
+                                   "scan_history": lambda self, keys: []})()
+    api = type("Api", (), {"runs": lambda self, path: [logged]})()
+    (from_wandb,), left_out, _ = rep.read_wandb("me/attention-suite", api)
+    from_folder = rep.read_run_dir(tmp_path)
+    assert left_out == [] and from_wandb.seed == from_folder.seed == 42
+    assert rep.settings(from_wandb) == rep.settings(from_folder) and from_wandb.protocol == from_folder.protocol
+    assert from_wandb.provenance == from_folder.provenance and from_wandb.metrics == from_folder.metrics
 
 
 @pytest.mark.xdist_group("runs")
