@@ -332,7 +332,7 @@ def build_trainer(config: dict, module, out_dir: Path, loggers: list, identity: 
     from suite.determinism import configure as configure_determinism
     from suite.distributed import adjust_trainer_kwargs, check_launch
     from suite.guard import NonFiniteGuard
-    from suite.resume import FitRecord, RandomState, SupersededRecord
+    from suite.resume import EpochMeans, FitRecord, RandomState, SupersededRecord
     from suite.sigterm import AgreedSigterm
     from suite.true_precision import MetricDtypes
     from suite.tf32 import apply as apply_tf32
@@ -354,7 +354,7 @@ def build_trainer(config: dict, module, out_dir: Path, loggers: list, identity: 
         callbacks.append(meter)
     record = FitRecord(started)
     stop = AgreedSigterm()
-    callbacks += [best, last, run_identity, RandomState(), record, guard, stop, MetricDtypes(),
+    callbacks += [best, last, run_identity, RandomState(), EpochMeans(), record, guard, stop, MetricDtypes(),
                   SupersededRecord(out_dir), LoaderPosition()]
     compiling = take_options(trainer_kwargs)
     tf32 = take_tf32(trainer_kwargs)

@@ -146,6 +146,27 @@ def test_a_validation_cut_by_sigterm_runs_again_on_resume(env, straight, tmp_pat
 
 
 @pytest.mark.xdist_group("resume")
+def test_a_run_stopped_inside_an_epoch_logs_that_epochs_means_over_all_its_batches(env, straight, tmp_path):
+    """A SIGTERM inside an epoch (step 13 of epochs of 9): resumed, the epoch's training means (train/loss_epoch,
+    train/oa) averaged the batches after the resume only, as Lightning keeps no metric state in checkpoints; now
+    the running sums are in the checkpoint (suite.resume.EpochMeans) and the whole history is the uninterrupted
+    run's, row for row."""
+    straight, _ = straight
+    stopped = tmp_path / "stopped"
+    interrupt = ["+callbacks.interrupt._target_=interrupt_at.InterruptAt", "+callbacks.interrupt.step=13",
+                 "+callbacks.interrupt.how=sigterm"]
+    proc = launch(INTERRUPT, [*ARGS, f"hydra.run.dir={stopped}", *interrupt], env, check=False)
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    saved = torch.load(stopped / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == 13 and saved["callbacks"]["EpochMeans"]["batches"] == 4
+    run([*ARGS, f"hydra.run.dir={stopped}", "resume=true"], env)
+    assert history(stopped) == history(straight)
+    a = quality_metrics(json.loads((straight / "metrics.json").read_text()))
+    b = quality_metrics(json.loads((stopped / "metrics.json").read_text()))
+    assert {k: pytest.approx(v, abs=1e-6) for k, v in a.items()} == b
+
+
+@pytest.mark.xdist_group("resume")
 def test_a_step_limited_run_stopped_between_epochs_resumes_with_a_whole_epoch(env, tmp_path):
     """A run limited by trainer.max_steps (segmentation's and the GAN's recipes), stopped by a SIGTERM during an
     epoch's last batch, with no validation there: Lightning restarts such a run as if inside an epoch and kept the
