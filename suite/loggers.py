@@ -25,6 +25,7 @@ warning has them up to its newest checkpoint, and the file is never left cut sho
 from __future__ import annotations
 
 import csv
+import json
 import logging
 import netrc
 import os
@@ -37,6 +38,7 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities import rank_zero_only
 
 from attention.errors import UserError
+from suite.run_record import RESOLVED_KEY
 from suite.secrets import scrubbed_argv
 
 log = logging.getLogger(__name__)
@@ -146,7 +148,25 @@ class ResilientWandbLogger(WandbLogger):
             return _NullRun()
         return _GuardedRun(run, self)
 
-    log_hyperparams = _guard(WandbLogger.log_hyperparams)
+    @_guard
+    def log_hyperparams(self, params, *args, **kwargs):
+        """Lightning's, plus the values that wandb refused to set: under ``wandb agent`` the sweep's parameters
+        (task, attn, seed) are locked in the run's config, and the resolved sections logged over them are ignored
+        ("locked by 'sweep'"), leaving e.g. attn='external'. Those go under ``RESOLVED_KEY`` as well, which no
+        sweep parameter is, and ``mode=report report.wandb=`` reads them from there."""
+        WandbLogger.log_hyperparams(self, params, *args, **kwargs)
+        config = self.experiment.config
+        if not hasattr(config, "get"):  # W&B has failed (a _NullRun): nothing was logged, nothing to check
+            return
+
+        def same(value) -> str:
+            return json.dumps(value, sort_keys=True, default=str)
+
+        given = dict(params)
+        refused = {k: v for k, v in given.items() if k != RESOLVED_KEY and same(config.get(k)) != same(v)}
+        if refused:
+            config.update({RESOLVED_KEY: refused}, allow_val_change=True)
+
     log_metrics = _guard(WandbLogger.log_metrics)
     log_table = _guard(WandbLogger.log_table)
     log_text = _guard(WandbLogger.log_text)
@@ -218,11 +238,12 @@ class AtomicHeaderWriter(ExperimentWriter):
 
 
 def build_loggers(cfg: Mapping, save_dir: str | Path, config: Mapping, run_id: str | None = None,
-                  resuming: bool = False, resume_step: int | None = None) -> list:
+                  resuming: bool = False, resume_step: int | None = None, job_type: str | None = None) -> list:
     """Instantiate the configured logger(s) writing under ``save_dir``; ``config`` is logged whole.
 
     ``run_id`` fixes the W&B run id; with ``resuming`` the run continues that W&B run (``resume="allow"``) and the
-    CSV history keeps its rows up to ``resume_step`` (the resumed checkpoint's global step).
+    CSV history keeps its rows up to ``resume_step`` (the resumed checkpoint's global step). ``job_type``: the W&B run's (``test``
+    for ``mode=test``, which otherwise looks like one more training run of its variant).
     """
     kind = cfg.get("name", "none")
     save_dir = Path(save_dir)
@@ -236,7 +257,8 @@ def build_loggers(cfg: Mapping, save_dir: str | Path, config: Mapping, run_id: s
         logger = ResilientWandbLogger(project=cfg["project"], entity=cfg.get("entity"), group=cfg.get("group"),
                                       name=cfg.get("run_name"), tags=list(cfg.get("tags") or []),
                                       save_dir=str(save_dir), mode=mode, log_model=False, id=run_id,
-                                      resume="allow" if resuming else None, fallback_dir=save_dir / "wandb_fallback")
+                                      resume="allow" if resuming else None, fallback_dir=save_dir / "wandb_fallback",
+                                      job_type=job_type)
         if mode == "offline":
             log.warning("W&B is logging offline (no credentials found; `wandb login` or WANDB_API_KEY enables "
                         "online logging). Upload this run later with: wandb sync %s", save_dir / "wandb")

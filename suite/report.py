@@ -32,7 +32,7 @@ import yaml
 
 from attention.errors import UserError
 from suite.run_dirs import in_use
-from suite.run_record import RECORD_KEYS, data_name, protocol as derive_protocol
+from suite.run_record import RECORD_KEYS, RESOLVED_KEY, data_name, protocol as derive_protocol
 
 log = logging.getLogger(__name__)
 
@@ -426,6 +426,11 @@ def read_wandb(path: str, api=None) -> tuple[list[Run], list[LeftOut], int]:
     for wrun in progress(found, "reading W&B runs"):
         where = f"wandb:{'/'.join(parts[:2])}/{wrun.id}"
         config = {k: v for k, v in dict(wrun.config).items() if not k.startswith("_")}
+        # Under `wandb agent` the sweep's parameters hold the sweep's values (attn='external'); the resolved
+        # sections are logged beside them (suite.loggers.RESOLVED_KEY).
+        resolved = config.pop(RESOLVED_KEY, None)
+        if isinstance(resolved, dict):
+            config.update(resolved)
         if config.get("mode") in NOT_TRAINING:
             skipped += 1
             continue
@@ -435,6 +440,12 @@ def read_wandb(path: str, api=None) -> tuple[list[Run], list[LeftOut], int]:
             continue
         if not config.get("task"):
             left_out.append(LeftOut(where, "no task in its config (not a run.py run)"))
+            continue
+        if wrong := [k for k in SECTIONS if k in config and not isinstance(config[k], (dict, type(None)))]:
+            left_out.append(LeftOut(where, f"its W&B config's {', '.join(f'{k}={config[k]!r}' for k in wrong)} "
+                                           "not the resolved section run.py logs: a `wandb agent` run logged by a "
+                                           "version that lost them to the sweep's locked parameters, so its "
+                                           "settings are unknown; report its folder instead (report.runs=...)"))
             continue
         metrics, cost = split_record(summary)
         if (wrong := out_of_range(metrics)) is not None:

@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 # What :func:`record` adds to metrics.json beside the metrics (these differ between two runs of one seed).
 RECORD_KEYS = ("wall_time_s", "peak_memory_bytes", "peak_memory_source", "train_samples_per_sec", "params", "flops",
                "protocol", "compile_time_s", "compile_graphs", "provenance", "tested")
+# The W&B config key holding the resolved values of the config keys a `wandb agent` locked to the sweep's values
+# (suite.loggers.ResilientWandbLogger.log_hyperparams), where mode=report reads them.
+RESOLVED_KEY = "resolved"
 
 
 def floats(metrics) -> dict[str, float]:

@@ -22,6 +22,7 @@ import json
 import logging
 import time
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -157,9 +158,18 @@ def fit_and_test(cfg: DictConfig, composed, run_dir: Path, out_dir: Path, starte
     # A resumed run (ckpt_path=last, resume=true, a requeued SLURM job) logs into the W&B run it started, whose id
     # is kept beside its checkpoints, and keeps its CSV history up to the step it resumes from.
     resuming = cfg.mode == "train" and ckpt is not None
+    # Refused before the loggers are built: W&B would reopen the finished run (its id is kept) and end it as failed,
+    # under the refused command's config.
+    if resuming and (past := past_its_length(checkpoint_length(ckpt), config["trainer"], ckpt)):
+        if is_rank_zero():
+            put_back_run_record(run_dir)
+        raise UserError(past)
     run_id = wandb_run_id(run_dir, resuming) if cfg.logger.get("name") == "wandb" else None
+    # A test (mode=test/eval) is a W&B run of its own kind: with the training runs' name, group and tags it was one
+    # more training run of its variant.
     loggers = build_loggers(cfg.logger, out_dir, config, run_id=run_id, resuming=resuming,
-                            resume_step=checkpoint_step(ckpt) if resuming else None)
+                            resume_step=checkpoint_step(ckpt) if resuming else None,
+                            job_type=None if cfg.mode == "train" else str(cfg.mode))
     if run_id and cfg.mode == "train" and is_rank_zero():  # the run W&B started: a sweep agent's has its own id
         save_wandb_run_id(run_dir, started_wandb_run_id(loggers) or run_id)
     try:  # however the run ends, its W&B run is finished (a failed one as failed): a sweep's next job, in this
@@ -183,8 +193,9 @@ def fit_and_test(cfg: DictConfig, composed, run_dir: Path, out_dir: Path, starte
                 record = parts["record"]
                 # Trained nothing: what the folder says its run ran and logged is put back as it was, after the
                 # loggers have closed (the CSV logger rewrites the history it resumed, without the test's rows).
-                if record.steps == 0 and (past := past_its_length(trainer, ckpt)):
-                    close_loggers(loggers, exit_code=2)
+                if record.steps == 0 and (past := past_its_length((trainer.current_epoch, trainer.global_step),
+                                                                  trainer, ckpt)):
+                    close_loggers(loggers, exit_code=2)  # past the length of a run not stopped at an epoch's end
                     if trainer.is_global_zero:
                         put_back_run_record(run_dir)
                     raise UserError(past)
@@ -220,8 +231,15 @@ def fit_and_test(cfg: DictConfig, composed, run_dir: Path, out_dir: Path, starte
         close_loggers(loggers)
         return metrics
     except BaseException as err:
-        close_loggers(loggers, exit_code=err.code if isinstance(err, SystemExit) and isinstance(err.code, int)
-                      else 1)
+        from suite.errors import as_user_error
+
+        # The process's own exit code: a refused run (a UserError, or an option error as_user_error turns into one)
+        # exits 2 (run.py), a bug 1.
+        if isinstance(err, SystemExit):
+            code = err.code if isinstance(err.code, int) else 1
+        else:
+            code = 2 if as_user_error(err) is not None else 1
+        close_loggers(loggers, exit_code=code)
         raise
 
 
@@ -258,16 +276,31 @@ def interrupted(trainer, run_dir: Path, mode: str, ctrl_c: bool = False) -> int:
     return code
 
 
-def past_its_length(trainer, ckpt: str) -> str | None:
-    """For a fit resumed from ``ckpt`` that took no step: why, when the checkpoint is past the run's length
-    (``trainer.max_epochs``/``max_steps`` lowered on resume, or a sweep resumed with its values in another order):
-    the run would be tested, or its finished record kept, under a config it was not trained with. None when the
-    checkpoint is at the run's end (a finished run, or one killed while testing)."""
-    over = []
-    if trainer.max_epochs is not None and 0 <= trainer.max_epochs < trainer.current_epoch:
-        over.append(f"{trainer.current_epoch} epochs, past trainer.max_epochs={trainer.max_epochs}")
-    if 0 <= trainer.max_steps < trainer.global_step:
-        over.append(f"{trainer.global_step} steps, past trainer.max_steps={trainer.max_steps}")
+def checkpoint_length(ckpt: str) -> tuple[int, int]:
+    """How far the fit of ``ckpt`` went: (epochs completed, global step), as a Trainer resumed from it counts them
+    (``current_epoch``: the epochs its fit loop processed, counted complete on restore)."""
+    from suite.checkpoint_io import safe_torch_load
+
+    saved = safe_torch_load(ckpt, f"ckpt_path={ckpt}", mmap=True)
+    try:
+        epochs = int(saved["loops"]["fit_loop"]["epoch_progress"]["current"]["processed"])
+    except (KeyError, TypeError, ValueError):  # a checkpoint without loops: its epoch, counted as begun
+        epochs = int(saved.get("epoch") or 0)
+    return epochs, int(saved.get("global_step") or 0)
+
+
+def past_its_length(length: tuple[int, int], limits, ckpt: str) -> str | None:
+    """For a fit resumed from ``ckpt`` at ``length`` (epochs, global step): why it is refused, when the checkpoint is
+    past the run's length (``limits``: a trainer or the ``trainer`` config; ``max_epochs``/``max_steps`` lowered
+    on resume, or a sweep resumed with its values in another order): the run would be tested, or its finished
+    record kept, under a config it was not trained with. None when the checkpoint is at or before the run's end."""
+    (epochs, steps), get = length, (limits.get if isinstance(limits, Mapping) else
+                                    lambda key, default=None: getattr(limits, key, default))
+    max_epochs, max_steps, over = get("max_epochs"), get("max_steps", -1), []
+    if max_epochs is not None and 0 <= max_epochs < epochs:
+        over.append(f"{epochs} epochs, past trainer.max_epochs={max_epochs}")
+    if max_steps is not None and 0 <= max_steps < steps:
+        over.append(f"{steps} steps, past trainer.max_steps={max_steps}")
     if not over:
         return None
     return (f"ckpt_path={ckpt} has trained {' and '.join(over)}: this run would train nothing and record a length it "

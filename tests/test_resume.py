@@ -237,6 +237,21 @@ def test_resuming_a_finished_run_keeps_its_record(env, tmp_path):
     assert tested["train_samples_per_sec"] == pytest.approx(first["train_samples_per_sec"], rel=1e-9)
 
 
+def test_a_refused_resume_leaves_the_finished_wandb_run_as_it_was(env, tmp_path):
+    """A finished run resumed shorter (`resume=true trainer.max_epochs=1` after 2 epochs) is refused, exit 2. Its
+    W&B run (the same id, checkpoints/wandb_run_id) had been reopened before that and finished with exit code 2
+    and the refused command's config: report.wandb= then left the good run out ("W&B state failed"). Now it is
+    refused before W&B is opened: one offline W&B run, finished as trained."""
+    from test_run import wandb_config, wandb_records
+
+    args = [*TINY, "trainer.max_epochs=2", f"hydra.run.dir={tmp_path}"]
+    run(args, env)
+    user_error([*args, "trainer.max_epochs=1", "resume=true"], env, "2 epochs, past trainer.max_epochs=1")
+    (wandb_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    (exit_record,) = [r.exit for r in wandb_records(wandb_file) if r.WhichOneof("record_type") == "exit"]
+    assert exit_record.exit_code == 0 and wandb_config(wandb_file)["trainer"]["max_epochs"] == 2
+
+
 SIGTERM_AFTER_A_STEP = """
 import os, signal
 import lightning as L

@@ -210,7 +210,8 @@ def test_a_sweep_goes_on_past_a_failed_job(env, tmp_path):
 
     failed_id, failed_code, failed_logged = wandb_run_of(failed)
     finished_id, finished_code, finished_logged = wandb_run_of(finished)
-    assert failed_id != finished_id and (failed_code, finished_code) == (1, 0)
+    # The failed job was refused (a UserError, exit code 2), and W&B records the code it exited with.
+    assert failed_id != finished_id and (failed_code, finished_code) == (2, 0)
     assert "test/oa" in finished_logged and "test/oa" not in failed_logged
 
     again = run([*args, "resume=true"], env, check=False)
@@ -345,6 +346,9 @@ def test_a_test_logs_its_tested_checkpoint_to_wandb_as_the_report_reads_it(wandb
         if r.WhichOneof("record_type") == "config":
             config.update({i.key: json.loads(i.value_json) for i in r.config.update if i.key})
     assert config["tested"] == recorded["tested"] and config["seed"] == 7
+    # A W&B run of its own kind: the training runs' name, group and tags made it one more training run.
+    (run_rec,) = [r.run for r in wandb_records(wandb_file) if r.WhichOneof("record_type") == "run"]
+    assert run_rec.job_type == "test" and run_rec.display_name == "modelnet-external"
     logged = type("WandbRun", (), {"id": "t", "state": "finished", "config": config, "summary": recorded,
                                    "scan_history": lambda self, keys: []})()
     api = type("Api", (), {"runs": lambda self, path: [logged]})()
@@ -353,6 +357,61 @@ def test_a_test_logs_its_tested_checkpoint_to_wandb_as_the_report_reads_it(wandb
     assert left_out == [] and from_wandb.seed == from_folder.seed == 42
     assert rep.settings(from_wandb) == rep.settings(from_folder) and from_wandb.protocol == from_folder.protocol
     assert from_wandb.provenance == from_folder.provenance and from_wandb.metrics == from_folder.metrics
+
+
+def wandb_config(wandb_file: Path) -> dict:
+    """The config a W&B run holds as wandb wrote it: the run record's (where wandb.init put the values a sweep
+    agent locked), updated by every later config record."""
+    config = {}
+    for r in wandb_records(wandb_file):
+        kind = r.WhichOneof("record_type")
+        items = r.run.config.update if kind == "run" else r.config.update if kind == "config" else []
+        config.update({i.key: json.loads(i.value_json) for i in items if i.key and not i.key.startswith("_")})
+    return config
+
+
+def test_a_wandb_agent_run_logs_its_resolved_config_as_the_report_reads_it(env, tmp_path):
+    """Under `wandb agent` (a W&B sweep of configs/sweep/*.yaml) wandb locks the sweep's parameters in the run's
+    config and ignored the resolved sections logged over them: W&B held attn='external', without the attention's
+    options and the task's settings, and `mode=report report.wandb=<sweep>` stopped with an AttributeError. The agent
+    is simulated as wandb_agent.py sets it up (WANDB_SWEEP_PARAM_PATH); read back from what offline W&B wrote, the
+    report's W&B reader makes the run its folder reader makes, and a run logged without the resolved sections (by
+    an earlier version) is left out with the reason."""
+    from suite import report as rep
+
+    params = tmp_path / "sweep-params.yaml"
+    params.write_text("wandb_version: 1\ntask:\n  value: modelnet\nattn:\n  value: external\nseed:\n  value: 1\n")
+    out = tmp_path / "run"
+    run([*TINY, "task=modelnet", "attn=external", "seed=1", f"hydra.run.dir={out}"],
+        {**env, "WANDB_SWEEP_PARAM_PATH": str(params)})
+    (wandb_file,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
+    config = wandb_config(wandb_file)
+    resolved = yaml.safe_load((out / "resolved_config.yaml").read_text())
+    assert config["attn"] == "external" and config["seed"] == 1  # locked by the agent, as on W&B
+    assert config["resolved"] == {"task": resolved["task"], "attn": resolved["attn"]}
+    summary = json.loads((out / "metrics.json").read_text())
+
+    def read(logged: dict):
+        wrun = type("WandbRun", (), {"id": "a", "state": "finished", "config": logged, "summary": summary,
+                                     "scan_history": lambda self, keys: []})()
+        return rep.read_wandb("me/attention-suite/sweep1", type("Api", (), {"sweep": lambda self, path: type(
+            "Sweep", (), {"runs": [wrun]})()})())
+
+    (from_wandb,), left_out, _ = read(config)
+    from_folder = rep.read_run_dir(out)
+    assert left_out == [] and from_wandb.seed == from_folder.seed == 1 and from_wandb.task == "modelnet"
+    assert rep.settings(from_wandb) == rep.settings(from_folder) and from_wandb.metrics == from_folder.metrics
+    runs, (why,), _ = read({k: v for k, v in config.items() if k != "resolved"})
+    assert runs == [] and "its W&B config's task='modelnet', attn='external' not the resolved section" in why.reason
+
+
+def test_a_refused_run_is_recorded_in_wandb_with_its_exit_code(env, tmp_path):
+    """A run refused once W&B is open (a UserError: here the loss going NaN at the first step) exits with code 2,
+    and its W&B run was finished with exit code 1, as a crash."""
+    user_error([*TINY, "optim.optimizer.lr=1e30", f"hydra.run.dir={tmp_path}"], env, "training loss became nan")
+    (wandb_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    (exit_record,) = [r.exit for r in wandb_records(wandb_file) if r.WhichOneof("record_type") == "exit"]
+    assert exit_record.exit_code == 2
 
 
 @pytest.mark.xdist_group("runs")
