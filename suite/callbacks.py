@@ -97,3 +97,19 @@ class TrainThroughput(FitState):
     def rate(self) -> float | None:
         """The whole run's samples per second, or None before any batch was counted."""
         return self.samples / self.seconds if self.samples and self.seconds > 0 else None
+
+
+class ValidateAtEnd(L.pytorch.callbacks.Callback):
+    """A validation after the last training step (``trainer.max_steps``) when the last one came earlier.
+
+    Lightning validates every ``val_check_interval`` batches only: with ``trainer.max_steps=5`` and
+    ``eval.every_n_steps=2`` the validations were at steps 2 and 4, and the best checkpoint and the test never saw
+    the final weights (which, under a poly schedule decaying to 0, are the ones the recipe trains for). mmengine's
+    ``IterBasedTrainLoop`` validates at ``max_iters`` too. Asking the trainer to stop after the last step makes
+    Lightning's own check validate then (``should_stop``: "validation when asked to stop", as for early stopping),
+    so the checkpoint callbacks see that validation as any other; when the step is a validation step anyway it
+    is validated once. Stateless: a resumed run validates at its end as a fresh one."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if 0 < trainer.max_steps <= trainer.global_step:  # the optimizer step of max_steps was just taken
+            trainer.should_stop = True

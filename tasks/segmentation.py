@@ -25,7 +25,7 @@ from attention.errors import UserError
 from . import deterministic
 from .base import Task
 from .nets.segnet import SegNet
-from .metrics.segmentation import SegConfusion, predict, scores
+from .metrics.segmentation import SegConfusion, check_eval, predict, scores
 from .wandb_media import log_table
 
 SCALARS = ("miou", "pixel_acc", "aa", "kappa", "f1")
@@ -95,10 +95,16 @@ class Segmentation(Task):
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        """Before any data: the poly schedule decays to 0 at the end of training, which needs an end."""
+        """Before any data: the poly schedule decays to 0 at the end of training, which needs an end; the eval
+        options (``check_eval``: eval.flip=no would otherwise run flip testing, eval.stride=0 the default)."""
+        from omegaconf import OmegaConf
+
         trainer = cfg.get("trainer") or {}
         if trainer.get("max_steps") in (None, -1) and trainer.get("max_epochs") == -1:
             raise UserError(NO_END)
+        evaluation = OmegaConf.to_container(cfg.get("eval") or OmegaConf.create({}), resolve=True)
+        check_eval(evaluation.get("mode", "whole"), (cfg.get("data") or {}).get("crop"), evaluation.get("stride"),
+                   evaluation.get("scales", (1.0,)), evaluation.get("flip", False))
 
     def forward(self, image: torch.Tensor) -> torch.Tensor:
         return self.net(image)
@@ -117,11 +123,12 @@ class Segmentation(Task):
 
     def _predict(self, image: torch.Tensor) -> torch.Tensor:
         cfg = self.eval_cfg
-        stride = cfg.get("stride") or [max(1, int(c * 2 / 3)) for c in self.crop]
-        stride = (stride, stride) if isinstance(stride, int) else tuple(stride)
+        # null is the default stride; any value given goes to predict's checks as it is (0 is refused there)
+        stride = cfg.get("stride")
+        if stride is None:
+            stride = [max(1, int(c * 2 / 3)) for c in self.crop]
         return predict(self.net, image, mode=cfg.get("mode", "whole"), crop=self.crop, stride=stride,
-                       scales=tuple(cfg.get("scales") or (1.0,)), flip=bool(cfg.get("flip", False)),
-                       num_classes=self.num_classes)
+                       scales=cfg.get("scales", (1.0,)), flip=cfg.get("flip", False), num_classes=self.num_classes)
 
     def _eval_step(self, stage: str, batch):
         confusion = self.val_confusion if stage == "val" else self.test_confusion

@@ -18,7 +18,7 @@ from suite import schema
 from suite.checkpoint_io import check_torch_file, safe_torch_load
 from suite.errors import as_user_error
 from suite.validate import validate_config
-from test_run import TINY, env, run, user_error  # noqa: F401 - env is a fixture
+from test_run import SEG_TINY, TINY, env, run, user_error  # noqa: F401 - env is a fixture
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -362,3 +362,33 @@ def test_eval_every_n_steps_counts_optimizer_steps(accumulate):
     cfg = compose_run(args)
     assert cfg.eval.every_n_steps == 250 and cfg.trainer.val_check_interval == 250 * (accumulate or 1)
     assert compose_run([*args, "trainer.val_check_interval=0.5"]).trainer.val_check_interval == 0.5  # as given
+
+
+SEG_EVAL = ["task=segmentation", "data=blobs", "eval.mode=slide", "data.crop=24"]
+
+
+@pytest.mark.parametrize("bad, needles", [
+    ("eval.flip=no", ["eval.flip='no'", "a boolean"]),  # bool('no') is True: flip testing ran, recorded as on
+    ("eval.flip=off", ["eval.flip='off'"]), ("eval.flip='false'", ["eval.flip='false'"]),
+    ("eval.flip=0", ["eval.flip=0"]),
+    ("eval.stride=0", ["eval.stride=0", "must be positive"]),  # was the default stride, recorded as stride: 0
+    ("eval.stride=[0,8]", ["eval.stride=[0, 8]", "must be positive"]), ("eval.stride=2.5", ["eval.stride=2.5"]),
+    ("eval.stride=[30,30]", ["larger than data.crop"]),
+    ("eval.scales=[]", ["eval.scales=[]", "non-empty"]),  # was [1.0] without a word
+    ("eval.scales=['1.0']", ["eval.scales=['1.0']"]), ("eval.mode=sliding", ["eval.mode='sliding'"])])
+def test_segmentation_eval_options_are_refused_at_start_up(bad, needles):
+    message = refused([*SEG_EVAL, bad])
+    for needle in needles:
+        assert needle in message, (needle, message)
+    assert "\n" not in message  # one paragraph
+
+
+@pytest.mark.parametrize("fine", ["eval.flip=true", "eval.flip=false", "eval.stride=null", "eval.stride=8",
+                                  "eval.stride=[16,12]", "eval.scales=[0.5,1,1.5]", "eval.mode=whole"])
+def test_segmentation_eval_options_pass(fine):
+    validate_config(compose_run([*SEG_EVAL, fine]), [])
+
+
+def test_segmentation_eval_flip_string_exits_2_without_traceback(env, tmp_path):  # noqa: F811
+    user_error([*SEG_TINY, "trainer.max_steps=1", "logger=none", "eval.flip=no", f"hydra.run.dir={tmp_path}"], env,
+               "eval.flip='no'", "eval.flip=false")  # a 1-step run (exit 0) before the check

@@ -596,6 +596,33 @@ def test_segmentation_train_logs_overlays_and_per_class_table(env, tmp_path):
     assert len(masks) >= 3 * 4  # image + predicted and true masks for 4 images
 
 
+def _validated_steps(run_dir: Path) -> dict[int, float]:
+    """{optimizer step (1-based): val/miou} of a run, read back from its csv/metrics.csv."""
+    import csv
+
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        return {int(row["step"]) + 1: float(row["val/miou"]) for row in csv.DictReader(f) if row.get("val/miou")}
+
+
+@pytest.mark.parametrize("max_steps, validated", [(5, [2, 4, 5]), (4, [2, 4])])
+def test_segmentation_validates_the_last_step_once(env, tmp_path, max_steps, validated):
+    """trainer.max_steps=5 with eval.every_n_steps=2 validated at steps 2 and 4 only: the final weights (the poly
+    schedule's end) were never validated, checkpointed as best or tested; mmengine validates at max_iters too.
+    Now also at step 5, and the best checkpoint is chosen among all three (at lr 0.05 the last is the best);
+    with max_steps a multiple there is no second validation at the end."""
+    run([*SEG_TINY, "attn=external", f"trainer.max_steps={max_steps}", "eval.every_n_steps=2", "data.lr=0.05",
+         "logger=csv", f"hydra.run.dir={tmp_path}"], env)
+    scores = _validated_steps(tmp_path)
+    assert sorted(scores) == validated, scores
+    best = max(scores, key=lambda step: (scores[step], -step))  # Lightning keeps the first of equal scores
+    (ckpt,) = (tmp_path / "checkpoints").glob("best-*.ckpt")
+    assert ckpt.name.endswith(f"-step{best:06d}.ckpt")
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["tested"]["checkpoint"] == ckpt.name and metrics["val/miou_best"] == max(scores.values())
+    if max_steps == 5:
+        assert best == 5, scores
+
+
 def test_segmentation_missing_dataset_shows_layout(env, tmp_path):
     user_error(["task=segmentation", "data=voc", f"data_dir={tmp_path}", "logger=none"], env,
                "VOCdevkit", "SegmentationClass")

@@ -24,7 +24,13 @@ CITYSCAPES_PALETTE = np.array([
 ], dtype=np.uint8)  # fmt: skip  (the official colours of the 19 train ids)
 CITYSCAPES_TRAIN_IDS = {7: 0, 8: 1, 11: 2, 12: 3, 13: 4, 17: 5, 19: 6, 20: 7, 21: 8, 22: 9, 23: 10, 24: 11,
                         25: 12, 26: 13, 27: 14, 28: 15, 31: 16, 32: 17, 33: 18}  # fmt: skip
-CITYSCAPES_LABEL_IDS = LabelMap(CITYSCAPES_TRAIN_IDS, "0..255", default=IGNORE_INDEX)  # other ids: ignored
+# Official labelIds hold ids 0..33 (cityscapesScripts' labels.py; json2labelImg does not write license plate's -1):
+# the ids without a train id are ignored, any value above 33 refused. A train-id file (0..18, 255) saved under the
+# labelIds name would otherwise be mapped a second time without a word (7 traffic light -> 0 road, 0 road -> 255).
+CITYSCAPES_LABEL_IDS = LabelMap({**{i: IGNORE_INDEX for i in range(34)}, **CITYSCAPES_TRAIN_IDS},
+                                "0..33 (Cityscapes label ids; values such as 255 with others <= 18 are train ids: "
+                                "a *_gtFine_labelTrainIds.png saved under the *_gtFine_labelIds.png name is the likely "
+                                "cause, so rename it to *_gtFine_labelTrainIds.png, which is used as is)")
 CITYSCAPES_LABEL_TRAIN_IDS = LabelMap({**{i: i for i in range(19)}, 255: 255}, "0..18 or 255 (train ids)")
 CITYSCAPES_SPLITS = ("train", "val")
 CITYSCAPES_IMAGE = "_leftImg8bit.png"
@@ -48,7 +54,8 @@ class Cityscapes(SegDataModule):
             gtFine/{train,val}/<city>/<stem>_gtFine_labelTrainIds.png   optional, used as is
 
     ``labelIds`` are mapped to train ids with the official table (7 road -> 0, ...,
-    33 bicycle -> 18, every other id -> 255); a ``labelTrainIds`` file (from
+    33 bicycle -> 18, every other id 0..33 -> 255; a value above 33 is refused as
+    a bad file: no official labelIds holds one); a ``labelTrainIds`` file (from
     cityscapesScripts' createTrainIdLabelImgs) is used instead when present.
     Splits: train, val (sorted by city, then stem); test = val.
     ``crop`` is [512, 1024] by default; 769 x 769 is the other common choice.

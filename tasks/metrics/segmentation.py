@@ -21,8 +21,10 @@ Inference. ``model`` is any callable mapping an image batch (B, 3, H, W) to
 logits (B, K, h, w) at any resolution; every helper upsamples logits
 bilinearly (``align_corners=False``) to the size of the image it fed in.
 :func:`predict_slide` is mmseg's ``slide_inference``; :func:`predict` adds
-mmseg-style test-time augmentation (image rescaled by each ratio, optional
-horizontal flip, softmax probabilities averaged). The helpers do not change the
+test-time augmentation as mmseg's aug_test does it (image rescaled by each
+ratio, optional horizontal flip, softmax probabilities averaged), but from the
+image at its original size: mmseg's test pipelines for ADE20K and VOC first
+resize it to fit (2048, 512), which is not done here (docs/recipes.md). The helpers do not change the
 grad mode: call them under ``torch.inference_mode()`` (Lightning's
 validation/test loops already do).
 """
@@ -173,15 +175,54 @@ def _resize(x: Tensor, size: tuple[int, int]) -> Tensor:
 
 
 def _pair(value, option: str) -> tuple[int, int]:
-    if isinstance(value, int):
-        value = (value, value)
+    # ints only: int() would turn "3", 2.7 or true into a window size without a word
     try:
-        h, w = (int(v) for v in value)
+        h, w = (value, value) if isinstance(value, int) else value
     except (TypeError, ValueError):
-        raise UserError(f"{option}={value!r} must be an int or a pair [height, width] of ints.") from None
-    if h < 1 or w < 1:
-        raise UserError(f"{option}={value!r} must be positive.")
+        h = w = None
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (h, w)):
+        raise UserError(f"{option}={value!r} is not valid: {option} must be positive, an integer or a pair "
+                        f"[height, width] of integers, e.g. {option}=341 or {option}=[341,341]. Fix it on the "
+                        "command line or in its config (configs/task/segmentation.yaml, configs/data/).")
     return h, w
+
+
+def _windows(crop, stride) -> tuple[tuple[int, int], tuple[int, int]]:
+    """``data.crop`` and ``eval.stride`` of slide inference, checked: positive pairs, the stride no larger."""
+    (ch, cw), (sh, sw) = _pair(crop, "data.crop"), _pair(stride, "eval.stride")
+    if sh > ch or sw > cw:
+        raise UserError(f"eval.stride={[sh, sw]} is larger than data.crop={[ch, cw]}: slide windows would "
+                        "leave gaps; use a stride <= the crop (mmseg: about 2/3 of it).")
+    return (ch, cw), (sh, sw)
+
+
+def check_eval(mode: str = "whole", crop=None, stride=None, scales: Sequence[float] = (1.0,),
+               flip: bool = False) -> list[float]:
+    """The ``eval`` options of :func:`predict` checked, each refusal a UserError naming the option; returns the
+    scale ratios as floats. The one home of these rules: :func:`predict` applies them, and so does
+    ``task=segmentation`` at start-up (``Segmentation.check_config``), before any data is read or trained on.
+    ``stride``: None is the caller's default (2/3 of the crop); a value given must be positive. ``crop`` None:
+    not known yet (a data set whose crop defaults to its size), checked when known."""
+    if mode not in ("whole", "slide"):
+        raise UserError(f"eval.mode={mode!r} is not one of 'whole', 'slide'.")
+    try:
+        ratios = [scales] if isinstance(scales, (int, float)) else list(scales)
+    except TypeError:
+        ratios = []
+    if not ratios or not all(isinstance(s, (int, float)) and not isinstance(s, bool) and 0 < s < float("inf")
+                             for s in ratios):
+        raise UserError(f"eval.scales={scales!r} must be a non-empty list of positive ratios, e.g. [1.0] "
+                        "or [0.5, 0.75, 1.0, 1.25, 1.5, 1.75].")
+    if not isinstance(flip, bool):  # bool("false"), bool("no") are True: flip testing would run, recorded as on
+        raise UserError(f"eval.flip={flip!r} is not valid: eval.flip must be true (also predict the horizontally "
+                        "flipped image and average the probabilities) or false, a boolean, not a string or a "
+                        "number. Write eval.flip=true or eval.flip=false, unquoted, on the command line or in "
+                        "configs/task/segmentation.yaml.")
+    if stride is not None:
+        _pair(stride, "eval.stride")
+    if mode == "slide" and crop is not None and stride is not None:  # crop None: a data set's default (blobs)
+        _windows(crop, stride)
+    return [float(s) for s in ratios]
 
 
 def predict_whole(model: Model, image: Tensor) -> Tensor:
@@ -191,21 +232,19 @@ def predict_whole(model: Model, image: Tensor) -> Tensor:
 
 def predict_slide(model: Model, image: Tensor, crop: tuple[int, int], stride: tuple[int, int],
                   num_classes: int) -> Tensor:
-    """mmseg's slide inference: logits (B, K, H, W) averaged over overlapping windows.
+    """mmseg's slide inference (``EncoderDecoder.slide_inference``): logits (B, K, H, W) averaged over windows.
 
     Windows of size ``crop`` = (ch, cw) every ``stride`` = (sh, sw) pixels; the
     grid has ``max(H - ch + sh - 1, 0) // sh + 1`` rows (likewise columns) and
     the last window is shifted back to end at the border (``y1 = min(y1, H - ch)``),
     so every pixel is covered. Along a side shorter than the crop, the window is
-    the whole side, zero-padded (bottom/right) to the crop before the model and
-    cropped back after. Each window's logits are upsampled to the window size,
-    summed into place, and divided by the number of windows covering each pixel.
+    the whole side, run as it is (mmseg: "the small patch will be used to decode
+    without padding"; the network pads to its own size divisor, as in whole
+    mode), so an image no larger than the crop gives its whole-mode logits. Each
+    window's logits are upsampled to the window size, summed into place, and
+    divided by the number of windows covering each pixel.
     """
-    ch, cw = _pair(crop, "data.crop")
-    sh, sw = _pair(stride, "eval.stride")
-    if sh > ch or sw > cw:
-        raise UserError(f"eval.stride={[sh, sw]} is larger than data.crop={[ch, cw]}: slide windows would "
-                        "leave gaps; use a stride <= the crop (mmseg: about 2/3 of it).")
+    (ch, cw), (sh, sw) = _windows(crop, stride)
     b, _, h, w = image.shape
     h_grids = max(h - ch + sh - 1, 0) // sh + 1
     w_grids = max(w - cw + sw - 1, 0) // sw + 1
@@ -216,14 +255,10 @@ def predict_slide(model: Model, image: Tensor, crop: tuple[int, int], stride: tu
             y1, x1 = i * sh, j * sw
             y2, x2 = min(y1 + ch, h), min(x1 + cw, w)
             y1, x1 = max(y2 - ch, 0), max(x2 - cw, 0)
-            window = image[:, :, y1:y2, x1:x2]
-            wh, ww = y2 - y1, x2 - x1
-            if wh < ch or ww < cw:
-                window = F.pad(window, (0, cw - ww, 0, ch - wh))
-            out = _resize(model(window), (ch, cw))
+            out = _resize(model(image[:, :, y1:y2, x1:x2]), (y2 - y1, x2 - x1))
             if out.shape[1] != num_classes:
                 raise ValueError(f"model gave {out.shape[1]} channels, expected num_classes={num_classes}")
-            logits[:, :, y1:y2, x1:x2] += out[:, :, :wh, :ww].float()
+            logits[:, :, y1:y2, x1:x2] += out.float()
             count[:, :, y1:y2, x1:x2] += 1
     return logits / count
 
@@ -231,7 +266,8 @@ def predict_slide(model: Model, image: Tensor, crop: tuple[int, int], stride: tu
 def predict(model: Model, image: Tensor, mode: str = "whole", crop: tuple[int, int] | None = None,
             stride: tuple[int, int] | None = None, scales: Sequence[float] = (1.0,), flip: bool = False,
             num_classes: int | None = None) -> Tensor:
-    """Class probabilities (B, K, H, W) for image (B, 3, H, W), with mmseg-style test-time augmentation.
+    """Class probabilities (B, K, H, W) for image (B, 3, H, W), with test-time augmentation as mmseg's (applied
+    to the image as given: mmseg's ADE20K/VOC test pipelines resize it to fit (2048, 512) first, not done here).
 
     For each ratio in ``scales`` the image is resized (bilinear,
     ``align_corners=False``) to ``(int(H * s + 0.5), int(W * s + 0.5))``, run
@@ -242,15 +278,7 @@ def predict(model: Model, image: Tensor, mode: str = "whole", crop: tuple[int, i
     mean of those probabilities (always probabilities, even for one scale
     without flip; the argmax is the same as the logits').
     """
-    if mode not in ("whole", "slide"):
-        raise UserError(f"eval.mode={mode!r} is not one of 'whole', 'slide'.")
-    try:
-        ratios = [float(scales)] if isinstance(scales, (int, float)) else [float(s) for s in scales]
-    except (TypeError, ValueError):
-        ratios = []
-    if not ratios or not all(s > 0 and s != float("inf") for s in ratios):
-        raise UserError(f"eval.scales={scales!r} must be a non-empty list of positive ratios, e.g. [1.0] "
-                        "or [0.5, 0.75, 1.0, 1.25, 1.5, 1.75].")
+    ratios = check_eval(mode, crop, stride, scales, flip)
     if mode == "slide":
         if crop is None:
             raise UserError("eval.mode='slide' needs data.crop (the window size [height, width]).")

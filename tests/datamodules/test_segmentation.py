@@ -115,7 +115,7 @@ def ade_root(tmp_path):
     return tmp_path, masks
 
 
-CITYSCAPES_IDS = [0, 1, 4, 7, 8, 11, 12, 13, 17, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 31, 32, 33, 34]
+CITYSCAPES_IDS = [0, 1, 4, 7, 8, 11, 12, 13, 17, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 30, 31, 32, 33]  # 0..33
 
 
 @pytest.fixture
@@ -476,6 +476,29 @@ def test_cityscapes_label_ids_and_train_ids(cityscapes_root):
     image, ids, _ = written["frankfurt_000000_000019"]
     np.testing.assert_array_equal(sample["mask"].numpy(), table[ids])
     np.testing.assert_allclose(pixels(sample["image"]).permute(1, 2, 0).numpy(), image, atol=1e-3)
+
+
+def test_cityscapes_train_ids_named_label_ids_are_refused(cityscapes_root):
+    """Official labelIds hold ids 0..33 only. A train-id mask (0..18 and 255) saved under the labelIds name was
+    mapped a second time without a word: 7 (traffic light) became road, road became ignored (68% of the pixels of
+    the issue's file). It is refused, naming the file, the values above 33 and the likely cause."""
+    root, written = cityscapes_root
+    stem = "frankfurt_000000_000019"
+    train_ids = np.where(np.arange(16 * 24).reshape(16, 24) % 5 == 0, 255, np.arange(16 * 24).reshape(16, 24) % 19)
+    path = root / "gtFine" / "val" / "frankfurt" / f"{stem}_gtFine_labelIds.png"
+    save(path, train_ids.astype(np.uint8))
+    dm = Cityscapes(str(root), crop=[16, 16])
+    dm.setup()
+    with pytest.raises(UserError) as err:
+        dm.val_set[0]
+    message = str(err.value)
+    for needle in (str(path), "value(s) 255", "0..33", "_gtFine_labelTrainIds.png"):
+        assert needle in message, (needle, message)
+    assert "\n" not in message
+    ids = written[stem][1]
+    ids[0, 0] = 33  # the largest official id still loads
+    save(path, ids)
+    assert dm.val_set[0]["mask"][0, 0] == 18
 
 
 def test_cityscapes_unpaired_and_root_forms(cityscapes_root, caplog):

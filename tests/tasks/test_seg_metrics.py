@@ -198,7 +198,9 @@ class WindowMean(torch.nn.Module):
 
 
 def _brute_force_slide(model, image, crop, stride):
-    """Independent enumeration: starts range(0, H - ch + 1, sh) plus H - ch; zero-pad short sides."""
+    """Independent enumeration: starts range(0, H - ch + 1, sh) plus H - ch; along a side shorter than the crop
+    the window is that whole side, run unpadded (mmseg's slide_inference: "the small patch will be used to decode
+    without padding")."""
     b, _, h, w = image.shape
     (ch, cw), (sh, sw) = crop, stride
 
@@ -213,9 +215,7 @@ def _brute_force_slide(model, image, crop, stride):
     for y in starts(h, ch, sh):
         for x in starts(w, cw, sw):
             wh, ww = min(ch, h), min(cw, w)
-            padded = torch.zeros(b, 3, ch, cw)
-            padded[:, :, :wh, :ww] = image[:, :, y:y + wh, x:x + ww]
-            logits = model(padded)
+            logits = model(image[:, :, y:y + wh, x:x + ww].clone())
             for i in range(wh):
                 for j in range(ww):
                     total[:, :, y + i, x + j] += logits[:, :, i, j]
@@ -247,6 +247,26 @@ def test_slide_averages_overlaps_like_brute_force(size):
     torch.testing.assert_close(got, _brute_force_slide(model, image, crop, stride))
     if size[0] > 32 and size[1] > 32:  # windows overlap, so the result is not the whole-image one
         assert not torch.allclose(got, predict_whole(model, image))
+
+
+@pytest.mark.parametrize("size", [(20, 28), (32, 32), (17, 40)])  # smaller than the crop, equal, smaller in height
+@torch.no_grad()
+def test_image_no_larger_than_crop_scores_as_whole_image(size):
+    """mmseg decodes a window smaller than the crop without padding, so with eval.mode=slide an image no larger
+    than the crop (every VOC image at crop 512) gets exactly its whole-mode logits; zero-padding it to the crop
+    (as this helper once did) let the network see the padding and changed the VOC numbers. A real SegNet (global
+    attention: every pixel sees the whole window), bit for bit."""
+    from tasks.nets.segnet import SegNet
+
+    torch.manual_seed(0)
+    net = SegNet(K, {"name": "self"}, backbone="resnet18", head_channels=32, crop=32).eval()
+    image = torch.randn(2, 3, *size)
+    slide = predict_slide(net, image, (32, 40), (21, 27), K)
+    assert torch.equal(slide, predict_whole(net, image))
+    for flip, scales in ((False, (1.0,)), (True, (0.75, 1.0))):  # the probabilities of the task's predict too
+        got = predict(net, image, mode="slide", crop=(48, 48), stride=(32, 32), num_classes=K, flip=flip,
+                      scales=scales)
+        assert torch.equal(got, predict(net, image, flip=flip, scales=scales))
 
 
 @torch.no_grad()
