@@ -178,9 +178,18 @@ def _evaluation(p: dict, config: dict, task, data: dict, on_val: bool, val_is_te
         else:
             extractor = f"inception-v3-compat ({Path(str(weights)).name})"
         reference = metrics.get("reference_samples")
-        p.update(split="generated samples", selected_on=f"val FID of {metrics.get('num_samples')} samples",
-                 fid_samples=evaluation.get("num_samples") or "as many as training images",
-                 fid_reference="train split" + (f" (first {reference})" if reference else ""),
+        # the counts the data module generates: data.* follow metrics.num_samples / eval.num_samples unless set
+        # themselves (null: as many as training images); a config without them (an older record) has the metrics'
+        val = data.get("val_samples", metrics.get("num_samples"))
+        test = data.get("test_samples", evaluation.get("num_samples"))
+        from tasks.gan import REFERENCE_SEED
+
+        p.update(split="generated samples",
+                 selected_on=f"val FID of {val} samples" if val is not None
+                 else "val FID of as many samples as training images",
+                 fid_samples=test if test is not None else "as many as training images",
+                 fid_reference="train split" + (f" ({reference} drawn at random, seed {REFERENCE_SEED})"
+                                                if reference is not None else ""),
                  feature_extractor=extractor, is_splits=metrics.get("isc_splits"),
                  ema=bool((config.get("ema") or {}).get("enabled")))
         if metrics.get("kid"):   # torch-fidelity's polynomial-kernel KID on the same Inception features

@@ -174,6 +174,65 @@ class ModelOptions:
 
 
 @dataclass
+class GanTaskOptions:
+    """task=gan's own options in the ``task`` block (``tasks.gan.GAN.check_config``)."""
+
+    WHERE = "configs/task/gan.yaml (or the experiment file that sets it)"
+
+    d_steps: int = option(5, ge=1, note="discriminator updates per generator update")
+    grid_per_class: int = option(8, ge=1, note="samples of each class in the logged grid")
+
+
+@dataclass
+class GanMetricsOptions:
+    """task=gan's evaluation options (``metrics``); the sample counts themselves are held against what FID, IS and
+    KID need by ``tasks.gan.GAN.check_config``."""
+
+    WHERE = "the metrics block of configs/task/gan.yaml (or of the experiment file that sets it)"
+
+    every_n_steps: int = option(2000, ge=1, note="generator steps between validations")
+    isc_splits: int = option(1, ge=1, note="the Inception Score's parts, 1 as StudioGAN, 10 the classic protocol")
+    batch_size: int = option(50, ge=1)
+    reference_samples: Optional[int] = option(10000, ge=2, note="null: the whole training split; a number: that "
+                                              "many of its images, drawn at random (FID's covariance needs 2)")
+    cache_dir: Optional[str] = option("data/fid_stats", note="null: no cache")
+    kid: bool = option("true")
+    prc: bool = option("false")
+
+
+@dataclass
+class GanKidOptions:
+    """``metrics.kid_*`` of task=gan, checked when ``metrics.kid`` is on."""
+
+    WHERE = GanMetricsOptions.WHERE
+
+    kid_subsets: int = option(100, ge=1, note="torch-fidelity's default 100")
+    kid_subset_size: Optional[int] = option(1000, ge=2, note="null: min(1000, generated, reference images)")
+    kid_degree: int = option(3, ge=1, note="the polynomial kernel's degree; 0 makes KID 0 for any images")
+    kid_gamma: Optional[float] = option(0.001, gt=0, note="null: 1 / feature size (1/2048)")
+    kid_coef0: float = option(1)
+
+
+@dataclass
+class GanPrcOptions:
+    """``metrics.prc_*`` of task=gan, checked when ``metrics.prc`` is on."""
+
+    WHERE = GanMetricsOptions.WHERE
+
+    prc_neighborhood: int = option(3, ge=1, note="k of the k-th nearest neighbour radius")
+
+
+@dataclass
+class GanEmaOptions:
+    """task=gan's generator EMA (``ema``), checked when ``ema.enabled`` is on."""
+
+    WHERE = "the ema block of configs/task/gan.yaml (or of the experiment file that sets it)"
+
+    decay: float = option(0.9999, ge=0, lt=1, note="StudioGAN: 0.9999")
+    start: int = option(1000, ge=0, note="the generator update the averaging starts at, a copy before")
+
+
+@dataclass
 class DataOptions:
     """Options common to the data modules (``configs/data/*.yaml``); each module checks its own ones itself."""
 

@@ -100,6 +100,36 @@ def first_of_each(index: torch.Tensor) -> torch.Tensor:
     return order[first]
 
 
+# The seed of metrics.reference_samples' draw: fixed, not the run's seed, so that the runs of every seed score
+# against one reference set (and share one cache file), and a number written once names one set of images.
+REFERENCE_SEED = 0
+
+
+def reference_subset(count: int, limit: int | None) -> torch.Tensor | None:
+    """Indices (ascending) of ``limit`` of ``count`` training images drawn at random with :data:`REFERENCE_SEED`,
+    or None for all of them. Not the first ``limit``: an image folder lists its files class by class, and those
+    were the first class alone, against which samples of every class were scored."""
+    if limit is None or int(limit) >= count:
+        return None
+    return torch.randperm(count, generator=torch.Generator().manual_seed(REFERENCE_SEED))[:int(limit)].sort().values
+
+
+@contextmanager
+def bn_statistics_untracked(module: nn.Module):
+    """Run ``module``'s BatchNorm layers (the conditional ones' inner ``bn`` too) on batch statistics without
+    updating their running statistics, as StudioGAN's ``untrack_bn_statistics`` does to G for the discriminator's
+    updates (``src/worker.py``): the running statistics, which evaluation (and the EMA copy) uses, then follow the
+    generator updates alone, not d_steps + 1 batches a step."""
+    layers = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    for layer in layers:
+        layer.track_running_stats = False
+    try:
+        yield module
+    finally:
+        for layer in layers:
+            layer.track_running_stats = True
+
+
 @contextmanager
 def not_counted(optimizer):
     """Step ``optimizer`` without advancing ``trainer.global_step``.
@@ -115,15 +145,71 @@ def not_counted(optimizer):
         optimizer._on_before_step, optimizer._on_after_step = before, after
 
 
+def plain(node, resolve: bool = True) -> dict:
+    """A config group as a dict (resolved, or as written with ``resolve=False``); {} when absent."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(node, DictConfig):
+        return OmegaConf.to_container(node, resolve=resolve)
+    return dict(node or {})
+
+
+def sample_counts(cfg) -> dict[str, int]:
+    """{the option that sets it: count} of the image sets FID compares: each evaluation's generated images
+    (``data.val_samples`` and ``data.test_samples``, what the data module generates, named by
+    ``metrics.num_samples`` / ``eval.num_samples`` while they follow them as configs/task/gan.yaml has it) and the
+    reference images (``metrics.reference_samples``). A count left null (the training split's size) is not known
+    before the data is read and is left out."""
+    data, given = plain(cfg.get("data")), plain(cfg.get("data"), resolve=False)
+    metrics, evaluation = plain(cfg.get("metrics")), plain(cfg.get("eval"))
+    counts = {}
+    for key, follows, value in (("val_samples", "metrics.num_samples", metrics.get("num_samples")),
+                                ("test_samples", "eval.num_samples", evaluation.get("num_samples"))):
+        set_here = key in data and given.get(key) != "${" + follows + "}"
+        value = data[key] if key in data else value
+        if isinstance(value, int) and not isinstance(value, bool):
+            counts[f"data.{key}" if set_here else follows] = value
+    reference = metrics.get("reference_samples")
+    if isinstance(reference, int) and not isinstance(reference, bool):
+        counts["metrics.reference_samples"] = reference
+    return counts
+
+
+def check_writable(option: str, folder, why: str) -> None:
+    """Refuse a folder that cannot be created or written, now rather than when it is first written (after
+    training, or at the first validation, with a traceback). Tried by creating (and removing) a temporary folder in
+    its nearest existing ancestor: permissions alone do not tell (root may write anywhere but /proc)."""
+    import tempfile
+
+    path = Path(str(folder))
+    existing = next(p for p in [path, *path.parents] if p.exists())  # a relative path ends at ".", which does
+    problem = None
+    if not existing.is_dir():
+        problem = f"{existing} is a file, not a folder"
+    else:
+        try:
+            tempfile.TemporaryDirectory(dir=existing, prefix=".write-test-").cleanup()
+        except OSError as err:
+            problem = f"{existing} cannot be written ({err.strerror or err})"
+    if problem:
+        raise UserError(f"{option}={folder}: {problem}; {why}. Give a folder this user can create and write, on the "
+                        f"command line or in configs/task/gan.yaml, e.g. `python run.py {option}=/tmp/{path.name}`.")
+
+
 def check_samples_folder(cfg) -> None:
     """Refuse an ``eval.save_samples`` folder that holds files already, unless the run continues itself (a resumed
     or requeued training run, which may have written part of them): the evaluation wrote ``<index>.png`` among them,
     overwriting those of its numbers and leaving the others, so a folder scored again by another tool (the reason
-    to save them) mixed two evaluations, and an earlier evaluation's samples were lost."""
+    to save them) mixed two evaluations, and an earlier evaluation's samples were lost. A path that cannot be a
+    folder (a file, under a file, not writable) is refused too: it failed only when the test wrote its first
+    image, after training."""
     import os
 
     folder = (cfg.get("eval") or {}).get("save_samples")
-    if not folder or not Path(str(folder)).is_dir():
+    if not folder:
+        return
+    check_writable("eval.save_samples", folder, "every image the test scores is written there as <index>.png")
+    if not Path(str(folder)).is_dir():
         return
     continues = cfg.get("mode", "train") == "train" and (cfg.get("resume") or cfg.get("ckpt_path") or
                                                          int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0)
@@ -142,8 +228,10 @@ class GAN(Task):
     layout = "grid"
     # StudioGAN releases G, D and G_ema as separate files; G's weights also start the EMA unless it has its own.
     weights_options = {"g_weights": "G", "d_weights": "D", "g_ema_weights": "G_ema.module"}
-    # validation's FID and IS (the best checkpoint's choice) depend on these
-    validation_options = ("metrics.num_samples", "metrics.reference_samples", "metrics.isc_splits")
+    # validation's FID and IS (the best checkpoint's choice) depend on these; data.val_samples is the count
+    # generated (metrics.num_samples unless set itself)
+    validation_options = ("metrics.num_samples", "data.val_samples", "metrics.reference_samples",
+                          "metrics.isc_splits")
 
     # Under DDP each backward pass leaves one network without gradients (D's update does not reach G).
     ddp_find_unused_parameters = True
@@ -194,8 +282,14 @@ class GAN(Task):
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        """No gradient accumulation (the GAN steps its optimizers itself); KID's subset size and PRC's neighbourhood
-        against the sample counts the config fixes."""
+        """Every option the GAN reads, before any data is read or any step trained (a bad value otherwise failed with
+        a traceback, or at the first validation, up to ``metrics.every_n_steps`` steps in, before any checkpoint):
+        the task's, metrics' (KID's only with ``metrics.kid``, PRC's with ``metrics.prc``) and EMA's (with
+        ``ema.enabled``) types and ranges (``suite.schema.Gan*Options``); the discriminator's batch against
+        ``task.d_steps``; the sample counts against what FID, IS, KID and PRC need; the folders written; no gradient
+        accumulation (the GAN steps its optimizers itself)."""
+        from suite import schema
+
         accumulate = (cfg.get("trainer") or {}).get("accumulate_grad_batches") or 1
         if isinstance(accumulate, int) and accumulate > 1:
             raise UserError(
@@ -203,25 +297,52 @@ class GAN(Task):
                 f"discriminator updates, each on a batch of its own, then one generator update, as StudioGAN), so "
                 f"Lightning's gradient accumulation does not apply. Leave it out; for a larger batch raise "
                 f"data.batch_size (per process) or train on more processes (trainer.devices).")
-        metrics, evaluation = cfg.get("metrics") or {}, cfg.get("eval") or {}
-        counts = {f"metrics.{k}": metrics.get(k) for k in ("num_samples", "reference_samples")}
-        counts["eval.num_samples"] = evaluation.get("num_samples")
-        counts = {k: v for k, v in counts.items() if isinstance(v, int)}
-        size = metrics.get("kid_subset_size")
-        if metrics.get("kid", False):
-            if int(metrics.get("kid_subsets", 100)) < 1:
-                raise UserError(f"metrics.kid_subsets={metrics.get('kid_subsets')} must be >= 1 (torch-fidelity's "
-                                f"default: 100), or turn KID off with metrics.kid=false.")
-            if size is not None and (int(size) < 2 or any(int(size) > v for v in counts.values())):
-                sizes = ", ".join(f"{k}={v}" for k, v in counts.items())
+        metrics, task, data = plain(cfg.get("metrics")), plain(cfg.get("task")), plain(cfg.get("data"))
+        groups = [(schema.GanTaskOptions, "task", True), (schema.GanMetricsOptions, "metrics", True),
+                  (schema.GanKidOptions, "metrics", metrics.get("kid", False)),
+                  (schema.GanPrcOptions, "metrics", metrics.get("prc", False)),
+                  (schema.GanEmaOptions, "ema", plain(cfg.get("ema")).get("enabled", False))]
+        for options, prefix, on in groups:  # options of a feature that is off are not read
+            if on:
+                schema.check(plain(cfg.get(prefix)), options, prefix, given=plain(cfg.get(prefix), resolve=False))
+        d_steps, per_step = task.get("d_steps"), data.get("batches_per_step")
+        if isinstance(d_steps, int) and isinstance(per_step, int) and d_steps != per_step:
+            # training_step splits each loader batch into d_steps real batches: another count changes their size
+            raise UserError(
+                f"data.batches_per_step={per_step} differs from task.d_steps={d_steps}: each training step takes "
+                f"data.batch_size * data.batches_per_step real images and splits them among its task.d_steps "
+                f"discriminator updates, so every update would see {per_step}/{d_steps} of data.batch_size real "
+                f"images instead of data.batch_size. Leave data.batches_per_step out (configs/task/gan.yaml sets it "
+                f"to ${{task.d_steps}}) and set task.d_steps alone.")
+        counts = sample_counts(cfg)
+        for name, value in counts.items():
+            if value < 2:
                 raise UserError(
-                    f"metrics.kid_subset_size={size} must be at least 2 and at most every sample count ({sizes}): KID "
-                    f"draws subsets of that many images without replacement from the generated and the reference "
-                    f"images. Lower it, set it to null (torch-fidelity's 1000, capped at the image counts), or turn "
-                    f"KID off with metrics.kid=false.")
+                    f"{name}={value} is too few images for FID, whose covariance needs 2 at least (hundreds for a "
+                    f"usable estimate, 10k during training and 50k for numbers comparable with papers). Raise it"
+                    + (" or set it to null (the whole training split)." if "reference" in name else "."))
+        generated = {k: v for k, v in counts.items() if "reference" not in k}
+        splits = metrics.get("isc_splits", 1)
+        if any(splits > v for v in generated.values()):
+            raise UserError(
+                f"metrics.isc_splits={splits} is more than the images generated for it "
+                f"({', '.join(f'{k}={v}' for k, v in generated.items())}): the Inception Score is averaged over "
+                f"that many equal parts of the samples. Lower it (1 as StudioGAN, 10 the classic protocol) or "
+                f"raise the sample count.")
+        size = metrics.get("kid_subset_size")
+        if metrics.get("kid", False) and size is not None and any(int(size) > v for v in counts.values()):
+            sizes = ", ".join(f"{k}={v}" for k, v in counts.items())
+            raise UserError(
+                f"metrics.kid_subset_size={size} must be at least 2 and at most every sample count ({sizes}): KID "
+                f"draws subsets of that many images without replacement from the generated and the reference "
+                f"images. Lower it, set it to null (torch-fidelity's 1000, capped at the image counts), or turn "
+                f"KID off with metrics.kid=false.")
         check_samples_folder(cfg)
+        if metrics.get("cache_dir") is not None:
+            check_writable("metrics.cache_dir", metrics["cache_dir"], "the reference statistics (fid_ref_*.npz) "
+                           "and features (prc_ref_*.npz) are written there at the first evaluation")
         k = metrics.get("prc_neighborhood", 3)
-        if metrics.get("prc", False) and (int(k) < 1 or any(int(k) >= v for v in counts.values())):
+        if metrics.get("prc", False) and any(int(k) >= v for v in counts.values()):
             raise UserError(
                 f"metrics.prc_neighborhood={k} must be at least 1 and below every sample count "
                 f"({', '.join(f'{n}={v}' for n, v in counts.items())}): a sample's radius is the distance to its k-th "
@@ -273,7 +394,7 @@ class GAN(Task):
         for i in range(self.d_steps):
             real, y_real = images[i * size:(i + 1) * size], labels[i * size:(i + 1) * size]
             z, y_fake = self.sample_inputs(size)
-            with torch.no_grad():
+            with torch.no_grad(), bn_statistics_untracked(self.G):
                 fake = self.G(z, y_fake)
             opt_d.zero_grad(set_to_none=True)
             # StudioGAN's two discriminator calls, each followed by the backward of its term of the loss: D's
@@ -334,11 +455,14 @@ class GAN(Task):
         return self._aux["inputs"]
 
     def _reference_images(self):
-        """(the real images FID, KID and PRC compare with, their cache key)."""
+        """(the real images FID, KID and PRC compare with, their cache key): the training split, or
+        ``metrics.reference_samples`` of its images drawn by :func:`reference_subset`."""
         dm = self.trainer.datamodule
         limit = self.metrics_cfg.get("reference_samples")
-        images = dm.train_images if not limit else dm.train_images[:int(limit)]
-        return images, dm.fingerprint + (f"-first{int(limit)}" if limit else "")
+        chosen = reference_subset(len(dm.train_images), limit)
+        if chosen is None:
+            return dm.train_images, dm.fingerprint
+        return dm.train_images[chosen], f"{dm.fingerprint}-random{len(chosen)}s{REFERENCE_SEED}"
 
     def _reference(self):
         """FID statistics of the real images, with their pool features when KID is on."""

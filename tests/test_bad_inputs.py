@@ -110,6 +110,48 @@ def test_bad_values_are_refused_at_start_up(args, needles, capsys, tmp_path):
     refused_in_process(args, capsys, tmp_path, *needles)
 
 
+# task=gan's options: each failed with a traceback (a ZeroDivisionError, Hydra's "Error in call to target"), at the
+# first validation up to metrics.every_n_steps steps in and before any last.ckpt, after training (eval.save_samples
+# on a file), or not at all (a KID of 0.0 from kid_degree=0). The data folder is absent: refused before it is read.
+GAN_BAD = [
+    (["metrics.every_n_steps=0"], ["metrics.every_n_steps=0", "an integer >= 1"]),
+    (["task.grid_per_class=0"], ["task.grid_per_class=0", "an integer >= 1"]),
+    (["metrics.cache_dir=/proc/nope"], ["metrics.cache_dir=/proc/nope", "cannot be written"]),
+    (["metrics.isc_splits=abc"], ["metrics.isc_splits='abc'", "an integer >= 1"]),
+    (["metrics.isc_splits=0"], ["metrics.isc_splits=0", "an integer >= 1"]),
+    (["metrics.num_samples=8", "metrics.isc_splits=20"], ["metrics.isc_splits=20", "metrics.num_samples=8"]),
+    (["metrics.kid_subsets=abc"], ["metrics.kid_subsets='abc'", "an integer >= 1"]),
+    (["metrics.kid_gamma=abc"], ["metrics.kid_gamma='abc'", "a number > 0 or null"]),
+    (["metrics.kid_degree=0"], ["metrics.kid_degree=0", "an integer >= 1"]),
+    (["metrics.reference_samples=abc"], ["metrics.reference_samples='abc'", "an integer >= 2 or null"]),
+    (["metrics.reference_samples=0"], ["metrics.reference_samples=0", "an integer >= 2 or null"]),
+    (["metrics.reference_samples=1"], ["metrics.reference_samples=1", "an integer >= 2 or null"]),
+    (["metrics.num_samples=1"], ["metrics.num_samples=1 is too few images for FID"]),
+    (["data.val_samples=1"], ["data.val_samples=1 is too few images for FID"]),
+    (["eval.num_samples=1"], ["eval.num_samples=1 is too few images for FID"]),
+    (["ema.enabled=true", "ema.start=abc"], ["ema.start='abc'", "an integer >= 0"]),
+    (["ema.enabled=true", "ema.decay=abc"], ["ema.decay='abc'", "a number >= 0 and < 1"]),
+    (["data.batches_per_step=3"], ["data.batches_per_step=3 differs from task.d_steps=5"]),
+    (["task.d_steps=2", "data.batches_per_step=1"], ["data.batches_per_step=1 differs from task.d_steps=2"]),
+]
+
+
+@pytest.mark.parametrize("args, needles", GAN_BAD, ids=[" ".join(args) for args, _ in GAN_BAD])
+def test_gan_bad_values_are_refused_at_start_up(args, needles, capsys, tmp_path):
+    refused_in_process(["task=gan", "data=image_folder", f"data.root={tmp_path / 'absent'}", *args], capsys,
+                       tmp_path / "run", *needles)
+
+
+def test_gan_samples_folder_on_a_file_is_refused_at_start_up(capsys, tmp_path):
+    """eval.save_samples on a file failed with FileExistsError when the test wrote its first image, after
+    training."""
+    (tmp_path / "file").write_text("")
+    for folder in (tmp_path / "file", tmp_path / "file" / "sub"):
+        refused_in_process(["task=gan", "data=image_folder", f"data.root={tmp_path / 'absent'}",
+                            f"eval.save_samples={folder}"], capsys, tmp_path / "run", f"eval.save_samples={folder}",
+                           f"{tmp_path / 'file'} is a file, not a folder")
+
+
 def test_bad_value_through_run_py(home):
     refused(home, ["seed=abc"], "seed='abc'", "`python run.py seed=0`")
 

@@ -428,6 +428,12 @@ def test_what_a_resumed_run_may_change():
         "task.eval.mode", "task.eval.scales", "task.eval.flip", "model.dropout", "data.crop_size", "task.aux_weight"))
     assert free_to_change("task.eval.scales") and not free_to_change("task.metrics.num_samples",
                                                                      ("metrics.num_samples",))
+    # the GAN's validation FID of another sample count, through metrics.num_samples or data.val_samples itself
+    from tasks.gan import GAN
+
+    assert not any(free_to_change(k, GAN.validation_options) for k in (
+        "metrics.num_samples", "data.val_samples", "metrics.reference_samples", "metrics.isc_splits"))
+    assert all(free_to_change(k, GAN.validation_options) for k in ("eval.num_samples", "data.test_samples"))
 
 
 

@@ -9,7 +9,7 @@ from PIL import Image
 
 from datamodules import Digits
 from tasks.metrics import fid
-from tasks.gan import GAN, first_of_each
+from tasks.gan import GAN, first_of_each, reference_subset
 
 ADAM = {"_target_": "torch.optim.Adam", "_partial_": True, "lr": 2e-4, "betas": [0.5, 0.999], "eps": 1e-6}
 
@@ -65,7 +65,8 @@ def test_eval_scores_exactly_the_generated_images(tmp_path):
         images = fid.to_uint8(module.generator(z, y))
     extractor = fid.load_inception("random")
     pool, logits = fid.inception_features(extractor, images)
-    reference = fid.fid_statistics(fid.inception_features(extractor, dm.train_images[:12])[0])
+    chosen = reference_subset(len(dm.train_images), 12)  # metrics.reference_samples=12
+    reference = fid.fid_statistics(fid.inception_features(extractor, dm.train_images[chosen])[0])
     assert result["test/fid"] == pytest.approx(fid.frechet_distance(fid.fid_statistics(pool), reference), rel=1e-6)
     assert result["test/is"] == pytest.approx(fid.inception_score(logits, splits=1)[0], rel=1e-6)
     saved = sorted(out.glob("*.png"))
@@ -135,3 +136,58 @@ def test_the_generator_ema_is_studiogans(tmp_path):
         torch.testing.assert_close(ema[key].double(), value, rtol=1e-5, atol=1e-6, msg=key)
     assert not torch.equal(ema[next(k for k in ema if "running_mean" in k)].double(),
                            seen[-1][1][next(k for k in ema if "running_mean" in k)])  # averaged, not the last copy
+
+
+def test_reference_samples_are_drawn_from_every_class_with_a_fixed_seed():
+    """metrics.reference_samples=N took the first N training images: an image folder lists its files class by class,
+    so the reference set was the first class alone. Now N drawn at random with a seed of their own (not the run's:
+    runs of every seed share one reference set and cache file), named in the cache key."""
+    from types import SimpleNamespace
+
+    labels = torch.arange(3).repeat_interleave(30)  # class by class, as datamodules.generation.ImageFolder
+    dm = SimpleNamespace(train_images=torch.arange(90)[:, None].expand(90, 4), train_labels=labels, fingerprint="fp")
+    task = SimpleNamespace(metrics_cfg={"reference_samples": 30}, trainer=SimpleNamespace(datamodule=dm))
+    keys = set()
+    for seed in (0, 1):
+        torch.manual_seed(seed)  # the run's seed
+        images, key = GAN._reference_images(task)
+        keys.add(key)
+        assert len(images) == 30 and len(set(images[:, 0].tolist())) == 30
+        assert torch.bincount(labels[images[:, 0]], minlength=3).min() >= 5  # every class, about a third each
+    assert len(keys) == 1 and keys.pop() not in ("fp", "fp-first30")
+    task.metrics_cfg["reference_samples"] = None
+    assert GAN._reference_images(task)[1] == "fp" and len(GAN._reference_images(task)[0]) == 90
+    task.metrics_cfg["reference_samples"] = 90  # all of them: the whole split's set and cache file
+    assert GAN._reference_images(task)[1] == "fp"
+    assert reference_subset(90, 30).tolist() == sorted(reference_subset(90, 30).tolist())
+
+
+def test_only_generator_updates_move_its_batchnorm_statistics(tmp_path):
+    """StudioGAN's train_discriminator untracks G's BN statistics (misc.untrack_bn_statistics): the fakes of the
+    discriminator's updates use batch statistics but leave the running ones, which evaluation and the EMA use, to
+    the generator's updates. They took d_steps + 1 updates a step. Replayed by hand from the inputs of the G steps'
+    BN calls: momentum 0.1, unbiased variance, over every BN layer of G (the conditional ones' too)."""
+    torch.manual_seed(0)
+    dm, module, _ = make(tmp_path, d_steps=3)
+    layers = {n: m for n, m in module.G.named_modules() if isinstance(m, torch.nn.BatchNorm2d)}
+    assert any(".bn1.bn" in n for n in layers) and "bn" in layers  # conditional and plain BN
+    inputs = {n: [] for n in layers}
+    for name, layer in layers.items():
+        layer.register_forward_pre_hook(
+            lambda m, args, name=name: inputs[name].append(args[0].detach().double().clone())
+            if torch.is_grad_enabled() else None)  # the G steps' calls (the D steps' run without gradients)
+    steps = 3
+    trainer = L.Trainer(max_steps=steps, limit_val_batches=0, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                        accelerator="cpu", devices=1)
+    trainer.fit(module, datamodule=dm)
+    for name, layer in layers.items():
+        assert len(inputs[name]) == steps and int(layer.num_batches_tracked) == steps, name
+        mean = torch.zeros(layer.num_features, dtype=torch.float64)
+        var = torch.ones(layer.num_features, dtype=torch.float64)
+        for x in inputs[name]:
+            mean = 0.9 * mean + 0.1 * x.mean((0, 2, 3))
+            var = 0.9 * var + 0.1 * x.var((0, 2, 3), unbiased=True)
+        torch.testing.assert_close(layer.running_mean.double(), mean, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(layer.running_var.double(), var, rtol=1e-5, atol=1e-6, msg=name)
+        assert layer.track_running_stats  # restored after the D steps

@@ -264,7 +264,7 @@ def test_gan_run_records_kid_precision_recall_and_their_protocol(env, tmp_path):
     assert p["kid_subsets"] == 5 and p["kid_subset_size"] == "min(1000, generated, reference images)"
     assert p["kid_kernel"] == "poly degree 3 gamma 1/2048 coef0 1"
     assert p["prc"] == "k=3, vgg16 fc2_relu (random weights, not comparable)"
-    assert p["fid_samples"] == 8 and p["fid_reference"] == "train split (first 8)"  # eval.num_samples, reference
+    assert p["fid_samples"] == 8 and p["fid_reference"] == "train split (8 drawn at random, seed 0)"
     for key in ("val/kid", "val/precision", "test/kid_std", "test/recall"):
         assert key in metrics and np.isfinite(metrics[key]), key
     # the test numbers are the metrics of the saved samples against the cached reference features
@@ -295,3 +295,18 @@ def test_protocol_names_the_kid_and_prc_options():
     assert on["kid_subsets"] == 100 and on["kid_subset_size"] == 1000
     assert on["kid_kernel"] == "poly degree 3 gamma 0.5 coef0 1"
     assert on["prc"] == "k=5, vgg16 fc2_relu (vgg16-397923af.pth)"
+
+
+def test_protocol_records_the_sample_counts_the_data_module_generates():
+    """data.val_samples / data.test_samples set themselves (configs/task/gan.yaml interpolates them from
+    metrics.num_samples / eval.num_samples): the record named the metrics' counts ("as many as training images"
+    for a test of 7), not the counts scored."""
+    from suite.run_record import protocol
+
+    base = {"task": {"name": "gan"}, "metrics": {"num_samples": 8, "kid": False, "reference_samples": None},
+            "eval": {"num_samples": None}}
+    p = protocol({**base, "data": {"_target_": "datamodules.Digits", "val_samples": 5, "test_samples": 7}})
+    assert p["selected_on"] == "val FID of 5 samples" and p["fid_samples"] == 7 and p["fid_reference"] == "train split"
+    p = protocol({**base, "data": {"_target_": "datamodules.Digits", "val_samples": None, "test_samples": None}})
+    assert p["selected_on"] == "val FID of as many samples as training images"
+    assert p["fid_samples"] == "as many as training images"
