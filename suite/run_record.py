@@ -182,14 +182,13 @@ def _evaluation(p: dict, config: dict, task, data: dict, on_val: bool, val_is_te
         # themselves (null: as many as training images); a config without them (an older record) has the metrics'
         val = data.get("val_samples", metrics.get("num_samples"))
         test = data.get("test_samples", evaluation.get("num_samples"))
-        from tasks.gan import REFERENCE_SEED
-
         p.update(split="generated samples",
                  selected_on=f"val FID of {val} samples" if val is not None
                  else "val FID of as many samples as training images",
                  fid_samples=test if test is not None else "as many as training images",
-                 fid_reference="train split" + (f" ({reference} drawn at random, seed {REFERENCE_SEED})"
-                                                if reference is not None else ""),
+                 fid_reference="train split" + (
+                     f" ({reference} drawn at random, seed {metrics.get('reference_seed', 0)})"
+                     if reference is not None else ""),
                  feature_extractor=extractor, is_splits=metrics.get("isc_splits"),
                  ema=bool((config.get("ema") or {}).get("enabled")))
         if metrics.get("kid"):   # torch-fidelity's polynomial-kernel KID on the same Inception features

@@ -175,7 +175,8 @@ class ModelOptions:
 
 @dataclass
 class GanTaskOptions:
-    """task=gan's own options in the ``task`` block (``tasks.gan.GAN.check_config``)."""
+    """task=gan's own options in the ``task`` block (checked by ``suite.validate``; ``tasks.gan.GAN.check_config``
+    checks how they go together)."""
 
     WHERE = "configs/task/gan.yaml (or the experiment file that sets it)"
 
@@ -195,6 +196,7 @@ class GanMetricsOptions:
     batch_size: int = option(50, ge=1)
     reference_samples: Optional[int] = option(10000, ge=2, note="null: the whole training split; a number: that "
                                               "many of its images, drawn at random (FID's covariance needs 2)")
+    reference_seed: int = option(0, ge=0, note="the seed of reference_samples' draw, the same for every run seed")
     cache_dir: Optional[str] = option("data/fid_stats", note="null: no cache")
     kid: bool = option("true")
     prc: bool = option("false")

@@ -191,6 +191,14 @@ def check_option_types(cfg: DictConfig, overrides: Iterable[str] = ()) -> None:
     group(cfg.data, schema.DataOptions, "data")
     if isinstance(cfg.get("model"), DictConfig):
         group(cfg.model, schema.ModelOptions, "model")
+    if (cfg.get("task") or {}).get("name") == "gan":  # a feature's options only where it is on: off, not read
+        metrics, ema = cfg.get("metrics") or {}, cfg.get("ema") or {}
+        for options, prefix, on in ((schema.GanTaskOptions, "task", True), (schema.GanMetricsOptions, "metrics", True),
+                                    (schema.GanKidOptions, "metrics", metrics.get("kid", False)),
+                                    (schema.GanPrcOptions, "metrics", metrics.get("prc", False)),
+                                    (schema.GanEmaOptions, "ema", ema.get("enabled", False))):
+            if on and isinstance(cfg.get(prefix), DictConfig):
+                group(cfg[prefix], options, prefix)
 
 
 def check_checkpoint_format(ckpt_path) -> None:

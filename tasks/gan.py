@@ -100,18 +100,15 @@ def first_of_each(index: torch.Tensor) -> torch.Tensor:
     return order[first]
 
 
-# The seed of metrics.reference_samples' draw: fixed, not the run's seed, so that the runs of every seed score
-# against one reference set (and share one cache file), and a number written once names one set of images.
-REFERENCE_SEED = 0
-
-
-def reference_subset(count: int, limit: int | None) -> torch.Tensor | None:
-    """Indices (ascending) of ``limit`` of ``count`` training images drawn at random with :data:`REFERENCE_SEED`,
-    or None for all of them. Not the first ``limit``: an image folder lists its files class by class, and those
-    were the first class alone, against which samples of every class were scored."""
+def reference_subset(count: int, limit: int | None, seed: int = 0) -> torch.Tensor | None:
+    """Indices (ascending) of ``limit`` of ``count`` training images drawn at random with ``seed``
+    (``metrics.reference_seed``: fixed, not the run's seed, so that the runs of every seed score against one
+    reference set and share one cache file), or None for all of them. Not the first ``limit``: an image folder
+    lists its files class by class, and those were the first class alone, against which samples of every class
+    were scored."""
     if limit is None or int(limit) >= count:
         return None
-    return torch.randperm(count, generator=torch.Generator().manual_seed(REFERENCE_SEED))[:int(limit)].sort().values
+    return torch.randperm(count, generator=torch.Generator().manual_seed(int(seed)))[:int(limit)].sort().values
 
 
 @contextmanager
@@ -288,8 +285,6 @@ class GAN(Task):
         ``ema.enabled``) types and ranges (``suite.schema.Gan*Options``); the discriminator's batch against
         ``task.d_steps``; the sample counts against what FID, IS, KID and PRC need; the folders written; no gradient
         accumulation (the GAN steps its optimizers itself)."""
-        from suite import schema
-
         accumulate = (cfg.get("trainer") or {}).get("accumulate_grad_batches") or 1
         if isinstance(accumulate, int) and accumulate > 1:
             raise UserError(
@@ -297,14 +292,8 @@ class GAN(Task):
                 f"discriminator updates, each on a batch of its own, then one generator update, as StudioGAN), so "
                 f"Lightning's gradient accumulation does not apply. Leave it out; for a larger batch raise "
                 f"data.batch_size (per process) or train on more processes (trainer.devices).")
+        # the options' types and ranges are checked before this, by suite.validate (suite.schema.Gan*Options)
         metrics, task, data = plain(cfg.get("metrics")), plain(cfg.get("task")), plain(cfg.get("data"))
-        groups = [(schema.GanTaskOptions, "task", True), (schema.GanMetricsOptions, "metrics", True),
-                  (schema.GanKidOptions, "metrics", metrics.get("kid", False)),
-                  (schema.GanPrcOptions, "metrics", metrics.get("prc", False)),
-                  (schema.GanEmaOptions, "ema", plain(cfg.get("ema")).get("enabled", False))]
-        for options, prefix, on in groups:  # options of a feature that is off are not read
-            if on:
-                schema.check(plain(cfg.get(prefix)), options, prefix, given=plain(cfg.get(prefix), resolve=False))
         d_steps, per_step = task.get("d_steps"), data.get("batches_per_step")
         if isinstance(d_steps, int) and isinstance(per_step, int) and d_steps != per_step:
             # training_step splits each loader batch into d_steps real batches: another count changes their size
@@ -459,10 +448,11 @@ class GAN(Task):
         ``metrics.reference_samples`` of its images drawn by :func:`reference_subset`."""
         dm = self.trainer.datamodule
         limit = self.metrics_cfg.get("reference_samples")
-        chosen = reference_subset(len(dm.train_images), limit)
+        seed = self.metrics_cfg.get("reference_seed", 0)
+        chosen = reference_subset(len(dm.train_images), limit, seed)
         if chosen is None:
             return dm.train_images, dm.fingerprint
-        return dm.train_images[chosen], f"{dm.fingerprint}-random{len(chosen)}s{REFERENCE_SEED}"
+        return dm.train_images[chosen], f"{dm.fingerprint}-random{len(chosen)}s{seed}"
 
     def _reference(self):
         """FID statistics of the real images, with their pool features when KID is on."""
