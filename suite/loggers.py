@@ -242,8 +242,8 @@ def build_loggers(cfg: Mapping, save_dir: str | Path, config: Mapping, run_id: s
     """Instantiate the configured logger(s) writing under ``save_dir``; ``config`` is logged whole.
 
     ``run_id`` fixes the W&B run id; with ``resuming`` the run continues that W&B run (``resume="allow"``) and the
-    CSV history keeps its rows up to ``resume_step`` (the resumed checkpoint's global step). ``job_type``: the W&B run's (``test``
-    for ``mode=test``, which otherwise looks like one more training run of its variant).
+    CSV history keeps its rows up to ``resume_step`` (the resumed checkpoint's global step). ``job_type``: the W&B
+    run's (``test`` for ``mode=test``, which otherwise looks like one more training run of its variant).
     """
     kind = cfg.get("name", "none")
     save_dir = Path(save_dir)
