@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import warnings
 from collections import Counter, defaultdict
@@ -69,8 +70,9 @@ def t_quantile(confidence: float, df: float) -> float:
     return float(stats.t.ppf((1 + confidence) / 2, df))
 
 
-def describe(values, higher_is_better: bool = True, confidence: float = 0.95) -> dict:
-    """n, mean, standard deviation (ddof=1), Student-t confidence interval of the mean, min, max and best of n.
+def describe(values, higher_is_better: bool | None = True, confidence: float = 0.95) -> dict:
+    """n, mean, standard deviation (ddof=1), Student-t confidence interval of the mean, min, max and best of n (NaN
+    for a metric with no better direction, ``higher_is_better=None``).
 
     With one value the spread and the interval are NaN: one run says nothing about seed-to-seed variation."""
     x = np.asarray(values, dtype=float)
@@ -79,7 +81,8 @@ def describe(values, higher_is_better: bool = True, confidence: float = 0.95) ->
     std = float(x.std(ddof=1)) if n > 1 else math.nan
     half = t_quantile(confidence, n - 1) * std / math.sqrt(n) if n > 1 else math.nan
     return {"n": n, "mean": mean, "std": std, "ci_low": mean - half, "ci_high": mean + half,
-            "min": float(x.min()), "max": float(x.max()), "best_of_n": float(x.max() if higher_is_better else x.min())}
+            "min": float(x.min()), "max": float(x.max()), "best_of_n": math.nan if higher_is_better is None
+            else float(x.max() if higher_is_better else x.min())}
 
 
 def compare(variant: list[tuple], baseline: list[tuple], confidence: float = 0.95) -> dict:
@@ -162,11 +165,18 @@ def pareto_front(xs, ys, x_lower_is_better: bool = True, y_higher_is_better: boo
     return sorted(front, key=lambda i: xs[i])
 
 
-def higher_is_better(metric: str, config: dict) -> bool:
+#: Logged values that are neither better higher nor lower: the learning rate (Lightning's ``lr-SGD``), a spread
+#: over splits (``is_std``, ``kid_std``), the discriminator's mean outputs, the counters. Their best of n was the
+#: largest, as if a larger learning rate were a better result.
+UNDIRECTED = re.compile(r"(lr|lr-.*|.*_std|d_real|d_fake|epoch|step)")
+
+
+def higher_is_better(metric: str, config: dict) -> bool | None:
     """Whether ``metric`` (``test/kid``, ``val/oa_best``) improves upwards in a run of ``config``: the monitored
     metric's direction, else the one its task declares for the metric on the validation split
-    (``Task.validation_metrics``: KID and FID are distances), else lower for a loss (``loss``, ``loss_epoch``,
-    ``loss_d``, ``aux_loss``) and higher for the rest."""
+    (``Task.validation_metrics``: KID and FID are distances), else None for one with no better direction
+    (:data:`UNDIRECTED`), lower for a loss (``loss``, ``loss_epoch``, ``loss_d``, ``aux_loss``) and higher for
+    the rest."""
     tail = metric.split("/", 1)[-1].removesuffix("_best")
     monitor = config.get("monitor") or {}
     if tail == str(monitor.get("metric", "")).split("/", 1)[-1]:
@@ -174,6 +184,8 @@ def higher_is_better(metric: str, config: dict) -> bool:
     declared = {name.split("/", 1)[-1]: way for name, way in task_directions(config).items()}
     if tail in declared:
         return declared[tail] == "max"
+    if UNDIRECTED.fullmatch(tail):
+        return None
     return not ("loss" in tail.split("_") or tail in ("fid", "kid"))
 
 
@@ -866,7 +878,8 @@ def markdown(rows: list[dict], left_out: list[LeftOut], sources: list[str], plot
              "memory (CUDA max allocated, or the process's peak RSS on CPU) and wall time, means over the seeds. "
              "Rows whose protocols differ are never averaged together.", ""]
     for (task, data, metric), members in row_blocks(rows).items():
-        direction = "higher is better" if members[0]["higher_is_better"] else "lower is better"
+        direction = {True: "higher is better", False: "lower is better", None: "no better direction"}[
+            members[0]["higher_is_better"]]
         lines += [f"## {task} on {data}: {metric} ({direction})", "",
                   f"| variant | n | seeds | mean ± std | {pct} CI | min | max | best of n | vs baseline | "
                   f"difference [{pct} CI] | test | p | p (Holm) | note | params | FLOPs/sample | samples/s | "
@@ -960,7 +973,7 @@ def plot_blocks(rows: list[dict], groups: list[Group], out: Path) -> dict:
                     continue
                 err = [[y - r["ci_low"]], [r["ci_high"] - y]] if math.isfinite(r["ci_low"]) else None
                 ax.errorbar([x], [y], yerr=err, fmt="o", capsize=4, label=r["variant"])
-            front = pareto_front(xs, ys, x_lower, higher)
+            front = [] if higher is None else pareto_front(xs, ys, x_lower, higher)
             if len(front) > 1:
                 ax.plot([xs[i] for i in front], [ys[i] for i in front], "k--", lw=1, label="Pareto front")
             elif front:
@@ -969,7 +982,8 @@ def plot_blocks(rows: list[dict], groups: list[Group], out: Path) -> dict:
             if finite and max(finite) / min(finite) > 20:
                 ax.set_xscale("log")
             ax.set_xlabel(axis)
-            ax.set_ylabel(f"{metric} (mean, {'higher' if higher else 'lower'} is better)")
+            way = "" if higher is None else f", {'higher' if higher else 'lower'} is better"
+            ax.set_ylabel(f"{metric} (mean{way})")
             ax.set_title(f"{task} on {data}: error bars = confidence interval over seeds", fontsize=9)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)

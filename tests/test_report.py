@@ -1030,6 +1030,12 @@ def test_each_metric_is_judged_in_its_own_direction():
                 "mode": "min"}}
     assert not rep.higher_is_better("test/loss", modelnet) and rep.higher_is_better("test/macc", modelnet)
     assert rep.describe([0.01, 0.04, 0.02], rep.higher_is_better("test/kid", gan))["best_of_n"] == 0.01
+    # The learning rate, a spread over splits, D's mean outputs: no better direction, so no best of n (it was the
+    # largest learning rate, the widest IS spread).
+    for name in ["train/lr-SGD", "train/lr-AdamW/pg1", "test/is_std", "val/kid_std", "train/d_real", "epoch"]:
+        assert rep.higher_is_better(name, gan) is None, name
+        assert math.isnan(rep.describe([0.1, 0.3], rep.higher_is_better(name, gan))["best_of_n"])
+    assert rep.higher_is_better("test/is", gan) is True and rep.higher_is_better("test/lr_like", gan) is True
 
 
 def test_values_without_spread_get_no_test():
