@@ -573,6 +573,7 @@ class Group:
     context: tuple          # the varying keys outside attn: a row is compared only with a baseline of the same
     protocol: dict
     runs: list[Run] = field(default_factory=list)
+    lost: list[Run] = field(default_factory=list)  # its runs whose compared metric is NaN or infinite (diverged)
 
 
 def group_runs(runs: list[Run]) -> list[Group]:
@@ -697,6 +698,7 @@ def build_rows(groups: list[Group], baseline: str | None, metric: str | None, co
         values = [(r.seed, r.metrics[name]) for r in group.runs]
         row = {"task": group.task, "data": group.data, "variant": group.label, "attn": group.attn,
                "metric": name, "higher_is_better": higher, "seeds": [s for s, _ in values],
+               "lost_seeds": [r.seed for r in group.lost],
                **describe([v for _, v in values], higher, confidence), "baseline": chosen}
         base, why = find_baseline(group, groups, chosen)
         if base is group:
@@ -820,6 +822,15 @@ def fmt_p(p: float, alpha: float) -> str:
     return f"{p:.{digits}f}"
 
 
+def lost_text(row: dict) -> str:
+    """The note on a row's seeds whose compared metric was not finite (they are not in its n)."""
+    lost = row.get("lost_seeds") or []
+    if not lost:
+        return ""
+    return (f"{'; ' if row['note'] else ''}{len(lost)} more seed(s) ({', '.join(map(str, lost))}) ended with a "
+            f"non-finite {row['metric']}, not in n")
+
+
 def fmt_count(value: float, unit: str = "") -> str:
     if not math.isfinite(value):
         return "n/a"
@@ -893,7 +904,8 @@ def markdown(rows: list[dict], left_out: list[LeftOut], sources: list[str], plot
                 f"| `{r['variant']}` | {r['n']} | {', '.join(map(str, r['seeds']))} | {fmt(r['mean'], d)} ± "
                 f"{fmt(r['std'], d)} | [{fmt(r['ci_low'], d)}, {fmt(r['ci_high'], d)}] | {fmt(r['min'], d)} | "
                 f"{fmt(r['max'], d)} | {fmt(r['best_of_n'], d)} | `{r['baseline']}` | "
-                f"{'' if r['note'] == 'baseline' else fmt_diff(r)} | {r['test'] or ''} | {p or ' | '} | {r['note']} | "
+                f"{'' if r['note'] == 'baseline' else fmt_diff(r)} | {r['test'] or ''} | {p or ' | '} | {r['note']}"
+                f"{lost_text(r)} | "
                 f"{fmt_count(r['params'])} | {fmt_count(r['flops'])} | {fmt(r['train_samples_per_sec'], 1)} | "
                 f"{fmt_bytes(r['peak_memory_bytes'])} | {fmt_seconds(r['wall_time_s'])} | "
                 f"{protocol_text(r['protocol'])}{'' if r['protocol_recorded'] else ' (from config)'} |")
@@ -1059,15 +1071,19 @@ def as_list(value) -> list[str]:
     return [str(v) for v in value]
 
 
-def check_metric(runs: list[Run], left_out: list[LeftOut], metric: str | None) -> list[Run]:
-    """Runs without the compared metric are left out, by path; none with it at all is a user error."""
-    kept = []
+def check_metric(runs: list[Run], left_out: list[LeftOut], metric: str | None) -> tuple[list[Run], list[Run]]:
+    """The runs with a finite compared metric, and those whose metric is NaN or infinite (a diverged seed: its row
+    names it, :func:`set_aside_lost`); runs without it are left out, by path; none with it at all is a user
+    error."""
+    kept, lost = [], []
     for run in runs:
         name = task_metric(run, metric)
         if name in run.metrics and math.isfinite(run.metrics[name]):
             kept.append(run)
         else:
             left_out.append(LeftOut(run.path, f"no finite {name} in its metrics"))
+            if name in run.metrics:
+                lost.append(run)
     if not kept:
         available = sorted(set().union(*(r.metrics for r in runs))) if runs else []
         wanted = task_metric(runs[0], metric) if runs else metric
@@ -1078,6 +1094,21 @@ def check_metric(runs: list[Run], left_out: list[LeftOut], metric: str | None) -
                         + "; ".join(f"{x.path}: {x.reason}" for x in left_out)
                         + ". Check that these are finished runs (each metrics.json holds the test metrics that "
                         "`python run.py` printed at its end), or pass other folders to report.runs.")
+    return kept, lost
+
+
+def set_aside_lost(groups: list[Group], lost: list[Run]) -> list[Group]:
+    """Moves each group's ``lost`` runs (:func:`check_metric`) out of its runs; a group with no run left has no row.
+
+    Grouped with the others, so a diverged seed is named in the row of its variant: left out only at the end of
+    the report, a variant that diverged in 2 of 5 seeds showed the mean of its 3 survivors as its result."""
+    ids = {id(run) for run in lost}
+    kept = []
+    for group in groups:
+        group.lost = [r for r in group.runs if id(r) in ids]
+        group.runs = [r for r in group.runs if id(r) not in ids]
+        if group.runs:
+            kept.append(group)
     return kept
 
 
@@ -1124,8 +1155,8 @@ def report(cfg, api=None) -> dict:
         raise UserError(f"none of the {len(left_out)} runs found can be used: "
                         + "; ".join(f"{x.path}: {x.reason}" for x in left_out))
     metric = rc.get("metric")
-    runs = check_metric(runs, left_out, metric)
-    groups = group_runs(runs)
+    runs, lost = check_metric(runs, left_out, metric)
+    groups = set_aside_lost(group_runs(runs + lost), lost)
     left_out += one_run_per_seed(groups, runs)
     baseline = rc.get("baseline")
     check_baseline(baseline, groups)

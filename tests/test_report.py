@@ -583,6 +583,25 @@ def test_accuracy_outside_zero_one_is_left_out_naming_file_and_key(sweep, tmp_pa
     assert rep.is_fraction("val/oa_best") and rep.is_fraction("test/iou/Airplane") and not rep.is_fraction("test/fid")
 
 
+def test_a_seed_that_diverged_is_named_in_its_row(sweep, tmp_path):
+    """A run whose compared metric is NaN was only listed at the end of the report: its row showed the other seeds'
+    mean as the variant's result, with nothing to say a seed of it had diverged."""
+    out, _ = sweep
+    jobs = copy_runs(out, tmp_path / "runs")
+    nan = jobs[("self", 1)] / "metrics.json"
+    nan.write_text(json.dumps({**json.loads(nan.read_text()), "test/loss": math.nan}))
+    document = rep.report(cfg(runs=[str(tmp_path / "runs")], out=str(tmp_path / "rep"), metric="test/loss",
+                              baseline="offset"))
+    rows = {row["attn"]: row for row in document["rows"]}
+    assert rows["self"]["seeds"] == [0] and rows["self"]["lost_seeds"] == [1] and rows["offset"]["lost_seeds"] == []
+    (left,) = document["left_out"]
+    assert left["path"] == str(jobs[("self", 1)]) and "no finite test/loss" in left["reason"]
+    text = (tmp_path / "rep" / "report.md").read_text()
+    (line,) = [x for x in text.splitlines() if x.startswith("| `attn=self` |")]
+    assert "1 more seed(s) (1) ended with a non-finite test/loss, not in n" in line
+    assert "non-finite" not in next(x for x in text.splitlines() if x.startswith("| `attn=offset` |"))
+
+
 def test_runs_without_any_metric_are_listed_with_what_is_wrong(sweep, tmp_path):
     out, _ = sweep
     jobs = copy_runs(out, tmp_path / "runs")
