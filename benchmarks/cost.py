@@ -80,6 +80,14 @@ def settings(cfg: DictConfig, given: set[str] = frozenset()) -> dict:
         raise UserError(f"bench.baselines: unknown {', '.join(map(repr, bad))}; available: {', '.join(BASELINES)}.")
     out["variants"] = list(variants)
     out["baselines"] = list(out["baselines"] or [])
+    # Counts below 1 ran: bench.repeats=0 timed nothing and marked every row failed, bench.batch=0 timed empty
+    # tensors, exit code 0 both; a negative size crashed in the square check below.
+    for key in ("sizes", "channels", "batch", "repeats"):
+        values = out[key] if isinstance(out[key], list) else [out[key]]
+        if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
+            raise UserError(f"bench.{key}={out[key]!r}: give " + ("a list of positive whole numbers, e.g. "
+                            f"bench.{key}=[256,1024]" if isinstance(out[key], list) else
+                            f"a positive whole number, e.g. bench.{key}=1") + ".")
     for n in out["sizes"]:
         if "grid" in out["layouts"] and math.isqrt(n) ** 2 != n:
             raise UserError(f"bench.sizes: {n} is not a square, so no square grid holds it; use squares "
@@ -90,7 +98,33 @@ def settings(cfg: DictConfig, given: set[str] = frozenset()) -> dict:
     bad = [k for k in out["layouts"] if k not in ("grid", "points")]
     if bad:
         raise UserError(f"bench.layouts: {bad} not known; use grid and/or points.")
+    check_buildable(out)
     return out
+
+
+def check_buildable(s: dict) -> None:
+    """Every variant and baseline asked for builds at every ``bench.channels`` with its ``bench.options``: the sweep
+    left out one that did not with a log line alone, so an option's typo or a C its heads do not divide ended with
+    exit code 0 and a table without that variant (copied over the committed one with ``bench.table_dir``)."""
+    import inspect
+
+    problems = []
+    for name in [*s["variants"], *s["baselines"]]:
+        if name in BASELINES:  # a baseline takes its variant's options: attention.build's check does not see it
+            accepted = set(inspect.signature(BASELINES[name][0]).parameters) - {"dim"}
+            if unknown := sorted(set((s["options"] or {}).get(name) or {}) - accepted):
+                problems.append(f"baseline {name!r} has no option {', '.join(unknown)} (its options: "
+                                f"{', '.join(sorted(accepted))})")
+                continue
+        for c in s["channels"]:
+            try:
+                build_mixer(name, c, s["options"])
+            except UserError as err:
+                problems.append(f"{name} at C={c}: {str(err).rstrip('.')}")
+    if problems:
+        raise UserError("bench: these cannot be built, so the table would leave them out: " + "; ".join(problems)
+                        + ". Fix bench.options (e.g. bench.options={dilated:{heads:4}}), give bench.channels that "
+                        "each variant's heads divide (e.g. [64, 256]), or leave the variant out of bench.variants.")
 
 
 def pick_device(name: str) -> torch.device:

@@ -294,15 +294,19 @@ def check_same_run(run_dir: Path, identity: dict) -> None:
 def slurm_restart(run_dir: Path) -> bool:
     """Whether this is a SLURM job started again (requeued) in its run directory, which then resumes as with
     resume=true: under SLURM (as Lightning detects it), with Lightning's ``hpc_ckpt_*.ckpt`` in the directory, or in
-    the job's own ``slurm-<job id>-<command digest>`` directory (:func:`run_stamp`) holding its checkpoints (a job
-    requeued without the SIGUSR1 warning, e.g. on pre-emption or a node failure)."""
+    the job's own ``slurm-<job id>-<command digest>`` directory (:func:`run_stamp`) holding its checkpoints, or in
+    any directory holding them once SLURM has requeued the job (``SLURM_RESTART_COUNT`` > 0: the same job id and
+    command, so the same directory). The last two are a job requeued without the SIGUSR1 warning, on pre-emption or
+    a node failure; without the third, a ``hydra/launcher=slurm`` job (``<sweep dir>/<n>_<task>_<attn>``) or a
+    script's ``hydra.run.dir=`` run requeued so was refused as a fresh run in another run's directory (exit 2)."""
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
     if not SLURMEnvironment.detect():
         return False
     run_dir = Path(run_dir)
     own = run_dir.name == run_stamp()
-    return any(run_dir.glob("hpc_ckpt_*.ckpt")) or (own and bool(results_in(run_dir)))
+    requeued = os.environ.get("SLURM_RESTART_COUNT", "0").strip() not in ("", "0")  # SLURM's count of requeues
+    return any(run_dir.glob("hpc_ckpt_*.ckpt")) or ((own or requeued) and bool(results_in(run_dir)))
 
 
 def claim(folder: Path) -> Path:

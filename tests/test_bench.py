@@ -89,6 +89,42 @@ def test_over_budget_sizes_are_skipped_and_marked_without_running(monkeypatch, o
     assert big["flops"] == fake["flops"]  # counted on fake tensors all the same
 
 
+def bench_settings(*overrides: str) -> dict:
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return cost.settings(compose("config", overrides=["mode=bench", *overrides]))
+
+
+def test_bench_options_are_taken_and_a_variant_that_cannot_be_built_is_refused():
+    """bench.options={dilated:{heads:4}}, configs/bench/default.yaml's own example, composes (Hydra refused it,
+    adding a key to a {}) and builds dilated with 4 heads. An option's typo, or a C the heads do not divide, is refused
+    at the start: the sweep left such a variant out of the table with a log line, and the run exited 0."""
+    from attention.errors import UserError
+
+    s = bench_settings("bench.options={dilated:{heads:4},materialised:{heads:2}}", "bench.channels=[64]")
+    assert cost.build_mixer("dilated", 64, s["options"]).heads == 4
+    assert cost.build_mixer("materialised", 64, s["options"]).heads == 2
+    assert cost.build_mixer("self", 64, s["options"]).heads == 4  # configs/attn/self.yaml's, as given
+    for overrides, needle in ((["bench.options={external:{head:2}}"], "attn.head"),
+                              (["bench.options={materialised:{bogus:1}}"], "no option bogus"),
+                              (["bench.channels=[63]", "bench.variants=[self]", "bench.baselines=[]"],
+                               "self at C=63")):
+        with pytest.raises(UserError, match=needle):
+            bench_settings(*overrides)
+
+
+@pytest.mark.parametrize("override", ["bench.sizes=[-4]", "bench.sizes=[]", "bench.channels=[0]", "bench.batch=0",
+                                      "bench.repeats=0"])
+def test_bench_counts_below_one_are_refused(override):
+    """bench.repeats=0 ran, timed nothing and marked every row failed; bench.batch=0 timed empty tensors (exit code 0
+    both); bench.sizes=[-4] crashed with a traceback."""
+    from attention.errors import UserError
+
+    with pytest.raises(UserError, match=override.split("=")[0].replace(".", r"\.")):
+        bench_settings(override)
+
+
 def test_baselines_compute_what_their_variants_compute():
     x = torch.randn(2, 64, 32, generator=torch.Generator().manual_seed(0))
     for name, (cls, like) in BASELINES.items():

@@ -375,3 +375,27 @@ def test_the_requeue_signal_saves_at_a_step_boundary(tmp_path, monkeypatch):
     saved = torch.load(tmp_path / "hpc_ckpt_1.ckpt", map_location="cpu", weights_only=True)
     assert saved["global_step"] == 3
     assert (saved["state_dict"]["a"].item(), saved["state_dict"]["b"].item()) == module.after[3]
+
+
+def test_a_job_requeued_without_the_warning_resumes_in_its_sweep_directory(tmp_path, monkeypatch):
+    """Pre-emption or a node failure: SLURM requeues the job (SLURM_RESTART_COUNT=1) with no SIGUSR1 before, so no
+    hpc checkpoint, only the last.ckpt its SIGTERM wrote. In a hydra/launcher=slurm job's directory
+    (<sweep>/<n>_<task>_<attn>, not slurm-<job id>-<digest>) the requeued job was refused as a fresh run in another
+    run's directory (exit 2); it continues the run. The same directory before any requeue is still refused."""
+    from attention.errors import UserError
+    from suite.run_dirs import check_fresh_run, slurm_restart
+
+    for name in [k for k in os.environ if k.startswith(("SLURM_", "SUBMITIT_"))]:
+        monkeypatch.delenv(name)
+    for name, value in SLURM_VARS.items():
+        monkeypatch.setenv(name, value)
+    run_dir = tmp_path / "0_modelnet_external"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "last.ckpt").write_bytes(b"")
+    assert not slurm_restart(run_dir)  # the job's first start: the directory holds another run's results
+    with pytest.raises(UserError, match="holds another run's results"):
+        check_fresh_run(run_dir, resume=False, ckpt_path=None, overwrite=False, slurm_restart=slurm_restart(run_dir))
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert slurm_restart(run_dir)
+    check_fresh_run(run_dir, resume=False, ckpt_path=None, overwrite=False, slurm_restart=slurm_restart(run_dir))
+    assert not slurm_restart(tmp_path / "1_modelnet_self")  # requeued, but nothing of this run to resume
