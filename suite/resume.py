@@ -166,6 +166,7 @@ def warn_tested_recipe(cfg, ckpt: str) -> None:
     if (saved := run_config_of(ckpt)) is None or (found := recipe_differences(cfg, saved, training=False)) is None:
         return
     before, now, given, differ = found
+    warn_tested_seed(cfg, saved, ckpt)
     # the network and its task's computation; data values are mostly the training split's (its augmentation, size)
     named = sources([k for k in differ if k.startswith(("model.", "task."))], given)
     if named:
@@ -173,6 +174,48 @@ def warn_tested_recipe(cfg, ckpt: str) -> None:
                     "trained, pass its values (%s).", ckpt, saved.parent,
                     ", ".join(f"{n}={before[k]!r} (this command: {now[k]!r})" for n, k in named.items()),
                     " ".join(f"{n}={before[k]}" for n, k in named.items()))
+
+
+# Point-cloud data sets whose splits are generated from ``seed`` (no files): another seed, another test set.
+GENERATED_POINT_SETS = ("datamodules.points.shapes.Shapes", "datamodules.partseg.parts.Parts")
+
+
+def seed_decides_the_test(cfg) -> list[str]:
+    """What ``seed`` decides in a point-cloud test (``task=modelnet``/``shapenet``) under ``cfg``: the generated test
+    set (data=shapes, data=parts), the points each ShapeNet-part shape is scored on (datamodules.partseg.base: drawn
+    from ``(seed, split, index)``), the votes' scales (tasks.voting); [] when nothing (ModelNet40 files, one pass),
+    or another task."""
+    task = str((cfg.get("task") or {}).get("name"))
+    if task not in ("modelnet", "shapenet"):
+        return []
+    reasons = []
+    if str((cfg.get("data") or {}).get("_target_")) in GENERATED_POINT_SETS:
+        reasons.append("the generated test set itself (another seed, other shapes)")
+    elif task == "shapenet":
+        reasons.append("which points of each test shape are scored (data.npoints drawn per shape from the seed)")
+    if int(((cfg.get("eval") or {}).get("votes")) or 1) > 1:
+        reasons.append("the random scales of the eval.votes votes")
+    return reasons
+
+
+def warn_tested_seed(cfg, saved: Path, ckpt: str) -> None:
+    """Warn when a point-cloud test (mode=test/eval) runs under another ``seed`` than its checkpoint's run and the
+    seed decides its numbers (:func:`seed_decides_the_test`). ``seed`` is an operational option, never compared
+    (the test command's own seed is its default, 42, unless given): `mode=test ckpt_path=<a seed-0 run's best>`
+    scored the network on another generated test set, other ShapeNet points or other votes than its run's own
+    test, and exited 0 with other numbers than that run's metrics.json, saying nothing."""
+    from omegaconf import OmegaConf
+
+    try:
+        trained = OmegaConf.load(saved).get("seed")
+    except Exception:  # noqa: BLE001 - missing or unreadable: nothing to compare
+        return
+    now = cfg.get("seed")
+    if trained is None or now is None or trained == now or not (reasons := seed_decides_the_test(cfg)):
+        return
+    log.warning("%s is tested under seed=%s, its run (%s) under seed=%s; the seed decides %s, so this test does "
+                "not repeat its run's. To test it as its run did, pass seed=%s.", ckpt, now, saved.parent, trained,
+                "; ".join(reasons), trained)
 
 
 def check_same_recipe(cfg, run_dir: Path, *, resume: bool, slurm_restart: bool) -> None:

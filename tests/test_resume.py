@@ -437,6 +437,52 @@ def test_what_a_resumed_run_may_change():
 
 
 
+@pytest.mark.parametrize("case", ["parts", "shapes", "shapenet_part", "voted_modelnet40", "modelnet40", "same_seed",
+                                  "segmentation"])
+def test_a_point_test_under_another_seed_says_what_the_seed_decides(tmp_path, caplog, case):
+    """`mode=test ckpt_path=<a seed-0 run's checkpoint>` runs under the command's own seed (42 unless given), which
+    is never compared with the run's (an operational option). Where the seed decides the test (the generated test
+    set of data=shapes/parts, the points of each ShapeNet-part shape, the votes' scales), the test scored the
+    network on other shapes, points or votes than its run's own test and exited 0 with other numbers, saying
+    nothing (a parts_demo network: test/imiou 0.0976 against its run's 0.1000). Now it says so, naming seed=0."""
+    import logging
+
+    from omegaconf import OmegaConf
+
+    from suite.resume import warn_tested_recipe
+
+    data = {"parts": ("datamodules.partseg.parts.Parts", "shapenet"),
+            "shapes": ("datamodules.points.shapes.Shapes", "modelnet"),
+            "shapenet_part": ("datamodules.partseg.shapenet_part.ShapeNetPart", "shapenet"),
+            "voted_modelnet40": ("datamodules.points.modelnet40.ModelNet40", "modelnet"),
+            "modelnet40": ("datamodules.points.modelnet40.ModelNet40", "modelnet"),
+            "same_seed": ("datamodules.partseg.parts.Parts", "shapenet"),
+            "segmentation": ("datamodules.segmentation.blobs.Blobs", "segmentation")}
+    target, task = data[case]
+    votes = 10 if case == "voted_modelnet40" else 1
+
+    def config(seed):
+        return OmegaConf.create({"seed": seed, "task": {"name": task, "seed": seed}, "eval": {"votes": votes},
+                                 "data": {"_target_": target, "seed": seed}, "model": {}})
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    OmegaConf.save(config(0), run / "resolved_config.yaml")
+    ckpt = run / "checkpoints" / "best.ckpt"
+    ckpt.touch()
+    with caplog.at_level(logging.WARNING, logger="suite.resume"):
+        warn_tested_recipe(config(0 if case == "same_seed" else 42), str(ckpt))
+    said = [r.getMessage() for r in caplog.records if "is tested under seed=" in r.getMessage()]
+    if case in ("modelnet40", "same_seed", "segmentation"):  # the seed decides nothing here (or is the same)
+        assert not said
+        return
+    (said,) = said
+    assert f"{ckpt} is tested under seed=42, its run ({run}) under seed=0" in said and "pass seed=0." in said
+    decides = {"parts": "generated test set", "shapes": "generated test set", "shapenet_part": "which points",
+               "voted_modelnet40": "eval.votes"}[case]
+    assert decides in said
+
+
 def test_the_recipe_compares_credentials_as_they_were_written(tmp_path, monkeypatch):
     """resolved_config.yaml holds credentials redacted (suite/secrets.py): this run's values are compared in that
     form, so an option holding a token, or the value of a credential-like variable, does not differ from itself.
