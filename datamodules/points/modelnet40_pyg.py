@@ -1,9 +1,13 @@
 """ModelNet40 meshes through torch-geometric (config ``modelnet40_pyg``).
 
 Reads the Princeton OFF meshes through ``torch_geometric.datasets.ModelNet`` and samples ``npoints``
-points on the surfaces, area-weighted, on every access (so test points are resampled each epoch too); each
-sampled cloud is centred and scaled to the unit sphere, as the HDF5 release's are (the meshes have arbitrary
-units and offsets)::
+points on the surfaces, area-weighted, on every access; each sampled cloud is centred and scaled to the unit
+sphere, as the HDF5 release's are (the meshes have arbitrary units and offsets). Training clouds are new every
+epoch (torch's generator, seeded per worker). Evaluation clouds (test, and a ``val_fraction`` held out of train)
+are drawn from a generator of their own seeded by ``(seed, split, index)`` (:func:`draw_seed`): the same points in
+every epoch, run, process count and worker count, as the other point data sets' evaluation samples. They were
+drawn from the global generator, so every validation scored other points, a test under two processes scored other
+points than one process, and ``mode=test`` of a checkpoint other points than its run's own test::
 
     <root>/raw/<category>/train/<category>_0001.off ...   40 category folders
     <root>/raw/<category>/test/<category>_0627.off ...
@@ -17,31 +21,53 @@ validation protocol.
 
 from __future__ import annotations
 
+import copy
 import glob
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from attention.errors import UserError
-from datamodules.base import DataError
+from datamodules.base import SPLITS, DataError
 from datamodules.formats.pyg import PyGRaw, mesh_problems
 from datamodules.points.base import PointCloudDataModule, PointSource
 from datamodules.points.modelnet40 import MODELNET40_CLASSES
 from datamodules.points.ops import unit_sphere
 
 
+def draw_seed(key: tuple[int, ...], index: int) -> int:
+    """The torch seed an evaluation cloud is sampled with: a function of ``key`` (seed, split) and the row
+    ``index`` alone."""
+    return int(np.random.SeedSequence([*key, int(index)]).generate_state(1, np.uint64)[0] % 2**63)
+
+
 class PyGSource:
     """A torch-geometric dataset seen as a :class:`~datamodules.points.base.PointSource`, restricted to
-    the meshes ``keep`` (default: all); each sampled cloud centred and scaled to the unit sphere."""
+    the meshes ``keep`` (default: all); each sampled cloud centred and scaled to the unit sphere. ``key``:
+    None samples from torch's global generator (training: new points every access); a tuple of ints samples row
+    ``index`` with a generator seeded by :func:`draw_seed` (evaluation: the same points every time)."""
 
-    def __init__(self, dataset, keep: np.ndarray | None = None):
+    def __init__(self, dataset, keep: np.ndarray | None = None, key: tuple[int, ...] | None = None):
         self.dataset = dataset
         labels = dataset._data.y.numpy().astype(np.int64).reshape(-1)  # (n,); no transform runs
         self.index = np.arange(len(labels)) if keep is None else np.flatnonzero(keep)
         self.labels = labels[self.index]
+        self.key = key
+
+    def seeded(self, key: tuple[int, ...]) -> PyGSource:
+        """The same meshes, each sampled the same way on every access (``key``: seed, split)."""
+        source = copy.copy(self)
+        source.key = tuple(int(k) for k in key)
+        return source
 
     def points(self, index: int) -> np.ndarray:
-        pos = self.dataset[int(self.index[index])].pos.numpy()  # (npoints, 3), freshly sampled, in mesh units
+        if self.key is None:
+            pos = self.dataset[int(self.index[index])].pos.numpy()  # (npoints, 3), freshly sampled, in mesh units
+        else:  # PyG's SamplePoints draws from torch's global CPU generator: a seeded one here, put back after
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(draw_seed(self.key, index))
+                pos = self.dataset[int(self.index[index])].pos.numpy()
         # float64: a mesh in huge units still gives finite unit-sphere points.
         return unit_sphere(pos.astype(np.float64), np.array([0, len(pos)]))
 
@@ -122,3 +148,10 @@ class ModelNet40PyG(PyGRaw, PointCloudDataModule):
 
     def _load(self) -> tuple[PointSource, None, PointSource]:
         return self._source(train=True), None, self._source(train=False)
+
+    def _build(self) -> None:
+        """The splits of the base class, the evaluation ones sampled from ``(seed, split, index)``."""
+        super()._build()
+        self.test_set.source = self.test_set.source.seeded((self.seed, SPLITS["test"]))
+        if self.val_set is not self.test_set:  # a val_fraction held out of the train meshes
+            self.val_set.source = self.val_set.source.seeded((self.seed, SPLITS["val"]))

@@ -10,7 +10,9 @@ import torch
 
 from attention.errors import UserError
 from datamodules import ModelNet40, ModelNet40PyG
+from datamodules.base import SPLITS
 from datamodules.points.modelnet40 import HDF5_FOLDER, MODELNET40_CLASSES
+from datamodules.points.modelnet40_pyg import draw_seed
 from datamodules.points.ops import augment_points, unit_sphere
 
 
@@ -340,9 +342,8 @@ def test_pyg_processes_offline_and_follows_the_batch_contract(pyg_root):
     assert torch.allclose(pts.norm(dim=2).amax(dim=1), torch.ones(3), atol=1e-6)
     source = dm.test_set.source
     for i in range(3):  # sampled on the right surface: PyG's cloud in mesh units, the same draw (seed) as the sample
-        torch.manual_seed(i)
+        torch.manual_seed(draw_seed((dm.seed, SPLITS["test"]), i))
         cloud, label = source.dataset[int(source.index[i])].pos, int(source.labels[i])
-        torch.manual_seed(i)
         assert np.allclose(dm.test_set[i]["points"], unit_sphere(cloud.double().numpy(), [0, 128]), atol=1e-6)
         if label == 1:  # cube: one coordinate at +-1
             assert torch.allclose(cloud.abs().max(dim=1).values, torch.ones(128), atol=1e-5)
@@ -354,6 +355,34 @@ def test_pyg_processes_offline_and_follows_the_batch_contract(pyg_root):
             assert residual.max() < 1e-5
     train = next(iter(dm.train_dataloader()))
     assert train["points"].shape == (4, 128, 3) and train["label"].shape == (4,)
+
+
+@pytest.mark.parametrize("val_fraction", [0.0, 0.5])
+def test_pyg_evaluation_clouds_are_the_same_on_every_pass(pyg_root, val_fraction):
+    """The test clouds (and a val_fraction's) were sampled on the meshes from torch's global generator: every
+    validation scored other points, two processes (each seeded apart) other points than one, and `mode=test` other
+    points than its run's test. Now each is drawn from (seed, split, index): the same whatever the global
+    generator, other for another shape or seed; training clouds stay new on every access."""
+    def clouds(dm, split, seed):
+        torch.manual_seed(seed)
+        return next(iter(getattr(dm, f"{split}_dataloader")()))["points"]
+
+    dm = ModelNet40PyG(root=str(pyg_root), npoints=64, eval_batch_size=3, augment=False, val_fraction=val_fraction)
+    dm.setup()
+    for split in ("test", "val"):
+        first = clouds(dm, split, 0)
+        assert torch.equal(first, clouds(dm, split, 1)), split
+        assert not torch.equal(first[0], first[1])
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    dm.test_set[0]
+    assert torch.equal(torch.get_rng_state(), state)  # the global generator is left as it was
+    other = ModelNet40PyG(root=str(pyg_root), npoints=64, eval_batch_size=3, augment=False, seed=1,
+                          val_fraction=val_fraction)
+    other.setup()
+    assert not torch.equal(clouds(other, "test", 0), clouds(dm, "test", 0))
+    train = dm.train_set
+    assert not torch.equal(train[0]["points"], train[0]["points"])
 
 
 def test_pyg_augments_train_only(pyg_root):

@@ -112,10 +112,12 @@ def test_modelnet_pyg_clouds_are_on_the_unit_sphere_whatever_the_mesh_units(pyg_
     dm.setup()
     assert dm.test_set.labels[:2].tolist() == [0, 1]
     clouds = []
+    unseeded = dm.test_set.source.seeded((0,))
+    unseeded.key = None  # from torch's generator (a test cloud's own seed is its index's: another draw per mesh)
     for i in range(2):
         torch.manual_seed(0)  # the same draw of faces and barycentric weights for both meshes
-        clouds.append(dm.test_set[i]["points"])
-    for cloud in clouds:
+        clouds.append(torch.from_numpy(unseeded.points(i)).float())
+    for cloud in [*clouds, dm.test_set[0]["points"], dm.test_set[1]["points"]]:
         assert torch.allclose(cloud.mean(dim=0), torch.zeros(3), atol=1e-6)
         assert abs(float(cloud.norm(dim=1).max()) - 1) < 1e-6
     assert torch.allclose(clouds[0], clouds[1], atol=1e-5)
