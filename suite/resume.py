@@ -183,8 +183,8 @@ GENERATED_POINT_SETS = ("datamodules.points.shapes.Shapes", "datamodules.partseg
 def seed_decides_the_test(cfg) -> list[str]:
     """What ``seed`` decides in a point-cloud test (``task=modelnet``/``shapenet``) under ``cfg``: the generated test
     set (data=shapes, data=parts), the points each ShapeNet-part shape is scored on (datamodules.partseg.base: drawn
-    from ``(seed, split, index)``), the votes' scales (tasks.voting); [] when nothing (ModelNet40 files, one pass),
-    or another task."""
+    from ``(seed, split, index)``), the points sampled on each ModelNet40 mesh (data=modelnet40_pyg), the votes'
+    scales (tasks.voting); [] when nothing (the ModelNet40 HDF5 files, one pass), or another task."""
     task = str((cfg.get("task") or {}).get("name"))
     if task not in ("modelnet", "shapenet"):
         return []
@@ -193,6 +193,8 @@ def seed_decides_the_test(cfg) -> list[str]:
         reasons.append("the generated test set itself (another seed, other shapes)")
     elif task == "shapenet":
         reasons.append("which points of each test shape are scored (data.npoints drawn per shape from the seed)")
+    elif str((cfg.get("data") or {}).get("_target_")) == "datamodules.points.modelnet40_pyg.ModelNet40PyG":
+        reasons.append("the points sampled on each test mesh")
     if int(((cfg.get("eval") or {}).get("votes")) or 1) > 1:
         reasons.append("the random scales of the eval.votes votes")
     return reasons

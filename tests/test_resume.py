@@ -437,8 +437,8 @@ def test_what_a_resumed_run_may_change():
 
 
 
-@pytest.mark.parametrize("case", ["parts", "shapes", "shapenet_part", "voted_modelnet40", "modelnet40", "same_seed",
-                                  "segmentation"])
+@pytest.mark.parametrize("case", ["parts", "shapes", "shapenet_part", "modelnet40_pyg", "voted_modelnet40",
+                                  "modelnet40", "same_seed", "segmentation"])
 def test_a_point_test_under_another_seed_says_what_the_seed_decides(tmp_path, caplog, case):
     """`mode=test ckpt_path=<a seed-0 run's checkpoint>` runs under the command's own seed (42 unless given), which
     is never compared with the run's (an operational option). Where the seed decides the test (the generated test
@@ -454,6 +454,7 @@ def test_a_point_test_under_another_seed_says_what_the_seed_decides(tmp_path, ca
     data = {"parts": ("datamodules.partseg.parts.Parts", "shapenet"),
             "shapes": ("datamodules.points.shapes.Shapes", "modelnet"),
             "shapenet_part": ("datamodules.partseg.shapenet_part.ShapeNetPart", "shapenet"),
+            "modelnet40_pyg": ("datamodules.points.modelnet40_pyg.ModelNet40PyG", "modelnet"),
             "voted_modelnet40": ("datamodules.points.modelnet40.ModelNet40", "modelnet"),
             "modelnet40": ("datamodules.points.modelnet40.ModelNet40", "modelnet"),
             "same_seed": ("datamodules.partseg.parts.Parts", "shapenet"),
@@ -479,7 +480,7 @@ def test_a_point_test_under_another_seed_says_what_the_seed_decides(tmp_path, ca
     (said,) = said
     assert f"{ckpt} is tested under seed=42, its run ({run}) under seed=0" in said and "pass seed=0." in said
     decides = {"parts": "generated test set", "shapes": "generated test set", "shapenet_part": "which points",
-               "voted_modelnet40": "eval.votes"}[case]
+               "modelnet40_pyg": "each test mesh", "voted_modelnet40": "eval.votes"}[case]
     assert decides in said
 
 
