@@ -106,7 +106,7 @@ SELECTION = ("checkpoint", "selected_on", "selected_on_part")  # how the tested 
 
 
 def protocol(config: dict, tested: str | None = None, val_is_test: bool | None = None,
-             chosen_in: dict | None = None) -> dict:
+             chosen_in: dict | None = None, world_size: int = 1) -> dict:
     """The evaluation protocol of a run, from its resolved config and the checkpoint it tested.
 
     Runs whose protocols differ are never averaged together by ``mode=report``. Keys: ``checkpoint`` (see
@@ -119,15 +119,16 @@ def protocol(config: dict, tested: str | None = None, val_is_test: bool | None =
     the config, which misses a data set's defaults: ``data=shapes data.val_per_class=0`` validates on the test
     split with no ``val_fraction`` in its config). ``chosen_in``: the protocol of the run that chose the tested
     checkpoint, where that is another run (``mode=test``, :func:`checkpoint_origin`): its monitor, split and
-    part of it decide ``checkpoint``, ``selected_on`` and ``selected_on_part``, not this command's.
+    part of it decide ``checkpoint``, ``selected_on`` and ``selected_on_part``, not this command's. ``world_size``:
+    the run's processes, which a part of a split depends on (:func:`tested_part`).
     """
     task = (config.get("task") or {}).get("name")
     data = config.get("data") or {}
     p = {"checkpoint": checkpoint_choice(config, tested)}
     trainer = config.get("trainer") or {}
-    if (part := tested_part(trainer)) is not None:
+    if (part := tested_part(trainer, world_size=world_size)) is not None:
         p["tested_part"] = part
-    if (part := tested_part(trainer, "limit_val_batches")) is not None:
+    if (part := tested_part(trainer, "limit_val_batches", world_size)) is not None:
         p["selected_on_part"] = part  # the checkpoint chosen on part of the validation split
     on_val = test_split_is_val(config)
     if val_is_test is None:
@@ -256,19 +257,26 @@ def tested_checkpoint(path: str, with_config: bool = False) -> dict:
     return out
 
 
-def tested_part(trainer: dict, key: str = "limit_test_batches") -> str | None:
+def tested_part(trainer: dict, key: str = "limit_test_batches", world_size: int = 1) -> str | None:
     """What part of the test split a run's test metrics cover, when not all of it (``trainer.limit_test_batches``,
     ``trainer.fast_dev_run``), else None; with ``key="limit_val_batches"``, of the validation split its checkpoint
     was chosen on. Such metrics were recorded as the whole split's, and ``mode=report`` averaged them with
-    whole-split runs; a protocol key keeps them apart and says so."""
+    whole-split runs; a protocol key keeps them apart and says so. Under DDP the limit is each process's, on its
+    strided share of the split: 2 batches under 2 processes are 4 batches of other samples than the first 2, so the
+    part names the process count (``world_size``) and is not averaged with one process's."""
     fast = trainer.get("fast_dev_run")
     if fast:
-        return "1 batch (trainer.fast_dev_run)" if fast is True else f"{int(fast)} batches (trainer.fast_dev_run)"
+        part = "1 batch" if fast is True else f"{int(fast)} batches"
+        return f"{part} (trainer.fast_dev_run)" if world_size == 1 else (
+            f"{part} of each of {world_size} processes' shares (trainer.fast_dev_run)")
     limit = trainer.get(key)
     if limit is None or (isinstance(limit, float) and limit >= 1.0):
         return None
     if not limit:
         return f"no batches (trainer.{key}=0)"
+    if world_size > 1:
+        share = f"{limit:.0%} of the batches" if isinstance(limit, float) else f"{int(limit)} batches"
+        return f"{share} of each of {world_size} processes' shares (trainer.{key}={limit:g})"
     if isinstance(limit, float):
         return f"first {limit:.0%} of the batches (trainer.{key}={limit:g})"
     return f"first {int(limit)} batches (trainer.{key}={int(limit)})"
@@ -400,11 +408,11 @@ def eager_networks(compiled: bool):
 
 def record(module, config: dict, tested: str | None, device_type: str, wall_time: float, meter=None,
            compiler=None, code: list | None = None, settings: list | None = None, val_is_test: bool | None = None,
-           chosen_in: dict | None = None) -> dict:
+           chosen_in: dict | None = None, world_size: int = 1) -> dict:
     """The fields above for ``metrics.json`` (``wall_time``: the run's seconds, ``wall_time_s``; ``compiler``:
     the run's ``suite.compile.CompileNetworks``, or None when it compiled nothing; ``code``: the code version of
     each of the run's parts, ``settings``: each part's where they changed, :func:`provenance`; ``val_is_test``
-    and ``chosen_in``: :func:`protocol`'s)."""
+    ``chosen_in`` and ``world_size``: :func:`protocol`'s)."""
     out: dict = {"wall_time_s": wall_time}
     try:
         out["peak_memory_bytes"], out["peak_memory_source"] = peak_memory(device_type)
@@ -418,7 +426,7 @@ def record(module, config: dict, tested: str | None, device_type: str, wall_time
             out.update(count_cost(module))
     except Exception as err:  # noqa: BLE001
         log.warning("params/FLOPs not recorded in metrics.json: %s", err)
-    out["protocol"] = protocol(config, tested, val_is_test, chosen_in)
+    out["protocol"] = protocol(config, tested, val_is_test, chosen_in, world_size)
     if tested:
         try:
             out["tested"] = tested_checkpoint(tested, with_config=config.get("mode") in ("test", "eval"))

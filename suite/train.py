@@ -445,7 +445,7 @@ def write_metrics(metrics: dict, module, config: dict, tested: str | None, train
     from suite.run_record import record
 
     extra = record(module, config, tested, trainer.strategy.root_device.type, wall_time, meter, compiler, code,
-                   settings, val_is_test, chosen_in)
+                   settings, val_is_test, chosen_in, trainer.world_size)
     atomic_write_text(out_dir / "metrics.json", json.dumps({**metrics, **extra}, indent=2) + "\n")
     print("\n".join(f"{k:>24} {v:.4f}" for k, v in metrics.items()))
     print("\n".join(f"{k:>24} {v:.6g}" for k, v in extra.items() if isinstance(v, (int, float))))

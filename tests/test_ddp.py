@@ -32,7 +32,8 @@ RANK_METRICS = re.compile(r"rank (\d+) metrics: (\{.*\})")
 CASES = {
     # 3 classes x 3 = 9 validation and 9 test shapes
     "modelnet": [*TINY, "data.num_classes=3", "data.train_per_class=8", "data.val_per_class=3",
-                 "data.test_per_class=3", "data.eval_batch_size=2", "trainer.max_epochs=2", "optim.scale_lr=linear"],
+                 "data.test_per_class=3", "data.eval_batch_size=2", "trainer.max_epochs=2", "optim.scale_lr=linear",
+                 "++trainer.limit_val_batches=2"],
     "shapenet": ["experiment=parts_demo", "data.num_categories=3", "data.train_per_category=4",
                  "data.val_per_category=3", "data.test_per_category=3", "data.npoints=64", "data.batch_size=4",
                  "data.eval_batch_size=2", "trainer.max_epochs=2", "trainer.enable_progress_bar=false"],
@@ -95,6 +96,10 @@ def test_two_process_ddp(task, env, tmp_path):
             if key in written:
                 assert written[key] == pytest.approx(validated[key], rel=1e-5, abs=1e-6), key
         assert "val/fid" in written
+    if task == "modelnet":  # the checkpoint was chosen on 2 batches of each process's share: 4 batches, strided
+        part = "2 batches of each of 2 processes' shares (trainer.limit_val_batches=2)"
+        assert json.loads((out / "metrics.json").read_text())["protocol"]["selected_on_part"] == part
+        assert alone["protocol"]["selected_on_part"] == part  # the test of its checkpoint, from the run's record
     if task == "modelnet":  # optim.scale_lr=linear: 2 processes x batch 4 = 8, twice the batch lr=0.01 was set for
         state = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
         assert state["hyper_parameters"]["optim"]["optimizer"]["lr"] == pytest.approx(0.02)

@@ -857,6 +857,14 @@ def test_a_test_of_part_of_the_split_says_so_in_its_protocol():
                           ({"fast_dev_run": 2}, "2 batches (trainer.fast_dev_run)"),
                           ({"fast_dev_run": False, "limit_test_batches": 1.0}, None)):
         assert protocol({**base, "trainer": trainer}).get("tested_part") == part, trainer
+    # Under DDP a limit is each process's, on its strided share: not the first batches, and more of them.
+    for trainer, part in (({"limit_test_batches": 3}, "3 batches of each of 2 processes' shares "
+                           "(trainer.limit_test_batches=3)"),
+                          ({"limit_test_batches": 0.25}, "25% of the batches of each of 2 processes' shares "
+                           "(trainer.limit_test_batches=0.25)"),
+                          ({"fast_dev_run": True}, "1 batch of each of 2 processes' shares (trainer.fast_dev_run)"),
+                          ({"limit_test_batches": 1.0}, None)):
+        assert protocol({**base, "trainer": trainer}, world_size=2).get("tested_part") == part, trainer
     gan = {"task": {"name": "gan"}, "trainer": {"limit_test_batches": 2}, "metrics": {}, "eval": {}}
     assert protocol(gan)["tested_part"] == "first 2 batches (trainer.limit_test_batches=2)"
     # The checkpoint chosen on part of the validation split says so too.
