@@ -15,7 +15,8 @@ lr 5e-4 x global batch / 512 (``optim.scale_lr=linear``,
 ``optim.base_batch_size=512``), weight decay 0.05 except on norms, biases and
 position embeddings (``filter_bias_and_bn`` and the net's
 ``no_weight_decay()``), cosine decay per epoch after a linear warm-up (with
-``optim.scheduler.step_on_epochs=false``, after every update: timm's ``--sched-on-updates``). Drop
+``optim.scheduler.step_on_epochs=false``, after every update: timm's ``--sched-on-updates``; ``sched=plateau``
+after each validation, on the monitored metric). Drop
 path comes from ``model.drop_path_rate``. ``ema.enabled=true`` keeps
 ``timm.utils.ModelEmaV3`` weights (in the checkpoint, as ``ema.module.*``),
 and validation and test then score the EMA weights.
@@ -81,9 +82,8 @@ class ImageClassification(Task):
     @classmethod
     def check_config(cls, cfg) -> None:
         """Before any data is read (suite/validate.py): Mixup/CutMix pair each image with another of its batch."""
-        scheduler = (cfg.get("optim") or {}).get("scheduler")
-        if scheduler:  # a schedule timm cannot step per update, refused before data
-            per_update_schedule(dict(scheduler))
+        # a schedule or an optimiser timm would refuse, or a cool-down training never reaches: before data
+        check_factories(cfg.get("optim") or {}, (cfg.get("trainer") or {}).get("max_epochs"))
         mixup, batch = (cfg.task.get("mixup") or {}), cfg.data.get("batch_size")
         if mixup.get("enabled", True) and isinstance(batch, int) and batch % 2:
             raise UserError(f"Mixup/CutMix (task.mixup) needs an even batch: data.batch_size={batch}. Use an even "
@@ -256,11 +256,20 @@ class ImageClassification(Task):
             return optimizer
         scheduler_cfg = dict(optim["scheduler"])
         self._per_update = per_update_schedule(scheduler_cfg)
+        plateau = scheduler_cfg.get("sched") == "plateau"
+        monitor = self.hparams.get("monitor") or {}
+        if plateau:  # timm's default plateau_mode is max: a monitored loss must shrink, not grow
+            scheduler_cfg.setdefault("plateau_mode", monitor.get("mode", "max"))
         scheduler = instantiate(scheduler_cfg)(optimizer)
         if isinstance(scheduler, tuple):  # timm's create_scheduler_v2 returns (scheduler, epochs)
             scheduler = scheduler[0]
-        interval = "step" if self._per_update else "epoch"
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": interval}}
+        config = {"scheduler": scheduler, "interval": "step" if self._per_update else "epoch"}
+        if plateau:
+            # timm's plateau only reduces the rate when stepped with a metric: Lightning passes one (the run's
+            # monitor, after validation) to lr_scheduler_step only for a scheduler marked reduce_on_plateau. An
+            # epoch without validation (trainer.check_val_every_n_epoch > 1) is skipped with Lightning's warning.
+            config.update(reduce_on_plateau=True, monitor=monitor.get("metric", "val/top1"), strict=False)
+        return {"optimizer": optimizer, "lr_scheduler": config}
 
     def lr_scheduler_step(self, scheduler, metric):
         """timm schedulers take the epoch to set the rate for: at the end of epoch e, that is e + 1; stepped per
@@ -268,8 +277,8 @@ class ImageClassification(Task):
         if hasattr(scheduler, "step_update") and hasattr(scheduler, "t_in_epochs"):  # a timm scheduler
             if self._per_update:
                 scheduler.step(epoch=self.trainer.global_step / self.updates_per_epoch())
-            else:
-                scheduler.step(epoch=self.current_epoch + 1)
+            else:  # the metric: a plateau schedule's (configure_optimizers), None for the others
+                scheduler.step(epoch=self.current_epoch + 1, metric=metric)
         elif metric is None:
             scheduler.step()
         else:
@@ -282,6 +291,58 @@ class ImageClassification(Task):
             raise UserError("optim.scheduler.step_on_epochs=false needs a training loader with a length (the "
                             "schedule is in epochs); step the schedule per epoch (step_on_epochs=true).")
         return max(1, math.ceil(batches / self.trainer.accumulate_grad_batches))
+
+
+FACTORY_ERRORS = (AssertionError, ValueError, TypeError, KeyError)  # what timm's factories raise on bad options
+
+
+def check_factories(optim: Mapping, max_epochs: int | None = None) -> None:
+    """``optim.optimizer`` and ``optim.scheduler`` built once on a one-weight stand-in, so that what timm refuses
+    (an unknown ``opt`` or ``sched`` name, an argument it does not take, a schedule of no epochs) stops the run
+    before any data is read with the option named, not with timm's traceback after the data is set up.
+    ``num_epochs`` is ``${trainer.max_epochs}``: -1 in a run bounded by ``trainer.max_steps`` alone. timm's
+    ``cooldown_epochs`` (T2T-ViT's 10 at ``min_lr``) come after ``num_epochs``: under ``max_epochs`` (the trainer
+    stops there) they would never be trained, and the option would do nothing."""
+    from hydra.errors import InstantiationException
+    from omegaconf import DictConfig, OmegaConf
+
+    def container(node):
+        return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+
+    weight = torch.nn.Parameter(torch.zeros(1))
+    if optim.get("scheduler"):
+        scheduler = container(optim["scheduler"])
+        per_update_schedule(scheduler)  # what timm cannot step per update, refused; rewritten as it is built
+        epochs = scheduler.get("num_epochs")
+        if isinstance(epochs, int) and epochs < 1:
+            raise UserError(f"optim.scheduler.num_epochs={epochs} is not a schedule's length: timm's schedules are "
+                            "made in epochs, and configs/task/classification.yaml takes it from trainer.max_epochs "
+                            "(-1 when the run is bounded by trainer.max_steps alone). Give a positive number of "
+                            "epochs: trainer.max_epochs=300, or optim.scheduler.num_epochs=300 beside max_steps.")
+        cooldown = scheduler.get("cooldown_epochs") or 0
+        if cooldown and isinstance(epochs, int) and isinstance(max_epochs, int) and 0 < max_epochs < epochs + cooldown:
+            raise UserError(f"optim.scheduler.cooldown_epochs={cooldown} adds {cooldown} epochs at min_lr after the "
+                            f"schedule's num_epochs={epochs}, but training stops at trainer.max_epochs={max_epochs}: "
+                            "the cool-down would never be trained. Give the two lengths apart, e.g. trainer.max_epochs="
+                            f"{epochs + cooldown} optim.scheduler.num_epochs={epochs}, or drop the cool-down "
+                            "(optim.scheduler.cooldown_epochs=0).")
+        parts = [("scheduler", scheduler, lambda f: f(torch.optim.SGD([weight], lr=1.0)))]
+    else:
+        parts = []
+    if optim.get("optimizer"):
+        parts.insert(0, ("optimizer", container(optim["optimizer"]), lambda f: f(torch.nn.Linear(1, 1))))
+    for name, options, build in parts:
+        if "_target_" not in options:  # not a factory (a partial config of a test): nothing to build
+            continue
+        try:
+            build(instantiate(options))
+        except (InstantiationException, *FACTORY_ERRORS) as err:
+            err = err.__cause__ or err if isinstance(err, InstantiationException) else err
+            given = {k: v for k, v in options.items() if k not in ("_target_", "_partial_")}
+            raise UserError(f"optim.{name} is not valid for {options.get('_target_')} ({type(err).__name__}: "
+                            f"{str(err) or 'refused'}); it was given {given}. Fix the option named there on the "
+                            "command line or in configs/task/classification.yaml (e.g. optim.optimizer.opt=adamw, "
+                            "optim.scheduler.sched=cosine).") from None
 
 
 def per_update_schedule(scheduler_cfg: dict) -> bool:

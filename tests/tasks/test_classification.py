@@ -267,6 +267,24 @@ def test_a_plateau_schedule_per_update_is_refused_before_data():
         ImageClassification.check_config(cfg)
 
 
+def test_a_plateau_schedule_is_stepped_on_the_monitored_metric(digits):
+    """optim.scheduler.sched=plateau (timm's PlateauLRScheduler) reduces the rate only when stepped with a metric:
+    the task stepped it with none, so the rate never left its start and the run exited 0 on a constant rate. At a
+    rate too small to change a prediction, val/top1 stays put: with patience 0 every epoch after the first halves the
+    rate. The plateau's direction follows monitor.mode (timm's default is max)."""
+    schedule = optim(lr=1e-6, epochs=4)
+    schedule["scheduler"].update(sched="plateau", patience_epochs=0, decay_rate=0.5, min_lr=0.0)
+    L.seed_everything(0, verbose=False)
+    module = task(mixup={"enabled": False}, optim=schedule)
+    rates = LearningRates()
+    trainer(max_epochs=4, limit_train_batches=1, limit_val_batches=1, num_sanity_val_steps=0,
+            callbacks=[rates]).fit(module, datamodule=digits)
+    assert rates.lrs == pytest.approx([1e-6, 1e-6, 0.5e-6, 0.25e-6], rel=1e-9)
+    loss = task(optim=schedule, monitor={"metric": "val/loss", "mode": "min"}).configure_optimizers()
+    assert loss["lr_scheduler"]["monitor"] == "val/loss"
+    assert loss["lr_scheduler"]["scheduler"].lr_scheduler.mode == "min"
+
+
 def test_learning_rate_noise_per_update_is_refused_before_data():
     """timm's noise seeds a generator with noise_seed + t: at the fractional epoch the task steps a per-update
     schedule with, the run ended in torch's "manual_seed expected a long" at the first update in the noise range."""
@@ -281,6 +299,27 @@ def test_learning_rate_noise_per_update_is_refused_before_data():
     with pytest.raises(UserError, match=r"optim.scheduler.noise=\[0.5, 1.0\].*step_on_epochs=true"):
         ImageClassification.check_config(cfg)
     ImageClassification.check_config(OmegaConf.create({**cfg, "optim": {"scheduler": noisy}}))  # per epoch: fine
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["trainer.max_epochs=-1", "++trainer.max_steps=100"], "optim.scheduler.num_epochs=-1 .*trainer.max_steps"),
+    (["optim.scheduler.sched=cosinee"], r"optim.scheduler .*Unknown scheduler 'cosinee'"),
+    (["optim.optimizer.opt=adamww"], "optim.optimizer .*adamww"),
+    (["+optim.scheduler.cooldown_epochs=10"], "cooldown_epochs=10 .*trainer.max_epochs=310 optim.scheduler.num"),
+])
+def test_schedules_and_optimisers_timm_refuses_are_user_errors_before_data(overrides, needle):
+    """A run bounded by trainer.max_steps alone (max_epochs=-1, the schedule's num_epochs) ended in timm's bare
+    AssertionError, an unknown sched or opt name in its ValueError, with a traceback (exit 1) after the data was set
+    up; now check_config names the option (exit 2). timm's cool-down epochs come after num_epochs, which is
+    trainer.max_epochs: they were silently never trained."""
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        cfg = compose("config", overrides=["task=classification", *overrides])
+        with pytest.raises(UserError, match=needle):
+            ImageClassification.check_config(cfg)
+        ImageClassification.check_config(compose("config", overrides=["task=classification"]))  # the recipe: fine
+        ImageClassification.check_config(compose("config", overrides=[  # a cool-down inside the run: fine
+            "task=classification", "trainer.max_epochs=310", "optim.scheduler.num_epochs=300",
+            "+optim.scheduler.cooldown_epochs=10"]))
 
 
 def test_learns_tiny_digits_quickly(digits):
