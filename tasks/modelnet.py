@@ -150,4 +150,4 @@ class PointCloudClassification(Task):
         log_point_clouds(self.loggers, "test/samples", clouds)
 
     def configure_optimizers(self):
-        return build_optimizers(self.parameters(), self.hparams.optim)
+        return build_optimizers(self.parameters(), self.hparams.optim, self.trainer)

@@ -145,4 +145,4 @@ class PartSegmentation(Task):
         log_point_clouds(self.loggers, "test/samples", clouds)
 
     def configure_optimizers(self):
-        return build_optimizers(self.parameters(), self.hparams.optim)
+        return build_optimizers(self.parameters(), self.hparams.optim, self.trainer)

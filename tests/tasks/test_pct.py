@@ -458,3 +458,38 @@ def test_cudnn_forms_reach_cudnn_on_cuda(monkeypatch, switch):
     scale = torch.stack([g.norm() for g in grads_a]).norm()
     for a, b in zip(grads_b, grads_a):
         assert ((a - b).norm() / scale).item() < 1e-4
+
+
+def test_a_cosine_of_a_step_bounded_run_spans_the_runs_epochs():
+    """``T_max: ${trainer.max_epochs}`` is -1 in a run bounded by trainer.max_steps alone: torch's cosine then swung
+    the rate between lr and eta_min every epoch (0.01, 1e-4, 0.01, ...), exit 0. It spans the run's epochs now:
+    27 steps of 9 a epoch (4 batches a step under accumulation 2: 5 steps) are 6 epochs."""
+    from types import SimpleNamespace
+
+    from attention.errors import UserError
+    from tasks.modelnet import PointCloudClassification
+    from tasks.optim import build_optimizers, run_epochs
+
+    sgd = {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.01}
+    cosine = {"_target_": "torch.optim.lr_scheduler.CosineAnnealingLR", "_partial_": True, "T_max": -1,
+              "eta_min": 1e-4}
+    trainer = SimpleNamespace(train_dataloader=[], estimated_stepping_batches=27, num_training_batches=9,
+                              accumulate_grad_batches=2)
+    assert run_epochs(trainer) == 6
+    task = PointCloudClassification(4, list("abcd"), model={"samples": [8, 4], "neighbours": 2, "layers": 1},
+                                    attn={"name": "offset"}, optim={"optimizer": sgd, "scheduler": cosine},
+                                    input_points=16)
+    task._trainer = trainer
+    scheduler = task.configure_optimizers()["lr_scheduler"]["scheduler"]
+    rates = [scheduler.get_last_lr()[0]]
+    for _ in range(6):
+        scheduler.optimizer.step()
+        scheduler.step()
+        rates.append(scheduler.get_last_lr()[0])
+    assert scheduler.T_max == 6 and rates == sorted(rates, reverse=True) and rates[-1] == pytest.approx(1e-4)
+    given = build_optimizers([torch.nn.Parameter(torch.zeros(1))], {"optimizer": sgd, "scheduler": {**cosine,
+                             "T_max": 250}}, trainer)
+    assert given["lr_scheduler"]["scheduler"].T_max == 250  # a length given is kept
+    endless = SimpleNamespace(**{**vars(trainer), "estimated_stepping_batches": float("inf")})
+    with pytest.raises(UserError, match=r"optim\.scheduler\.T_max=-1"):
+        build_optimizers([torch.nn.Parameter(torch.zeros(1))], {"optimizer": sgd, "scheduler": cosine}, endless)
