@@ -100,16 +100,72 @@ class TrainThroughput(FitState):
 
 
 class ValidateAtEnd(L.pytorch.callbacks.Callback):
-    """A validation after the last training step (``trainer.max_steps``) when the last one came earlier.
+    """A validation after the run's last training batch when the last one came earlier, whichever limit ends the run:
+    ``trainer.max_steps`` (the GAN's steps are its generator updates, ``trainer.global_step`` there) or
+    ``trainer.max_epochs`` (its last epoch's last batch, as ``trainer.limit_train_batches`` counts them).
 
-    Lightning validates every ``val_check_interval`` batches only: with ``trainer.max_steps=5`` and
-    ``eval.every_n_steps=2`` the validations were at steps 2 and 4, and the best checkpoint and the test never saw
-    the final weights (which, under a poly schedule decaying to 0, are the ones the recipe trains for). mmengine's
-    ``IterBasedTrainLoop`` validates at ``max_iters`` too. Asking the trainer to stop after the last step makes
-    Lightning's own check validate then (``should_stop``: "validation when asked to stop", as for early stopping),
-    so the checkpoint callbacks see that validation as any other; when the step is a validation step anyway it
-    is validated once. Stateless: a resumed run validates at its end as a fresh one."""
+    Lightning validates every ``val_check_interval`` batches of every ``check_val_every_n_epoch``-th epoch only: with
+    ``trainer.max_steps=5`` and ``eval.every_n_steps=2`` the validations were at steps 2 and 4, with
+    ``trainer.max_epochs=5`` and ``check_val_every_n_epoch=2`` after epochs 2 and 4, and the best checkpoint, the
+    run's validation metrics and the test never saw the final weights (which, under a poly or cosine schedule
+    decaying to 0, are the ones the recipe trains for). mmengine's ``IterBasedTrainLoop`` validates at ``max_iters``
+    too. Asking the trainer to stop after the last batch makes Lightning's own check validate then (``should_stop``:
+    "validation when asked to stop", as for early stopping), so the checkpoint callbacks see that validation as any
+    other; when the batch is a validation batch anyway it is validated once. That check is skipped in an epoch
+    ``check_val_every_n_epoch`` leaves out, so for the last epoch the trainer's ``check_val_every_n_epoch`` is
+    None (every epoch) until that validation ends. Nothing is kept in checkpoints: a run resumed at its end takes
+    no batch, so it is not validated again; one resumed before it validates at its end as a fresh one; one
+    stopped inside that validation validates again, once (:meth:`on_train_start`)."""
+
+    def __init__(self):
+        self._held: dict[str, object] = {}  # the trainer's settings while they are lifted, by name
+
+    def on_train_start(self, trainer, pl_module):
+        # Resumed inside the validation of the last batch (a SIGTERM during it; suite.checkpoints'
+        # validate_again_on_resume): Lightning runs it again when its check says so, which it does not where only
+        # should_stop had made it validate (it took one more batch instead, past the run's length). Not
+        # should_stop here: asked to stop before the loop has begun, Lightning ends it without that validation;
+        # the batch check is lifted instead (a validation that had ended is not repeated: Lightning skips it).
+        loop = trainer.fit_loop.epoch_loop
+        if loop.restarting and last_batch(trainer, loop.batch_idx):
+            self._open_last_epoch(trainer)
+            if trainer.val_check_batch not in (None, float("inf")):
+                self._lift(trainer, "val_check_batch", 1)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if 0 < trainer.max_steps <= trainer.global_step:  # the optimizer step of max_steps was just taken
+        if last_batch(trainer, batch_idx):
             trainer.should_stop = True
+            self._open_last_epoch(trainer)
+
+    def _open_last_epoch(self, trainer):
+        every = trainer.check_val_every_n_epoch
+        if every is not None and (trainer.current_epoch + 1) % every:
+            self._lift(trainer, "check_val_every_n_epoch", None)
+
+    def _lift(self, trainer, name: str, value):
+        self._held.setdefault(name, getattr(trainer, name))
+        setattr(trainer, name, value)
+
+    def on_validation_end(self, trainer, pl_module):
+        self._restore(trainer)
+
+    def on_train_end(self, trainer, pl_module):
+        self._restore(trainer)  # validation off (limit_val_batches=0), or skipped on resume: none ended
+
+    def _restore(self, trainer):
+        for name, value in self._held.items():
+            setattr(trainer, name, value)
+        self._held.clear()
+
+
+def last_batch(trainer, batch_idx: int) -> bool:
+    """Whether the training batch ``batch_idx``, just taken, is the fit's last: its optimizer step is the
+    ``trainer.max_steps``-th, or it ends the ``trainer.max_epochs``-th epoch (``num_training_batches`` counts
+    ``limit_train_batches``; ``batch_idx`` goes on counting in an epoch resumed mid-way; a loader without a length
+    says it is exhausted through ``is_last_batch``)."""
+    if 0 < trainer.max_steps <= trainer.global_step:
+        return True
+    epochs = trainer.max_epochs
+    if epochs is None or epochs < 0 or trainer.current_epoch + 1 < epochs:
+        return False
+    return batch_idx + 1 >= trainer.num_training_batches or trainer.fit_loop.epoch_loop.batch_progress.is_last_batch

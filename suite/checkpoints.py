@@ -85,6 +85,7 @@ class LastCheckpoint(RunCheckpoint):
         super().__init__(dirpath=dirpath, filename=LAST, monitor=None, save_top_k=1, enable_version_counter=False)
         self._cut_validation = False  # saving on an interruption inside a validation of fit
         self._interrupted = False  # saving on an interruption of fit
+        self._saved_validating = False  # the last save was at a validation's end
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from suite.validate import check_validation_batches
@@ -118,12 +119,21 @@ class LastCheckpoint(RunCheckpoint):
         if trainer.fast_dev_run or trainer.sanity_checking:
             return
         path = Path(self.format_checkpoint_name({}, LAST))
-        if self._last_global_step_saved != trainer.global_step:  # the same decision on every rank
+        # Saved again at the step of the last save when that was at a validation's end, in the last batch of a run
+        # limited by epochs (callbacks.validate_at_end, or an interval landing there): resumed from those loops,
+        # Lightning takes one more training batch and validates it, so a finished run resumed trained on. A run
+        # ended by trainer.max_steps is finished at its step count whatever its loops say.
+        again = self._saved_validating and not self._interrupted and not 0 < trainer.max_steps <= trainer.global_step
+        if self._last_global_step_saved != trainer.global_step or again:  # the same decision on every rank
             # Lightning's own save: through the checkpoint IO, and loggers (W&B) told of it.
             self._save_checkpoint(trainer, str(path))
             self.last_model_path = str(path)
         if trainer.is_global_zero and path.is_file():  # a run that took no step has nothing to keep
             log.info("last checkpoint: %s (step %d)", path, trainer.global_step)
+
+    def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+        super()._save_checkpoint(trainer, filepath)
+        self._saved_validating = trainer.validating
 
 
 def validate_again_on_resume(checkpoint: dict) -> None:

@@ -1,7 +1,8 @@
 """The end of fit always leaves ``checkpoints/last.ckpt`` (suite/checkpoints.py's LastCheckpoint), and says where:
 at max_steps and at max_time without any validation, when a run is interrupted (Ctrl-C, SIGTERM) between
 validations, and at the normal end (max_epochs reached, the interrupted runs' resumption). A SIGTERM ends the run
-with exit code 143 and one line saying how to resume (suite/train.py)."""
+with exit code 143 and one line saying how to resume (suite/train.py). The last training batch is validated
+whatever limit ends the run (suite/callbacks.py's ValidateAtEnd), and a run resumed at that end trains nothing more."""
 
 from __future__ import annotations
 
@@ -205,3 +206,103 @@ def test_an_interrupted_sweep_job_says_how_to_continue_the_sweep(tmp_path, caplo
     with caplog.at_level("ERROR"):  # a single run: its own folder
         interrupted(trainer, job, "train")
     assert f"`hydra.run.dir={job} resume=true`" in caplog.text
+
+
+class Validated(L.LightningModule):
+    """8 samples in batches of 2 (4 batches an epoch); records the global step of each validation. ``d_steps`` > 0:
+    manual optimisation as the GAN's, that many discriminator updates not counted (tasks.gan.not_counted) before
+    each counted generator update."""
+
+    def __init__(self, d_steps: int = 0):
+        super().__init__()
+        self.g, self.d, self.d_steps, self.validated = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1), d_steps, []
+        self.automatic_optimization = not d_steps
+
+    def training_step(self, batch, batch_idx):
+        if self.automatic_optimization:
+            return self.g(batch[0]).pow(2).mean()
+        from tasks.gan import not_counted
+
+        opt_g, opt_d = self.optimizers()
+        for _ in range(self.d_steps):
+            opt_d.zero_grad()
+            self.manual_backward(self.d(batch[0]).pow(2).mean())
+            with not_counted(opt_d):
+                opt_d.step()
+        opt_g.zero_grad()
+        self.manual_backward(self.g(batch[0]).pow(2).mean())
+        opt_g.step()
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/oa", float(self.global_step))
+
+    def on_validation_epoch_end(self):
+        self.validated.append(self.global_step)
+
+    def configure_optimizers(self):
+        opt_g = torch.optim.SGD(self.g.parameters(), lr=0.1)
+        return opt_g if self.automatic_optimization else (opt_g, torch.optim.SGD(self.d.parameters(), lr=0.1))
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(8, 1)), batch_size=2)
+
+    val_dataloader = train_dataloader
+
+
+def fit_validated(module=None, callbacks=(), ckpt_path=None, **limits):
+    """``module`` (a Validated) fitted under ``limits`` with callbacks.validate_at_end; the module and trainer."""
+    from suite.callbacks import ValidateAtEnd
+
+    module = module or Validated()
+    trainer = L.Trainer(callbacks=[ValidateAtEnd(), *callbacks], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, accelerator="cpu", **limits)
+    trainer.fit(module, ckpt_path=ckpt_path)
+    return module, trainer
+
+
+# (trainer limits, the global steps validated); d_steps: the GAN's discriminator updates per generator update
+LIMITS_VALIDATED = [
+    # check_val_every_n_epoch=2 over 5 epochs: after epochs 2 and 4 only, before
+    ({"max_epochs": 5, "check_val_every_n_epoch": 2}, [8, 16, 20]),
+    # 3 batches an epoch (limit_train_batches), every 2nd of each: batch 3 of the last epoch was never validated
+    ({"max_epochs": 3, "limit_train_batches": 3, "val_check_interval": 2}, [2, 5, 8, 9]),
+    ({"max_epochs": 3}, [4, 8, 12]),  # every epoch's end: the last one validated once
+    # the GAN: 3 discriminator updates per counted generator step; max_steps counts the generator's
+    ({"max_steps": 5, "val_check_interval": 2, "check_val_every_n_epoch": None, "d_steps": 3}, [2, 4, 5]),
+    ({"max_steps": 4, "val_check_interval": 2, "check_val_every_n_epoch": None, "d_steps": 3}, [2, 4]),
+]
+
+
+def test_the_last_training_step_is_validated_once_under_any_limit_in_every_task():
+    """callbacks.validate_at_end validated after trainer.max_steps only, and in segmentation alone: a run limited by
+    trainer.max_epochs whose validations did not land on its last batch (check_val_every_n_epoch not dividing
+    max_epochs, a val_check_interval in batches), or a GAN whose max_steps was no multiple of metrics.every_n_steps,
+    never validated its final weights, so its best checkpoint, metrics.json and test could not be them. Now every
+    limit is, in every task; a last batch validated anyway is validated once."""
+    from hydra import compose, initialize_config_dir
+
+    for limits, validated in LIMITS_VALIDATED:
+        limits = dict(limits)
+        module, trainer = fit_validated(Validated(limits.pop("d_steps", 0)), **limits)
+        assert module.validated == validated, limits
+        assert trainer.global_step == validated[-1]
+        # lifted for the last epoch's validation only: the trainer keeps its setting
+        assert trainer.check_val_every_n_epoch == limits.get("check_val_every_n_epoch", 1)
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):  # the default of every task
+        for task in sorted(p.stem for p in (ROOT / "configs" / "task").glob("*.yaml")):
+            target = compose("config", overrides=[f"task={task}"]).callbacks.validate_at_end._target_
+            assert target == "suite.callbacks.ValidateAtEnd", task
+
+
+def test_a_run_resumed_at_its_validated_end_trains_nothing_more(tmp_path):
+    """last.ckpt written by the validation of an epoch-limited run's last batch (as callbacks.validate_at_end adds
+    when check_val_every_n_epoch does not divide max_epochs) was kept at the end of fit (same step): resumed from
+    those loops, Lightning took a 13th step of a 12-step run and validated it, so a finished run resumed with
+    resume=true trained on. Now last.ckpt is written again at the end of fit."""
+    from suite.checkpoints import LastCheckpoint
+
+    limits = {"max_epochs": 3, "check_val_every_n_epoch": 2}
+    first, _ = fit_validated(callbacks=[LastCheckpoint(tmp_path)], **limits)
+    assert first.validated == [8, 12]
+    again, trainer = fit_validated(callbacks=[LastCheckpoint(tmp_path)], ckpt_path=tmp_path / "last.ckpt", **limits)
+    assert trainer.global_step == 12 and again.validated == []
