@@ -367,7 +367,7 @@ def build_trainer(config: dict, module, out_dir: Path, loggers: list, identity: 
     from suite.guard import NonFiniteGuard
     from suite.resume import EpochMeans, FitRecord, RandomState, SupersededRecord
     from suite.sigterm import AgreedSigterm
-    from suite.true_precision import MetricDtypes
+    from suite.true_precision import MetricDtypes, float16_on_cpu
     from suite.tf32 import apply as apply_tf32
     from suite.tf32 import describe as describe_tf32
     from suite.tf32 import install_hint_filter
@@ -404,6 +404,7 @@ def build_trainer(config: dict, module, out_dir: Path, loggers: list, identity: 
         callbacks.append(L.pytorch.callbacks.LearningRateMonitor(logging_interval="epoch"))
     adjust_trainer_kwargs(trainer_kwargs, module)
     configure_determinism(trainer_kwargs)  # trainer.deterministic: CUBLAS_WORKSPACE_CONFIG before CUDA starts
+    float16_on_cpu(trainer_kwargs)  # 16-mixed on a CPU is float16, not Lightning's bf16 under the name 16-mixed
     # Checkpoints are written atomically (temporary file, fsync, rename) and read with weights_only=True.
     plugins = list(trainer_kwargs.pop("plugins", None) or []) + [SafeCheckpointIO()]
     trainer = L.Trainer(**trainer_kwargs, callbacks=callbacks, logger=loggers or False, plugins=plugins,

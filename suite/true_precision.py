@@ -6,7 +6,9 @@ loss averaged in it is wrong while the run exits 0; PCT part segmentation's IoU 
 updates, and the run crashed at its first validation. :class:`MetricDtypes` puts every metric back in the dtype it
 was built with after each conversion (``Strategy.setup``, before any hook that updates a metric). The networks'
 example inputs follow the precision as the batches do (``tasks.base.Task.example_input_array``), and every task
-trains and tests at ``bf16-true`` and ``64-true`` (``tests/test_precision.py``)."""
+trains and tests at ``bf16-true`` and ``64-true`` (``tests/test_precision.py``).
+
+``trainer.precision=16-mixed`` on a CPU: :func:`float16_on_cpu`."""
 
 from __future__ import annotations
 
@@ -24,6 +26,27 @@ def float_dtype(metric: Metric) -> torch.dtype | None:
         return None
     (dtype,) = dtypes
     return dtype if dtype.is_floating_point else None
+
+
+def float16_on_cpu(trainer_kwargs: dict) -> None:
+    """In place, on the trainer's keyword arguments: ``trainer.precision=16-mixed`` (or its alias 16) on a CPU is
+    float16 autocast with a GradScaler, as on a GPU (Lightning's ``MixedPrecision("16-mixed", "cpu")``, given as
+    a plugin). Lightning by itself runs ``bf16-mixed`` there instead, with a warning, while the run's
+    resolved_config.yaml, W&B config and report row said 16-mixed: a 16-mixed and a bf16-mixed run of one seed were
+    the same computation under two names. torch has float16 autocast and a GradScaler on CPU."""
+    if str(trainer_kwargs.get("precision")) not in ("16-mixed", "16"):
+        return
+    accelerator = trainer_kwargs.get("accelerator") or "auto"
+    if accelerator == "auto":  # as Lightning resolves it (a GPU when there is one)
+        from lightning.fabric.utilities.device_parser import _select_auto_accelerator
+
+        accelerator = _select_auto_accelerator()
+    if accelerator != "cpu":
+        return
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    del trainer_kwargs["precision"]  # Lightning takes a precision or a precision plugin, not both
+    trainer_kwargs["plugins"] = [*(trainer_kwargs.get("plugins") or []), MixedPrecision("16-mixed", "cpu")]
 
 
 class MetricDtypes(L.pytorch.callbacks.Callback):

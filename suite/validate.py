@@ -54,6 +54,7 @@ def validate_config(cfg: DictConfig, overrides: Iterable[str]) -> None:
     check_option_types(cfg, overrides)
     check_compile_options(OmegaConf.to_container(cfg.trainer, resolve=True))
     check_accumulation(cfg.trainer)
+    check_precision_available(cfg.trainer)
     check_checkpoint_format(cfg.get("ckpt_path"))
     task_cls = get_class(cfg.task._target_)
     check_weights_files(cfg, task_cls)
@@ -101,6 +102,22 @@ def check_accumulation(trainer: DictConfig) -> None:
                         "with them would fall inside an accumulation window, whose gradients no checkpoint holds (a "
                         "run resumed there would not be the run that never stopped). Give a multiple, e.g. "
                         f"trainer.val_check_interval={every - every % accumulate or accumulate}.")
+
+
+def check_precision_available(trainer: DictConfig) -> None:
+    """``trainer.precision=transformer-engine[-float16]`` needs NVIDIA's Transformer Engine: without it Lightning
+    raised a ModuleNotFoundError when the Trainer was built, after the data was set up, as a traceback (exit 1)."""
+    precision = str(trainer.get("precision"))
+    if not precision.startswith("transformer-engine"):
+        return
+    from lightning.fabric.plugins.precision.transformer_engine import _TRANSFORMER_ENGINE_AVAILABLE
+
+    if not _TRANSFORMER_ENGINE_AVAILABLE:
+        raise UserError(f"trainer.precision={precision} runs the networks' linear layers through NVIDIA's Transformer "
+                        "Engine (FP8, on NVIDIA GPUs of the Hopper generation and later), which is not installed "
+                        "here (Lightning needs transformer_engine>=0.11). Install it on a GPU machine (`pip install "
+                        "transformer_engine[pytorch]`), or use trainer.precision=bf16-mixed (or 16-mixed), which "
+                        "every task runs, e.g. `python run.py trainer.precision=bf16-mixed`.")
 
 
 def check_validation_batches(trainer) -> None:

@@ -49,20 +49,26 @@ log = logging.getLogger(__name__)
 LOSSES = ("hinge", "nonsaturating")
 
 
+def at_least_float32(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` in float32 when they are half precision (D's under autocast or ``bf16-true``): the losses are
+    float32 there; float64 logits (``trainer.precision=64-true``) stay float64, as the rest of such a run."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
 def d_loss_real(kind: str, real: torch.Tensor) -> torch.Tensor:
     """The discriminator loss's term of its logits on real images."""
-    real = real.float()  # under autocast D's logits are half precision; the loss is float32
+    real = at_least_float32(real)
     return F.relu(1 - real).mean() if kind == "hinge" else F.softplus(-real).mean()
 
 
 def d_loss_fake(kind: str, fake: torch.Tensor) -> torch.Tensor:
     """The discriminator loss's term of its logits on generated images."""
-    fake = fake.float()
+    fake = at_least_float32(fake)
     return F.relu(1 + fake).mean() if kind == "hinge" else F.softplus(fake).mean()
 
 
 def g_loss(kind: str, fake: torch.Tensor) -> torch.Tensor:
-    fake = fake.float()
+    fake = at_least_float32(fake)
     return -fake.mean() if kind == "hinge" else F.softplus(-fake).mean()
 
 

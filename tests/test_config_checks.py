@@ -121,6 +121,15 @@ def test_wrong_type_or_range_is_refused_naming_the_option(overrides, needles):
     assert "e.g. `python run.py " in message
 
 
+@pytest.mark.parametrize("precision", ["transformer-engine", "transformer-engine-float16"])
+def test_transformer_engine_precision_without_the_package_is_refused(monkeypatch, precision):
+    """Lightning raised its ModuleNotFoundError when the Trainer was built, after the data: a traceback, exit 1."""
+    monkeypatch.setattr("lightning.fabric.plugins.precision.transformer_engine._TRANSFORMER_ENGINE_AVAILABLE", False)
+    message = refused([f"trainer.precision={precision}"])
+    for needle in (f"trainer.precision={precision}", "not installed", "`python run.py trainer.precision=bf16-mixed`"):
+        assert needle in message, (needle, message)
+
+
 @pytest.mark.parametrize("overrides", [
     ["trainer.devices=auto"], ["trainer.devices=[0]"], ["trainer.precision=16"], ["trainer.precision=bf16-mixed"],
     ["trainer.precision=32"], ["++trainer.limit_val_batches=0"], ["++trainer.limit_val_batches=2.0"],

@@ -446,3 +446,26 @@ def test_true_precision_keeps_the_metrics_dtypes(precision):
     assert module.iou.compute()["instance_miou"].item() == 0.5  # parts 0 and 1: 1 of 2 points each
     module.loss.reset()  # a reset gives the kept dtype back, not the converted one
     assert module.loss.mean_value.dtype == torch.float32
+
+
+@pytest.mark.parametrize("accelerator", ["cpu", "auto"])
+@pytest.mark.parametrize("precision", ["16-mixed", "16"])
+def test_16_mixed_on_a_cpu_is_float16_with_a_grad_scaler(accelerator, precision, tmp_path):
+    """`trainer.precision=16-mixed` on a CPU: Lightning by itself ran bf16-mixed (a warning) while the run's config,
+    W&B and report row said 16-mixed; suite.true_precision.float16_on_cpu gives it float16 autocast and a
+    GradScaler, as on a GPU. bf16-mixed is left to Lightning."""
+    from suite.true_precision import float16_on_cpu
+
+    if accelerator == "auto" and torch.cuda.is_available():
+        pytest.skip("auto chooses the GPU here")
+    kwargs = {"accelerator": accelerator, "precision": precision}
+    float16_on_cpu(kwargs)
+    trainer = L.Trainer(**kwargs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=str(tmp_path))
+    assert trainer.precision == "16-mixed"
+    assert isinstance(trainer.precision_plugin, MixedPrecision) and trainer.precision_plugin.scaler is not None
+    with trainer.precision_plugin.forward_context():
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float16
+    kwargs = {"accelerator": accelerator, "precision": "bf16-mixed"}
+    float16_on_cpu(kwargs)
+    assert kwargs == {"accelerator": accelerator, "precision": "bf16-mixed"}

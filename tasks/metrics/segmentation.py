@@ -248,8 +248,10 @@ def predict_slide(model: Model, image: Tensor, crop: tuple[int, int], stride: tu
     b, _, h, w = image.shape
     h_grids = max(h - ch + sh - 1, 0) // sh + 1
     w_grids = max(w - cw + sw - 1, 0) // sw + 1
-    logits = image.new_zeros((b, num_classes, h, w), dtype=torch.float32)
-    count = image.new_zeros((1, 1, h, w), dtype=torch.float32)
+    # float32 sums of half-precision windows (autocast); float64 under trainer.precision=64-true
+    dtype = torch.promote_types(image.dtype, torch.float32)
+    logits = image.new_zeros((b, num_classes, h, w), dtype=dtype)
+    count = image.new_zeros((1, 1, h, w), dtype=dtype)
     for i in range(h_grids):
         for j in range(w_grids):
             y1, x1 = i * sh, j * sw
@@ -258,7 +260,7 @@ def predict_slide(model: Model, image: Tensor, crop: tuple[int, int], stride: tu
             out = _resize(model(image[:, :, y1:y2, x1:x2]), (y2 - y1, x2 - x1))
             if out.shape[1] != num_classes:
                 raise ValueError(f"model gave {out.shape[1]} channels, expected num_classes={num_classes}")
-            logits[:, :, y1:y2, x1:x2] += out.float()
+            logits[:, :, y1:y2, x1:x2] += out.to(dtype)
             count[:, :, y1:y2, x1:x2] += 1
     return logits / count
 
@@ -297,7 +299,8 @@ def predict(model: Model, image: Tensor, mode: str = "whole", crop: tuple[int, i
                 out = predict_whole(model, x)
             else:
                 out = predict_slide(model, x, crop, stride, num_classes)
-            out = _resize(out.float(), (h, w)).softmax(dim=1)
+            out = out.to(torch.promote_types(out.dtype, torch.float32))  # half to float32; float64 stays
+            out = _resize(out, (h, w)).softmax(dim=1)
             if flipped:
                 out = out.flip(-1)
             total = out if total is None else total + out

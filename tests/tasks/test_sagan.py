@@ -136,6 +136,25 @@ def test_losses_against_hand_computed_values():
     assert g_loss("nonsaturating", fake).item() == pytest.approx((sp(2.0) + sp(0.0) + sp(-1.5)) / 3, rel=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["hinge", "nonsaturating"])
+def test_losses_keep_float64_logits_in_float64(kind):
+    """trainer.precision=64-true: D's logits are float64, and so are the losses (they were cast to float32, so a
+    run "in float64 throughout" computed its GAN losses and their gradients in float32); half-precision logits
+    still give float32 losses."""
+    real = torch.tensor([2.0, 0.5, -1.0], dtype=torch.float64) + 1e-12  # 1e-12: lost in float32, kept in float64
+    fake = torch.tensor([-2.0, 0.0, 1.5], dtype=torch.float64) + 1e-12
+    sp = lambda t: torch.log1p(torch.exp(t))  # noqa: E731 - float64 softplus
+    expected = {"hinge": ((1 - real).clamp(min=0).mean(), (1 + fake).clamp(min=0).mean(), -fake.mean()),
+                "nonsaturating": (sp(-real).mean(), sp(fake).mean(), sp(-fake).mean())}[kind]
+    got = (d_loss_real(kind, real), d_loss_fake(kind, fake), g_loss(kind, fake))
+    for loss, want in zip(got, expected):
+        assert loss.dtype == torch.float64
+        torch.testing.assert_close(loss, want, rtol=1e-15, atol=1e-15)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert d_loss_real(kind, real.to(dtype)).dtype == torch.float32
+        assert g_loss(kind, fake.to(dtype)).dtype == torch.float32
+
+
 def test_ema_copies_before_start_then_averages():
     net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
     ema = EMA(net, decay=0.9, start=2)

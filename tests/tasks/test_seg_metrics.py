@@ -210,8 +210,8 @@ def _brute_force_slide(model, image, crop, stride):
         out = list(range(0, size - c + 1, s))
         return out if out[-1] == size - c else out + [size - c]
 
-    total = torch.zeros(b, K, h, w)
-    count = torch.zeros(h, w)
+    total = torch.zeros(b, K, h, w, dtype=image.dtype)
+    count = torch.zeros(h, w, dtype=image.dtype)
     for y in starts(h, ch, sh):
         for x in starts(w, cw, sw):
             wh, ww = min(ch, h), min(cw, w)
@@ -297,6 +297,23 @@ def test_flip_on_flip_equivariant_model_changes_nothing():
     image = image[..., :20]
     slide = dict(mode="slide", crop=(12, 12), stride=(8, 8), num_classes=K)
     torch.testing.assert_close(predict(conv, image, flip=True, **slide), predict(conv, image, **slide))
+
+
+@pytest.mark.parametrize("mode", ["whole", "slide"])
+@torch.no_grad()
+def test_float64_network_predicts_in_float64(mode):
+    """trainer.precision=64-true: a float64 network's probabilities stay float64 (they were cast to float32, and
+    its slide windows summed in float32), equal to a float64 reference; half-precision logits give float32."""
+    torch.manual_seed(2)
+    conv = torch.nn.Conv2d(3, K, 3, padding=1).double()
+    image = torch.randn(2, 3, 20, 28, dtype=torch.float64)
+    slide = dict(mode="slide", crop=(12, 12), stride=(8, 8), num_classes=K) if mode == "slide" else {}
+    got = predict(conv, image, **slide)
+    assert got.dtype == torch.float64
+    logits = predict_whole(conv, image) if mode == "whole" else _brute_force_slide(conv, image, (12, 12), (8, 8))
+    torch.testing.assert_close(got, logits.double().softmax(1), rtol=1e-12, atol=1e-12)
+    half = predict(conv.to(torch.bfloat16), image.to(torch.bfloat16), **slide)
+    assert half.dtype == torch.float32
 
 
 @torch.no_grad()
