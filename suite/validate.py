@@ -55,6 +55,7 @@ def validate_config(cfg: DictConfig, overrides: Iterable[str]) -> None:
     check_compile_options(OmegaConf.to_container(cfg.trainer, resolve=True))
     check_accumulation(cfg.trainer)
     check_precision_available(cfg.trainer)
+    check_half_precision_eps(cfg)
     check_checkpoint_format(cfg.get("ckpt_path"))
     task_cls = get_class(cfg.task._target_)
     check_weights_files(cfg, task_cls)
@@ -118,6 +119,35 @@ def check_precision_available(trainer: DictConfig) -> None:
                         "here (Lightning needs transformer_engine>=0.11). Install it on a GPU machine (`pip install "
                         "transformer_engine[pytorch]`), or use trainer.precision=bf16-mixed (or 16-mixed), which "
                         "every task runs, e.g. `python run.py trainer.precision=bf16-mixed`.")
+
+
+def check_half_precision_eps(cfg: DictConfig) -> None:
+    """``trainer.precision=16-true`` keeps the optimiser's state in float16, where an Adam ``eps`` below float16's
+    smallest number (6e-8; classification's AdamW has 1e-8) is 0: the first update divides by zero where a
+    gradient's second moment is 0, the weights become NaN or infinite, and the run exited 0 with a NaN val/test loss
+    (the non-finite guard watches the training loss, which the first steps still had finite)."""
+    import torch
+
+    if str(cfg.trainer.get("precision")) != "16-true" or not cfg.get("optim"):
+        return
+    problems = []
+
+    def walk(node, path: str) -> None:
+        if not isinstance(node, dict):
+            return
+        target = f"{node.get('_target_', '')} {node.get('opt', '')}".lower()
+        eps = node.get("eps", 1e-8 if "_target_" in node and "adam" in target else None)  # torch's and timm's default
+        if isinstance(eps, (int, float)) and eps > 0 and torch.tensor(float(eps), dtype=torch.float16).item() == 0:
+            problems.append(f"{path}.eps={eps:g}" + ("" if "eps" in node else " (the default)"))
+        for key, value in node.items():
+            walk(value, f"{path}.{key}")
+
+    walk(OmegaConf.to_container(cfg.optim, resolve=True), "optim")
+    if problems:
+        raise UserError("trainer.precision=16-true keeps the optimiser's state in float16, where "
+                        f"{', '.join(problems)} is 0: the first update divides by zero and the weights become NaN. Use "
+                        "trainer.precision=16-mixed or bf16-mixed (float32 weights and optimiser state), bf16-true, or "
+                        f"an eps float16 holds, e.g. {problems[0].split('=')[0]}=1e-4.")
 
 
 def check_validation_batches(trainer) -> None:

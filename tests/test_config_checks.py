@@ -130,6 +130,21 @@ def test_transformer_engine_precision_without_the_package_is_refused(monkeypatch
         assert needle in message, (needle, message)
 
 
+def test_an_adam_eps_that_float16_rounds_to_zero_is_refused_under_16_true():
+    """classification's AdamW (eps 1e-8) under trainer.precision=16-true: eps is 0 in its float16 state, the first
+    update divides by zero, and the run exited 0 with a NaN val/test loss."""
+    message = refused(["task=classification", "data=digits", "model=vit_s", "trainer.precision=16-true"])
+    for needle in ("optim.optimizer.eps=1e-08 is 0", "trainer.precision=16-mixed", "optim.optimizer.eps=1e-4"):
+        assert needle in message, (needle, message)
+    assert "optim.optimizer.eps=1e-08 (the default)" in refused(
+        ["task=classification", "data=digits", "model=vit_s", "trainer.precision=16-true", "~optim.optimizer.eps"])
+    for fine in (["task=classification", "data=digits", "model=vit_s", "trainer.precision=16-true",
+                  "optim.optimizer.eps=1e-4"], ["task=gan", "trainer.precision=16-true"],  # the GAN's Adam: 1e-6
+                 ["task=classification", "data=digits", "model=vit_s", "trainer.precision=16-mixed"],
+                 ["trainer.precision=16-true"]):  # PCT's SGD has no eps
+        validate_config(compose_run(fine), fine)
+
+
 @pytest.mark.parametrize("overrides", [
     ["trainer.devices=auto"], ["trainer.devices=[0]"], ["trainer.precision=16"], ["trainer.precision=bf16-mixed"],
     ["trainer.precision=32"], ["++trainer.limit_val_batches=0"], ["++trainer.limit_val_batches=2.0"],
