@@ -255,7 +255,9 @@ def in_use(run_dir: Path) -> bool:
 
 # What makes a run the run it is, beyond the task and attention its checkpoints name (suite.checkpoints): a run
 # continued under another seed or on another data set would report that run's network under this one's name.
-IDENTITY = ("seed", "data._target_")
+# data.seed (${seed} unless given) draws a generated data set and a held-out split: resumed under another, a run
+# trained on other samples and validated on others (data's seed is operational for a test, suite.checkpoints).
+IDENTITY = ("seed", "data._target_", "data.seed")
 
 
 def identity_of(config) -> dict:

@@ -209,6 +209,23 @@ def test_a_run_is_not_continued_under_another_seed(trained, env, tmp_path):
     assert digests(folder) == before
 
 
+def test_a_run_is_not_continued_under_another_data_seed(tmp_path):
+    """data.seed draws the generated data set and the held-out split: resumed with data.seed=7 (the top-level seed
+    the same), a run went on training on other samples and validating on others."""
+    from omegaconf import OmegaConf
+
+    from attention.errors import UserError
+    from suite import run_dirs
+
+    started = OmegaConf.create({"seed": 42, "data": {"_target_": "datamodules.points.shapes.Shapes", "seed": 42}})
+    (tmp_path / "resolved_config.yaml").write_text(OmegaConf.to_yaml(started))
+    again = OmegaConf.create({"seed": 42, "data": {"_target_": "datamodules.points.shapes.Shapes", "seed": "${seed}"}})
+    run_dirs.check_same_run(tmp_path, run_dirs.identity_of(again))  # data.seed: ${seed}, resolved to 42
+    again.data.seed = 7
+    with pytest.raises(UserError, match=r"started with data\.seed=42 \(this command: data\.seed=7\)"):
+        run_dirs.check_same_run(tmp_path, run_dirs.identity_of(again))
+
+
 def test_a_finished_run_resumed_shorter_is_refused_and_keeps_its_record(trained, env, tmp_path):
     """A finished 2-epoch run resumed with trainer.max_epochs=1 (a sweep resumed with its values in another order)
     trained nothing, kept its metrics.json and rewrote resolved_config.yaml and .hydra/ to say max_epochs=1: its
