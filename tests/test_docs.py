@@ -220,3 +220,51 @@ def test_documented_command_passes_the_start_up_checks(where, args, tmp_path, mo
             check_seed(cfg.seed)
             check_scale_rule((cfg.get("optim") or {}).get("scale_lr"))  # as suite.compose.compose, in its order
             validate_config(cfg, run)
+
+
+# --- options named in the prose -----------------------------------------------------------------------------------
+OPTION = re.compile(r"`\+?([a-z_][a-z0-9_]*(?:\.[a-z0-9_]+)+)=")  # `data.aug=true`, `+x.y=`; not `++x.y=` (adds a key)
+GROUPS = ("task", "attn", "mode", "data", "model", "logger", "trainer", "experiment")
+
+
+def option_names(text: str) -> set[str]:
+    return set(OPTION.findall(FENCE.sub("", text)))
+
+
+def composed_keys() -> set[str]:
+    """Every dotted key of the config composed with each choice of each group (under the first task it composes
+    with), values not resolved; Hydra's own keys included (``hydra.run.dir``)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    def walk(node, prefix=""):
+        for key, value in node.items():
+            yield prefix + str(key)
+            if isinstance(value, dict):
+                yield from walk(value, f"{prefix}{key}.")
+
+    tasks = sorted(p.stem for p in (ROOT / "configs" / "task").glob("*.yaml"))
+    keys: set[str] = set()
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        for group in GROUPS:
+            for choice in sorted(p.stem for p in (ROOT / "configs" / group).glob("*.yaml")):
+                for task in [choice] if group == "task" else tasks:
+                    try:
+                        cfg = compose("config", overrides=[f"task={task}", f"{group}={choice}"],
+                                      return_hydra_config=True)
+                    except Exception:  # a data set or model of another task
+                        continue
+                    keys |= set(walk(OmegaConf.to_container(cfg, resolve=False)))
+                    break
+    return keys
+
+
+def test_options_named_in_the_prose_exist():
+    """An option the text names as `key=value` (outside commands, which the start-up checks above cover) is a key
+    of the composed config: one renamed in the code, or a Lightning argument shown without the ``++`` that adds it,
+    is an error for the reader who types it."""
+    assert option_names("`data.aug=true` and `+x.y=1`, not `++trainer.limit_val_batches=0`") == {"data.aug", "x.y"}
+    known = composed_keys()
+    missing = [f"{page.relative_to(ROOT)}: {name}" for page in PAGES for name in sorted(option_names(page.read_text()))
+               if name not in known]
+    assert not missing, f"options the docs name that no composed config has: {missing}"
