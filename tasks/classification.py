@@ -32,7 +32,6 @@ on evaluation), top-1 and top-5 accuracy (``val/top1``, ``val/top5``,
 from __future__ import annotations
 
 import logging
-import math
 import warnings
 from collections.abc import Mapping, Sequence
 
@@ -46,6 +45,7 @@ from attention.errors import UserError
 
 from .base import Task, TrainLoss
 from .nets.backbones import build_backbone
+from .optim import updates_per_epoch
 
 MIXUP_DEFAULTS = {"enabled": True, "mixup_alpha": 0.8, "cutmix_alpha": 1.0, "cutmix_minmax": None, "prob": 1.0,
                   "switch_prob": 0.5, "mode": "batch"}
@@ -285,12 +285,11 @@ class ImageClassification(Task):
             scheduler.step(metric)
 
     def updates_per_epoch(self) -> int:
-        """Optimizer steps in one epoch of this process (the last, partial accumulation steps too)."""
-        batches = self.trainer.num_training_batches
-        if math.isinf(batches):
+        """Optimizer steps in one epoch of this process (:func:`tasks.optim.updates_per_epoch`)."""
+        if (updates := updates_per_epoch(self.trainer)) is None:
             raise UserError("optim.scheduler.step_on_epochs=false needs a training loader with a length (the "
                             "schedule is in epochs); step the schedule per epoch (step_on_epochs=true).")
-        return max(1, math.ceil(batches / self.trainer.accumulate_grad_batches))
+        return updates
 
 
 FACTORY_ERRORS = (AssertionError, ValueError, TypeError, KeyError)  # what timm's factories raise on bad options

@@ -32,13 +32,19 @@ def build_optimizers(params, optim: Mapping, trainer=None):
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "epoch"}}
 
 
+def updates_per_epoch(trainer) -> int | None:
+    """Optimizer steps in one epoch of this process (the last, partial accumulation steps too); None when an epoch
+    has no length (an iterable loader)."""
+    batches = trainer.num_training_batches
+    return None if math.isinf(batches) else max(1, math.ceil(batches / trainer.accumulate_grad_batches))
+
+
 def run_epochs(trainer) -> int | None:
     """The epochs a run of ``trainer`` trains: its optimizer steps (``estimated_stepping_batches``, which
     ``trainer.max_steps`` bounds) over one epoch's; None when an epoch has no length (an iterable loader)."""
     if trainer.train_dataloader is None:  # as Lightning's estimated_stepping_batches does where it needs the length
         trainer.fit_loop.setup_data()
-    steps, batches = trainer.estimated_stepping_batches, trainer.num_training_batches
-    if math.isinf(batches) or math.isinf(steps):
+    steps, per_epoch = trainer.estimated_stepping_batches, updates_per_epoch(trainer)
+    if per_epoch is None or math.isinf(steps):
         return None
-    per_epoch = max(1, math.ceil(batches / trainer.accumulate_grad_batches))
     return max(1, math.ceil(steps / per_epoch))
