@@ -17,8 +17,9 @@ loop needs around them:
   is vetted with ``torch.load(weights_only=True)`` first, or from a seeded
   random initialisation for offline smoke runs (``"random"`` / ``"random:SEED"``);
 * :func:`reference_statistics` caches the real set's FID statistics and pool
-  features (KID draws its subsets from them) on disk, keyed by a dataset key
-  and :func:`weights_id`.
+  features (KID draws its subsets from them) on disk, keyed by a dataset key,
+  :func:`weights_id` and :func:`computation_id` (device type, the extractor's
+  dtype, on CUDA the TF32 switches, torch-fidelity's version).
 
 Scores from random weights, or from fewer than the customary 50,000 samples,
 are not comparable with published numbers.
@@ -36,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch_fidelity
 import torch_fidelity.feature_extractor_inceptionv3 as _tf_inception
 from PIL import Image
 from torch import Tensor
@@ -342,7 +344,8 @@ def reference_statistics(
     batch_size: int = 50,
     keep_features: bool = False,
 ) -> dict[str, np.ndarray]:
-    """FID statistics of a real image set, cached as ``<cache_dir>/fid_ref_<dataset_key>_<weights_id>.npz``.
+    """FID statistics of a real image set, cached as
+    ``<cache_dir>/fid_ref_<dataset_key>_<weights_id>_<computation_id>.npz``.
 
     Returns ``{"mu": (D,), "sigma": (D, D)}`` in float64 and, with
     ``keep_features``, ``"features"``: the (N, D) pool features themselves, for
@@ -352,7 +355,9 @@ def reference_statistics(
     ``dataset_key`` must identify the exact image set (dataset, split, number of
     images, preprocessing): it is the cache key together with
     :func:`weights_id` of ``weights``, which must be the weights ``extractor``
-    was built with. Characters other than letters, digits, ``.``, ``_`` and
+    was built with, and :func:`computation_id` of the extractor as it is now
+    (its device and dtype, the TF32 switches on CUDA): statistics computed
+    under one arithmetic are never reused under another. Characters other than letters, digits, ``.``, ``_`` and
     ``-`` in the key are replaced by ``-`` in the file name. ``images_uint8``
     may be a callable, called only on a cache miss. ``cache_dir`` None
     disables caching. The file is written atomically (temp file + os.replace)
@@ -372,29 +377,82 @@ def reference_statistics(
             raise ValueError(f"features {stats['features'].shape} do not match mu {stats['mu'].shape}")
         return stats
 
-    path = reference_cache_path(cache_dir, "fid", dataset_key, weights_id(weights))
-    stats = read_reference_cache(path, read, "FID reference statistics", dataset_key)
+    computation = extractor_computation_id(extractor)
+    path = reference_cache_path(cache_dir, "fid", dataset_key, weights_id(weights), computation)
+    stats = read_reference_cache(path, checked_computation(read, computation), "FID reference statistics",
+                                 dataset_key)
     if stats is not None:
         return stats
     images = images_uint8() if callable(images_uint8) else images_uint8
-    features, _ = inception_features(extractor, images, batch_size=batch_size, progress=True)
+    with torch.autocast(extractor_device(extractor).type, enabled=False):  # the arithmetic the key names
+        features, _ = inception_features(extractor, images, batch_size=batch_size, progress=True)
     stats = fid_statistics(features)
     features32 = features.to(torch.float32).numpy()   # exact: the network's features are float32
     if path is not None:
-        save_npz_atomically(path, mu=stats["mu"], sigma=stats["sigma"], features=features32)
+        save_npz_atomically(path, mu=stats["mu"], sigma=stats["sigma"], features=features32,
+                            computation=np.array(computation))
         log.info("FID reference statistics: cached %s", path)
     if keep_features:
         stats["features"] = features32
     return stats
 
 
-def reference_cache_path(cache_dir: str | Path | None, prefix: str, dataset_key: str, weights: str) -> Path | None:
-    """``<cache_dir>/<prefix>_ref_<dataset_key>_<weights>.npz`` (None without a cache directory), ``weights`` the
-    extractor's weights id; characters other than letters, digits, ``.``, ``_`` and ``-`` in the key become ``-``."""
+def computation_id(device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:
+    """What decides the numbers an extractor computes besides its weights and its input, for cache keys:
+    ``<device type>-<dtype>``, on CUDA the TF32 switches as torch has them now (``mm-<float32 matmul precision>``:
+    highest, high or medium, which ``torch.backends.cuda.matmul.allow_tf32`` and ``trainer.tf32`` set; ``conv-tf32``
+    or ``conv-ieee``, ``torch.backends.cudnn.allow_tf32``, or ``conv-nocudnn`` with cuDNN off), and torch-fidelity's
+    version (its network and resizing code). TF32 moves Inception's pool features by ~1e-4 relative, which FID
+    differences between variants are of the order of. On a CPU the switches change nothing (torch: "this flag
+    currently only affects ... CUDA"), so CPU runs share one key whatever ``trainer.tf32`` says.
+
+    Not in the key: the batch size and cuDNN's algorithm choice (``trainer.deterministic``, the GPU model), which
+    move features by float32 rounding only, as run-to-run noise on a GPU does."""
+    device_type = torch.device(device).type
+    parts = [device_type, str(dtype).removeprefix("torch.")]
+    if device_type == "cuda":
+        parts.append(f"mm-{torch.get_float32_matmul_precision()}")
+        if not torch.backends.cudnn.enabled:
+            parts.append("conv-nocudnn")
+        else:
+            parts.append("conv-tf32" if torch.backends.cudnn.allow_tf32 else "conv-ieee")
+    parts.append(f"tfid{torch_fidelity.__version__}")
+    return "-".join(parts)
+
+
+def extractor_device(extractor: torch.nn.Module) -> torch.device:
+    """The device an extractor computes on: its parameters'."""
+    return next(extractor.parameters()).device
+
+
+def extractor_computation_id(extractor: torch.nn.Module) -> str:
+    """:func:`computation_id` of an extractor as it is now: its parameters' device and dtype (float32 unless
+    torch-fidelity's ``feature_extractor_internal_dtype`` says float64)."""
+    param = next(extractor.parameters())
+    return computation_id(param.device, param.dtype)
+
+
+def checked_computation(read: Callable, computation: str) -> Callable:
+    """``read`` of a cache file that first checks the computation the file records, where it records one (the
+    name holds it too): a file renamed or copied from another key's name is recomputed, not reused."""
+    def checked(f):
+        if "computation" in f.files and (stored := str(f["computation"])) != computation:
+            raise ValueError(f"computed under {stored}, not {computation}")
+        return read(f)
+
+    return checked
+
+
+def reference_cache_path(cache_dir: str | Path | None, prefix: str, dataset_key: str, weights: str,
+                         computation: str) -> Path | None:
+    """``<cache_dir>/<prefix>_ref_<dataset_key>_<weights>_<computation>.npz`` (None without a cache directory),
+    ``weights`` the extractor's weights id, ``computation`` its :func:`computation_id`; characters other than
+    letters, digits, ``.``, ``_`` and ``-`` in the key become ``-``."""
     if cache_dir is None:
         return None
     safe_key = re.sub(r"[^A-Za-z0-9._-]", "-", dataset_key)
-    return Path(cache_dir) / f"{prefix}_ref_{safe_key}_{weights}.npz"
+    safe_computation = re.sub(r"[^A-Za-z0-9._-]", "-", computation)
+    return Path(cache_dir) / f"{prefix}_ref_{safe_key}_{weights}_{safe_computation}.npz"
 
 
 def read_reference_cache(path: Path | None, read: Callable, what: str, dataset_key: str,

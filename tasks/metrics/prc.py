@@ -143,7 +143,8 @@ def reference_features(
     extractor: torch.nn.Module, images_uint8: Tensor | Callable[[], Tensor], dataset_key: str,
     weights: str | None, cache_dir: str | Path | None, batch_size: int = 50,
 ) -> Tensor:
-    """VGG16 features of the real images, cached as ``<cache_dir>/prc_ref_<dataset_key>_<weights_id>.npz``.
+    """VGG16 features of the real images, cached as
+    ``<cache_dir>/prc_ref_<dataset_key>_<weights_id>_<computation_id>.npz``.
 
     The same keys and atomic writes as :func:`tasks.metrics.fid.reference_statistics`.
     """
@@ -153,13 +154,16 @@ def reference_features(
             raise ValueError(f"features of shape {tuple(features.shape)}")
         return features
 
-    path = fid.reference_cache_path(cache_dir, "prc", dataset_key, weights_id(weights))
-    features = fid.read_reference_cache(path, read, "PRC reference features", dataset_key, log)
+    computation = fid.extractor_computation_id(extractor)
+    path = fid.reference_cache_path(cache_dir, "prc", dataset_key, weights_id(weights), computation)
+    features = fid.read_reference_cache(path, fid.checked_computation(read, computation), "PRC reference features",
+                                        dataset_key, log)
     if features is not None:
         return features
     images = images_uint8() if callable(images_uint8) else images_uint8
-    features = vgg16_features(extractor, images, batch_size=batch_size, progress=True)
+    with torch.autocast(fid.extractor_device(extractor).type, enabled=False):  # the arithmetic the key names
+        features = vgg16_features(extractor, images, batch_size=batch_size, progress=True)
     if path is not None:
-        fid.save_npz_atomically(path, features=features.numpy())
+        fid.save_npz_atomically(path, features=features.numpy(), computation=np.array(computation))
         log.info("PRC reference features: cached %s", path)
     return features

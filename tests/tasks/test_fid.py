@@ -239,7 +239,8 @@ def test_reference_statistics_cache(tmp_path, extractor, weights_file, image_set
 
     caplog.set_level(logging.INFO, logger="tasks.metrics.fid")
     first = fid.reference_statistics(extractor, materialise, "toy/train", weights_file, tmp_path, batch_size=4)
-    expected_file = tmp_path / f"fid_ref_toy-train_{fid.weights_id(weights_file)}.npz"
+    computation = fid.computation_id("cpu")   # the extractor's device and dtype (tests/test_fid_cache_key.py)
+    expected_file = tmp_path / f"fid_ref_toy-train_{fid.weights_id(weights_file)}_{computation}.npz"
     assert calls == [1] and expected_file.is_file()
     assert "miss" in caplog.text
 
@@ -262,7 +263,7 @@ def test_reference_statistics_cache(tmp_path, extractor, weights_file, image_set
     # another weights id -> another file (the tensor itself may be passed instead of a callable)
     fid.reference_statistics(extractor, images, "toy/train", "random:1", tmp_path, batch_size=4)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [expected_file.name, "fid_ref_toy-train_random-1.npz"]
+        [expected_file.name, f"fid_ref_toy-train_random-1_{computation}.npz"]
     )  # and no temp files left behind
 
     # no cache dir: computed, nothing written

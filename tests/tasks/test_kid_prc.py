@@ -214,7 +214,7 @@ def test_prc_reference_cache_round_trip(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="tasks.metrics.prc")
     first = prc.reference_features(extractor, images, "toy/train", "random:2", tmp_path, batch_size=2)
     assert first.shape == (2, 4096) and first.dtype == torch.float32 and first.std(0).mean() > 0
-    assert [p.name for p in tmp_path.iterdir()] == ["prc_ref_toy-train_random-2.npz"]
+    assert [p.name for p in tmp_path.iterdir()] == [f"prc_ref_toy-train_random-2_{fid.computation_id('cpu')}.npz"]
 
     def must_not_run():
         raise AssertionError("images materialised on a cache hit")
@@ -271,8 +271,8 @@ def test_gan_run_records_kid_precision_recall_and_their_protocol(env, tmp_path):
     images = torch.stack([torch.from_numpy(np.array(Image.open(f).convert("RGB"))).permute(2, 0, 1)
                           for f in sorted(samples.glob("*.png"))])   # (8, 3, 32, 32) uint8
     assert len(images) == 8
-    (fid_file,) = (tmp_path / "cache").glob("fid_ref_*_random-0.npz")
-    (prc_file,) = (tmp_path / "cache").glob("prc_ref_*_random-0.npz")
+    (fid_file,) = (tmp_path / "cache").glob("fid_ref_*_random-0_cpu-float32-*.npz")
+    (prc_file,) = (tmp_path / "cache").glob("prc_ref_*_random-0_cpu-float32-*.npz")
     pool, _ = fid.inception_features(fid.load_inception("random"), images, batch_size=4)
     with np.load(fid_file) as f:
         kid = fid.kernel_inception_distance(pool, f["features"], subsets=5)
