@@ -51,6 +51,14 @@ IGNORED_KEYS = {"seed", "data_dir", "ckpt_path", "resume", "overwrite", "metrics
                 "trainer.log_every_n_steps", "data.num_workers"}
 IGNORED_PREFIXES = ("logger.", "callbacks.throughput.", "bench.", "report.", "hydra.")
 IGNORED_SUFFIXES = ("_dir", ".root")
+# Options added after runs were recorded, each with the value under which today's code computes what the code before
+# the option did (checked against the commit that added it): a record without the key, shown `<unset>`, is read
+# with that value, so that it shares a row with the runs that have it. Not the options whose default changed what a
+# run computes: `callbacks.validate_at_end` (f39896b, 3b4d2c8) validates the last step, which runs before it never
+# did, so its records stay `<unset>`, in rows of their own; nor an option whose old behaviour cannot be told.
+ADDED_OPTIONS = {
+    "trainer.tf32": None,  # 1303ac7: null leaves torch's TF32 switches, which no code set before it
+}
 # The weights files a run starts from, compared by file name: a run fine-tuned from published weights is not a run
 # from scratch, while the same file lies under another path on another machine.
 WEIGHTS_KEYS = {"model.weights", "model.g_weights", "model.d_weights", "model.g_ema_weights"}
@@ -509,8 +517,12 @@ def flatten(config: dict, prefix: str = "") -> dict[str, str]:
 
 
 def settings(run: Run) -> dict[str, str]:
-    """A run's config as the groups compare it: :func:`flatten`, the :data:`WEIGHTS_KEYS` by file name."""
+    """A run's config as the groups compare it: :func:`flatten`, the :data:`WEIGHTS_KEYS` by file name, and the
+    :data:`ADDED_OPTIONS` its record has not at their old behaviour's value."""
     flat = flatten(run.config)
+    for key, value in ADDED_OPTIONS.items():
+        if key not in flat and not any(k.startswith(key + ".") for k in flat):
+            flat[key] = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
     for key in WEIGHTS_KEYS & flat.keys():
         if flat[key] != "null":
             flat[key] = PurePath(flat[key]).name

@@ -106,7 +106,7 @@ SELECTION = ("checkpoint", "selected_on", "selected_on_part")  # how the tested 
 
 
 def protocol(config: dict, tested: str | None = None, val_is_test: bool | None = None,
-             chosen_in: dict | None = None, world_size: int = 1) -> dict:
+             chosen_in: dict | None = None, world_size: int = 1, batches: dict | None = None) -> dict:
     """The evaluation protocol of a run, from its resolved config and the checkpoint it tested.
 
     Runs whose protocols differ are never averaged together by ``mode=report``. Keys: ``checkpoint`` (see
@@ -120,15 +120,18 @@ def protocol(config: dict, tested: str | None = None, val_is_test: bool | None =
     split with no ``val_fraction`` in its config). ``chosen_in``: the protocol of the run that chose the tested
     checkpoint, where that is another run (``mode=test``, :func:`checkpoint_origin`): its monitor, split and
     part of it decide ``checkpoint``, ``selected_on`` and ``selected_on_part``, not this command's. ``world_size``:
-    the run's processes, which a part of a split depends on (:func:`tested_part`).
+    the run's processes, which a part of a split depends on (:func:`tested_part`). ``batches``: the whole test and
+    validation loaders' batch counts, by limit option (:func:`split_batches`), which tell a limit that covers its
+    whole split from one that does not (none known: every int limit is taken for a part).
     """
     task = (config.get("task") or {}).get("name")
     data = config.get("data") or {}
     p = {"checkpoint": checkpoint_choice(config, tested)}
     trainer = config.get("trainer") or {}
-    if (part := tested_part(trainer, world_size=world_size)) is not None:
+    batches = batches or {}
+    if (part := tested_part(trainer, world_size=world_size, batches=batches.get("limit_test_batches"))) is not None:
         p["tested_part"] = part
-    if (part := tested_part(trainer, "limit_val_batches", world_size)) is not None:
+    if (part := tested_part(trainer, "limit_val_batches", world_size, batches.get("limit_val_batches"))) is not None:
         p["selected_on_part"] = part  # the checkpoint chosen on part of the validation split
     on_val = test_split_is_val(config)
     if val_is_test is None:
@@ -257,13 +260,19 @@ def tested_checkpoint(path: str, with_config: bool = False) -> dict:
     return out
 
 
-def tested_part(trainer: dict, key: str = "limit_test_batches", world_size: int = 1) -> str | None:
+def tested_part(trainer: dict, key: str = "limit_test_batches", world_size: int = 1,
+                batches: int | None = None) -> str | None:
     """What part of the test split a run's test metrics cover, when not all of it (``trainer.limit_test_batches``,
     ``trainer.fast_dev_run``), else None; with ``key="limit_val_batches"``, of the validation split its checkpoint
     was chosen on. Such metrics were recorded as the whole split's, and ``mode=report`` averaged them with
     whole-split runs; a protocol key keeps them apart and says so. Under DDP the limit is each process's, on its
     strided share of the split: 2 batches under 2 processes are 4 batches of other samples than the first 2, so the
-    part names the process count (``world_size``) and is not averaged with one process's."""
+    part names the process count (``world_size``) and is not averaged with one process's.
+
+    ``batches``: the whole loader's batch count (the first process's share under DDP, the largest:
+    :func:`split_batches`), where known. An int limit of at least that many, like a float of 1.0, is the whole
+    split (Lightning runs ``min(limit, batches)``): such a run was put in a row of its own, apart from the runs it
+    equals. Unknown (None), an int limit counts as a part."""
     fast = trainer.get("fast_dev_run")
     if fast:
         part = "1 batch" if fast is True else f"{int(fast)} batches"
@@ -271,6 +280,8 @@ def tested_part(trainer: dict, key: str = "limit_test_batches", world_size: int 
             f"{part} of each of {world_size} processes' shares (trainer.fast_dev_run)")
     limit = trainer.get(key)
     if limit is None or (isinstance(limit, float) and limit >= 1.0):
+        return None
+    if isinstance(limit, int) and not isinstance(limit, bool) and batches is not None and limit >= batches:
         return None
     if not limit:
         return f"no batches (trainer.{key}=0)"
@@ -280,6 +291,48 @@ def tested_part(trainer: dict, key: str = "limit_test_batches", world_size: int 
     if isinstance(limit, float):
         return f"first {limit:.0%} of the batches (trainer.{key}={limit:g})"
     return f"first {int(limit)} batches (trainer.{key}={int(limit)})"
+
+
+def split_batches(trainer) -> dict[str, int]:
+    """The batch counts of a run's whole test and validation loaders, keyed by the option that limits them
+    (``limit_test_batches``, ``limit_val_batches``), for :func:`tested_part`: ``len`` of the loaders Lightning ran
+    (several: the largest). ``trainer.test()`` lets go of the fit's validation loaders (Lightning's
+    ``attach_dataloaders``), so where the fit validated, the data module's validation loader is built again to be
+    counted (nothing is loaded). Under DDP each process's loader holds its share; a count is given only where the
+    sampler is a ``DistributedSampler`` (Lightning's, or its ``UnrepeatedDistributedSampler``, ours: ranks differ
+    by one sample at most), whose first process, this one, has the largest share, so a limit covering it covers
+    every process's. A loader without a length, another sampler, or no loader (no test or no validation in this
+    process): left out."""
+    out = {}
+    if trainer is None:
+        return out
+    if (n := _batches(trainer.test_dataloaders, trainer.world_size)) is not None:
+        out["limit_test_batches"] = n
+    val = trainer.val_dataloaders
+    if val is None and trainer.num_val_batches and getattr(trainer, "datamodule", None) is not None:
+        val = trainer.datamodule.val_dataloader()
+    if (n := _batches(val, trainer.world_size)) is not None:
+        out["limit_val_batches"] = n
+    return out
+
+
+def _batches(loaders, world_size: int) -> int | None:
+    """The largest ``len`` of ``loaders`` (a loader, a list or dict of them), None where :func:`split_batches`
+    cannot tell."""
+    from torch.utils.data import DistributedSampler
+
+    if loaders is None:
+        return None
+    items = list(loaders.values()) if isinstance(loaders, dict) else (
+        list(loaders) if isinstance(loaders, (list, tuple)) else [loaders])
+    try:
+        lengths = [len(loader) for loader in items]
+    except TypeError:  # an iterable without a length
+        return None
+    if world_size > 1 and not all(isinstance(getattr(loader, "sampler", None), DistributedSampler)
+                                  for loader in items):
+        return None
+    return max(lengths) if lengths else None
 
 
 def reset_peak_memory() -> None:
@@ -426,7 +479,12 @@ def record(module, config: dict, tested: str | None, device_type: str, wall_time
             out.update(count_cost(module))
     except Exception as err:  # noqa: BLE001
         log.warning("params/FLOPs not recorded in metrics.json: %s", err)
-    out["protocol"] = protocol(config, tested, val_is_test, chosen_in, world_size)
+    try:
+        batches = split_batches(getattr(module, "_trainer", None))
+    except Exception as err:  # noqa: BLE001 - unknown counts: every int limit is taken for a part
+        log.warning("the test and validation loaders' batch counts not read: %s", err)
+        batches = {}
+    out["protocol"] = protocol(config, tested, val_is_test, chosen_in, world_size, batches)
     if tested:
         try:
             out["tested"] = tested_checkpoint(tested, with_config=config.get("mode") in ("test", "eval"))
