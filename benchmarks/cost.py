@@ -59,15 +59,61 @@ EXPONENT_GOALS = {"linear": (0.85, 1.15), "quadratic": (1.75, 2.25)}  # time ~ N
 # Settings
 # --------------------------------------------------------------------------------------------
 
+def given_paths(overrides) -> set[str]:
+    """The ``bench`` keys that command-line overrides set, as dotted paths below ``bench`` down to each value they
+    give: ``bench.limits.matmul=256`` -> ``limits.matmul``; ``bench.limits={matmul:256}`` -> ``limits.matmul`` too
+    (Hydra merges a dict into the node); a list or any other value is one path."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    def leaves(path, value):
+        if isinstance(value, dict) and value:
+            return set().union(*(leaves(f"{path}.{k}", v) for k, v in value.items()))
+        return {path}
+
+    parser, paths = OverridesParser.create(), set()
+    for text in overrides:
+        try:
+            override = parser.parse_override(text)
+        except Exception:  # noqa: BLE001 - Hydra has refused it already; the key alone
+            key, value = text.split("=", 1)[0].lstrip("+~"), None
+        else:
+            key = override.key_or_group
+            value = None if override.is_sweep_override() or override.is_delete() else override.value()
+        if key.startswith("bench."):
+            paths |= leaves(key.removeprefix("bench."), value)
+    return paths
+
+
+def _without(tree: dict, given: set[str], prefix: str = "") -> dict:
+    """``tree`` less the paths in ``given`` (and what lies below them); the rest of a node of which only some keys
+    were given is kept."""
+    out = {}
+    for key, value in tree.items():
+        path = prefix + str(key)
+        if path in given:
+            continue
+        if isinstance(value, dict) and any(g.startswith(path + ".") for g in given):
+            out[key] = _without(value, given, path + ".")
+        else:
+            out[key] = value
+    return out
+
+
 def settings(cfg: DictConfig, given: set[str] = frozenset()) -> dict:
-    """``cfg.bench`` as a plain dict, with ``quick_overrides`` merged in when ``quick`` is set, except the keys in
-    ``given`` (those set on the command line, which win)."""
+    """``cfg.bench`` as a plain dict, with ``quick_overrides`` merged in when ``quick`` is set, except the paths in
+    ``given`` (:func:`given_paths` of the command line: what it sets wins, and only that: with
+    ``bench.limits.matmul=256`` quick's other limits still apply)."""
     bench = OmegaConf.create(OmegaConf.to_container(cfg.bench, resolve=True))
     if bench.quick:
-        quick = {k: v for k, v in OmegaConf.to_container(bench.quick_overrides).items() if k not in given}
-        bench = OmegaConf.merge(bench, quick)
+        bench = OmegaConf.merge(bench, _without(OmegaConf.to_container(bench.quick_overrides), set(given)))
     out = OmegaConf.to_container(bench, resolve=True)
     out.pop("quick_overrides", None)
+    if isinstance(out.get("options"), dict):  # each entry is configs/attn/<name>.yaml: its name is not an option
+        out["options"] = {k: ({o: x for o, x in v.items() if o != "name"} if isinstance(v, dict) else v)
+                          for k, v in out["options"].items()}
+    if not isinstance(out.get("replace_tables", False), bool):
+        raise UserError(f"bench.replace_tables={out['replace_tables']!r}: give true or false (true: a bench.table_dir "
+                        "table of the same name is replaced even by one that measures less).")
     known = set(attention.names())
     variants = out["variants"] if out["variants"] is not None else attention.names()
     unknown = [v for v in variants if v not in known] + [v for v in out["options"] or {}
@@ -112,7 +158,7 @@ def check_buildable(s: dict) -> None:
     for name in [*s["variants"], *s["baselines"]]:
         if name in BASELINES:  # a baseline takes its variant's options: attention.build's check does not see it
             accepted = set(inspect.signature(BASELINES[name][0]).parameters) - {"dim"}
-            if unknown := sorted(set((s["options"] or {}).get(name) or {}) - accepted):
+            if unknown := sorted(set(baseline_options(name, s["options"])) - accepted):
                 problems.append(f"baseline {name!r} has no option {', '.join(unknown)} (its options: "
                                 f"{', '.join(sorted(accepted))})")
                 continue
@@ -127,6 +173,78 @@ def check_buildable(s: dict) -> None:
                         "each variant's heads divide (e.g. [64, 256]), or leave the variant out of bench.variants.")
 
 
+def table_dir(s: dict) -> Path | None:
+    """``bench.table_dir`` as an absolute path (relative to the working directory), or None."""
+    if not s.get("table_dir"):
+        return None
+    folder = Path(s["table_dir"]).expanduser()
+    return folder if folder.is_absolute() else Path.cwd() / folder
+
+
+def table_losses(old: dict, s: dict) -> list[str]:
+    """What a table measured with settings ``old`` holds that one measured with ``s`` would not: each as the
+    option and what it lacks or changes."""
+    losses = []
+    known = {"variants": set(attention.names()), "baselines": set(BASELINES)}  # a variant since removed is no loss
+    for key in ("variants", "baselines", "layouts", "sizes", "channels", "dtypes"):
+        missing = [v for v in old.get(key) or [] if v not in (s.get(key) or []) and v in known.get(key, [v])]
+        if missing:
+            losses.append(f"bench.{key}={_listed(s.get(key))} lacks {', '.join(map(str, missing))}")
+    if old.get("batch", s["batch"]) != s["batch"]:
+        losses.append(f"bench.batch={s['batch']} (the table's: {old['batch']})")
+    if s.get("quick") and not old.get("quick"):
+        losses.append("bench.quick=true (the smoke run's sizes, repeats and budget)")
+    for name in [v for v in s["variants"] + s["baselines"] if v in old.get("variants", []) + old.get("baselines", [])]:
+        mine, theirs = mixer_options(name, s.get("options")), mixer_options(name, old.get("options"))
+        if mine != theirs and mine != mixer_options(name, None):  # the table's files changed since: no loss
+            changed = [f"{k}={mine.get(k)!r} (the table's: {theirs.get(k)!r})" for k in sorted({*mine, *theirs})
+                       if mine.get(k) != theirs.get(k)]
+            losses.append(f"bench.options.{name}: {', '.join(changed)}")
+    if old.get("tasks"):
+        if not s.get("tasks"):
+            losses.append("bench.tasks=false (the table has each task's training throughput)")
+        else:
+            for key in ("task_names", "task_attn"):
+                if missing := [v for v in old.get(key) or [] if v not in (s.get(key) or [])]:
+                    losses.append(f"bench.{key}={_listed(s.get(key))} lacks {', '.join(map(str, missing))}")
+            for key in ("task_pct", "task_compile", "task_deterministic"):
+                if old.get(key) and not s.get(key):
+                    losses.append(f"bench.{key}=false (the table's: true)")
+    return losses
+
+
+def _listed(values) -> str:
+    return "[" + ",".join(map(str, values or [])) + "]"
+
+
+def check_table_dir(s: dict, stem: str) -> None:
+    """Refuse, before anything is measured, to copy a table over ``bench.table_dir``'s table of the same name
+    (``<stem>.md``, ``.csv``, ``.json``, plots: the committed ones with make bench) when this run measures less
+    than that table holds, unless ``bench.replace_tables=true``. The other table's settings are read from its
+    JSON; a table there without a readable one is refused too (what it holds is not known)."""
+    folder = table_dir(s)
+    if folder is None or s.get("replace_tables"):
+        return
+    there = [p for p in (folder / f"{stem}.{ext}" for ext in ("md", "csv", "json")) if p.is_file()]
+    if not there:
+        return
+    try:
+        old = json.loads((folder / f"{stem}.json").read_text())["settings"]
+        assert isinstance(old, dict)
+        losses = table_losses(old, s)
+        what = "measured more than this run would: " + "; ".join(losses)
+    except Exception:  # noqa: BLE001 - no JSON, or not the bench's: what it holds is unknown
+        losses, what = ["unknown"], "has no readable settings (its JSON), so what it holds is not known"
+    if not losses:
+        return
+    raise UserError(
+        f"bench.table_dir={s['table_dir']}: {folder / stem}.md (with its .csv, .json and plots) would be replaced by "
+        f"this run's table, and that table {what}. Nothing was measured. To keep it, write this run's table "
+        f"elsewhere (bench.table_dir=null: the run directory only, or bench.table_dir=<another folder>) or under a "
+        f"name of its own (bench.name=<name>, e.g. bench.name={s['name']}-partial); to replace it on purpose, add "
+        "bench.replace_tables=true.")
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -137,13 +255,32 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def variant_options(name: str, overrides: dict | None) -> dict:
-    """The options a task would build ``name`` with: configs/attn/<name>.yaml, then ``bench.options.<name>``."""
+def file_options(name: str) -> dict:
+    """configs/attn/<name>.yaml, less its name; {} for a variant without one."""
     path = CONFIGS / "attn" / f"{name}.yaml"
     opts = OmegaConf.to_container(OmegaConf.load(path), resolve=True) if path.is_file() else {}
     opts.pop("name", None)
-    opts.update((overrides or {}).get(name) or {})
     return opts
+
+
+def variant_options(name: str, overrides: dict | None) -> dict:
+    """The options a task would build ``name`` with: configs/attn/<name>.yaml, then ``bench.options.<name>``."""
+    opts = file_options(name)
+    opts.update({k: v for k, v in ((overrides or {}).get(name) or {}).items() if k != "name"})
+    return opts
+
+
+def baseline_options(name: str, overrides: dict | None) -> dict:
+    """What ``bench.options.<baseline>`` sets for the baseline alone; the rest follows its variant's
+    ``bench.options`` entry (``++bench.options.self.heads=2``: self and materialised)."""
+    return {k: v for k, v in ((overrides or {}).get(name) or {}).items() if k != "name"}
+
+
+def mixer_options(name: str, overrides: dict | None) -> dict:
+    """The options ``name`` (a variant or a baseline) is built with."""
+    if name in BASELINES:
+        return {**variant_options(BASELINES[name][1], overrides), **baseline_options(name, overrides)}
+    return variant_options(name, overrides)
 
 
 def mixer_class(name: str) -> type:
@@ -154,10 +291,8 @@ def mixer_class(name: str) -> type:
 def build_mixer(name: str, dim: int, overrides: dict | None = None, **extra):
     """A registered variant, or a baseline with the options of the variant it stands beside."""
     if name in BASELINES:
-        cls, like = BASELINES[name]
-        opts = {**variant_options(like, overrides), **((overrides or {}).get(name) or {}), **extra}
-        return cls(dim, **opts)
-    return attention.build(name, dim, **{**variant_options(name, overrides), **extra})
+        return BASELINES[name][0](dim, **{**mixer_options(name, overrides), **extra})
+    return attention.build(name, dim, **{**mixer_options(name, overrides), **extra})
 
 
 # --------------------------------------------------------------------------------------------
@@ -764,10 +899,10 @@ def bench(cfg: DictConfig) -> dict:
 
     started = time.perf_counter()
     overrides = HydraConfig.get().overrides.task
-    given = {o.split("=", 1)[0].lstrip("+~").removeprefix("bench.").split(".")[0]
-             for o in overrides if o.lstrip("+~").startswith("bench.")}
-    s = settings(cfg, given)
+    s = settings(cfg, given_paths(overrides))
     device = pick_device(s["device"])
+    stem = f"{s['name']}-{device.type}"
+    check_table_dir(s, stem)
     if s["threads"]:
         torch.set_num_threads(int(s["threads"]))
     out_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -795,7 +930,6 @@ def bench(cfg: DictConfig) -> dict:
 
         pct_rows = pct_throughput(s, device)
 
-    stem = f"{s['name']}-{device.type}"
     write_csv(out_dir / f"{stem}.csv", rows, COLUMNS)
     plot_paths = plots(rows, exps, s, out_dir, stem)
     command = " ".join(["python run.py", *(a for a in overrides if not a.startswith("hydra."))])
@@ -806,14 +940,11 @@ def bench(cfg: DictConfig) -> dict:
                "seconds": time.perf_counter() - started}
     (out_dir / f"{stem}.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     written = [out_dir / f"{stem}.{ext}" for ext in ("md", "csv", "json")] + plot_paths
-    if s["table_dir"]:
-        table_dir = Path(s["table_dir"])
-        if not table_dir.is_absolute():
-            table_dir = Path.cwd() / table_dir
-        table_dir.mkdir(parents=True, exist_ok=True)
+    if (folder := table_dir(s)) is not None:
+        folder.mkdir(parents=True, exist_ok=True)
         for path in written:
-            shutil.copyfile(path, table_dir / path.name)
-        log.info("copied %s to %s", ", ".join(p.name for p in written), table_dir)
+            shutil.copyfile(path, folder / path.name)
+        log.info("copied %s to %s", ", ".join(p.name for p in written), folder)
 
     logger_cfg = OmegaConf.to_container(cfg.logger, resolve=True)
     if logger_cfg.get("name") == "wandb":

@@ -278,7 +278,14 @@ def unknown_key(key: str, overrides: list[str]) -> str:
         text += " Did you mean " + " or ".join(meant) + "?"
     if keys:
         text += f" The keys of {parent or 'the config'}: {', '.join(keys)}."
-    if parent == "trainer" and depth == len(parts) - 1 and is_trainer_argument(wrong):
+    if parent == "bench.options":
+        # bench.options is null (Hydra adds no key to a {}, and a per-variant defaults entry would make every new
+        # variant edit the bench config): a dotted option is added with ++, as a new key is
+        text = (f"{key} is not in the config: bench.options holds only what the command line adds to "
+                f"configs/attn/<variant>.yaml, and a dotted option is added with ++: "
+                f"`python run.py mode=bench ++{key}={value}`, or several at once, "
+                f"`'bench.options={{{wrong}:{{{'.'.join(parts[depth + 1:]) or '<option>'}:{value}}}}}'`.")
+    elif parent == "trainer" and depth == len(parts) - 1 and is_trainer_argument(wrong):
         text += (f" {wrong} is an argument of Lightning's Trainer that the config does not list: give it with ++, "
                  f"`python run.py ++trainer.{wrong}={value}`.")
     elif meant:

@@ -7,6 +7,7 @@ import csv
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -90,10 +91,23 @@ def test_over_budget_sizes_are_skipped_and_marked_without_running(monkeypatch, o
 
 
 def bench_settings(*overrides: str) -> dict:
+    """``cost.settings`` as ``run.py mode=bench`` makes them: the command line's paths win over bench.quick's."""
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        return cost.settings(compose("config", overrides=["mode=bench", *overrides]))
+        return cost.settings(compose("config", overrides=["mode=bench", *overrides]), cost.given_paths(overrides))
+
+
+def run_bench(tmp_path, *args, small_limits=True, timeout=300):
+    """``run.py mode=bench`` at its smallest (one variant, one size, one step), in a fresh process."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "PYTEST_"))}
+    env.update(PYTHONUNBUFFERED="1", MPLBACKEND="Agg", OMP_NUM_THREADS="1")
+    small = ["mode=bench", "bench.device=cpu", "logger=none", "bench.variants=[self]", "bench.baselines=[]",
+             "bench.layouts=[grid]", "bench.sizes=[256]", "bench.channels=[64]", "bench.warmup=1", "bench.repeats=1",
+             "bench.min_seconds=0", f"hydra.run.dir={tmp_path}/run"]
+    small += ["bench.limits={matmul:256,copy_mb:8,repeats:1}"] if small_limits else []
+    return subprocess.run([sys.executable, str(ROOT / "run.py"), *small, *args], cwd=tmp_path, env=env,
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
 
 
 def test_bench_options_are_taken_and_a_variant_that_cannot_be_built_is_refused():
@@ -112,6 +126,114 @@ def test_bench_options_are_taken_and_a_variant_that_cannot_be_built_is_refused()
                                "self at C=63")):
         with pytest.raises(UserError, match=needle):
             bench_settings(*overrides)
+
+
+def test_bench_options_one_at_a_time_and_the_dotted_form_refused_naming_it(tmp_path):
+    """bench.options.external.heads=5 was refused as "bench.options has no key 'external'", with no word of the form
+    that works (++, as for any key the config lacks: bench.options is null so that the dict form composes). The
+    message now gives both forms; ++ sets one option, and a baseline's entry its own, the rest following its
+    variant."""
+    proc = run_bench(tmp_path, "bench.options.external.heads=5")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "`python run.py mode=bench ++bench.options.external.heads=5`" in proc.stderr, proc.stderr
+    assert "'bench.options={external:{heads:5}}'" in proc.stderr, proc.stderr
+    s = bench_settings("++bench.options.external.heads=2", "++bench.options.dilated.dilations=[1,2]")
+    assert cost.build_mixer("external", 64, s["options"]).heads == 2
+    assert tuple(cost.build_mixer("dilated", 64, s["options"]).dilations) == (1, 2)
+    assert tuple(cost.build_mixer("unfold", 64, s["options"]).dilations) == (1, 2)  # its baseline follows it
+    assert cost.build_mixer("focal", 64, s["options"]).heads == 4  # configs/attn/focal.yaml's
+    s = bench_settings("++bench.options.self.heads=2")
+    heads = {name: cost.build_mixer(name, 64, s["options"]).heads for name in ("self", "materialised")}
+    assert heads == {"self": 2, "materialised": 2}
+    s = bench_settings("++bench.options.materialised.heads=2")
+    heads = {name: cost.build_mixer(name, 64, s["options"]).heads for name in ("self", "materialised")}
+    assert heads == {"self": 4, "materialised": 2}
+
+
+def test_quick_keeps_its_other_settings_under_a_nested_override(tmp_path):
+    """bench.quick=true bench.limits.matmul=256 ran with the full bench's copy_mb=512 and repeats=5: the command
+    line's key counted by its first part, so quick's whole limits (and with bench.task_overrides.gan=[...], its
+    smaller recipes of the other tasks) were dropped. Now only the paths given win."""
+    quick = cost.OmegaConf.to_container(cost.OmegaConf.load(ROOT / "configs" / "bench" / "default.yaml"))[
+        "quick_overrides"]
+    s = bench_settings("bench.quick=true", "bench.limits.matmul=256",
+                       "bench.task_overrides.gan=['experiment=gan_demo']")
+    assert s["limits"] == {**quick["limits"], "matmul": 256}
+    assert s["task_overrides"] == {**quick["task_overrides"], "gan": ["experiment=gan_demo"]}
+    assert s["sizes"] == quick["sizes"] and s["repeats"] == quick["repeats"]
+    s = bench_settings("bench.quick=true", "bench.limits={copy_mb:32}", "bench.sizes=[256]")  # a dict merges
+    assert s["limits"] == {**quick["limits"], "copy_mb": 32} and s["sizes"] == [256]
+    # end to end: the settings run.py measured with
+    proc = run_bench(tmp_path, "bench.quick=true", "bench.limits.matmul=128", small_limits=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    settings = json.loads((tmp_path / "run" / "cost-cpu.json").read_text())["settings"]
+    assert settings["limits"] == {**quick["limits"], "matmul": 128}
+
+
+def _table_there(folder: Path, settings: dict) -> dict:
+    """A bench table in ``folder`` (cost-cpu.md, .csv, .json) measured with ``settings``; its files' texts."""
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {"cost-cpu.md": "# the full table\n", "cost-cpu.csv": "variant\nall of them\n",
+             "cost-cpu.json": json.dumps({"settings": settings})}
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    return files
+
+
+def test_a_partial_bench_does_not_replace_a_fuller_table(tmp_path):
+    """bench.variants=[self] with bench.table_dir=benchmarks copied a one-variant table over the committed
+    cost-cpu.md, .csv, .json and plots, exit code 0. Such a run is refused before it measures, naming what the
+    table there holds that it would not; bench.replace_tables=true replaces it, and a name of its own keeps both."""
+    full = bench_settings("bench.tasks=true")  # make bench's settings
+    tables = tmp_path / "tables"
+    files = _table_there(tables, full)
+    proc = run_bench(tmp_path, f"bench.table_dir={tables}")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    message = proc.stderr.strip().splitlines()[-1]
+    for needle in ("bench.table_dir=", "bench.variants=[self] lacks dilated", "bench.sizes=[256] lacks 1024",
+                   "bench.tasks=false", "bench.replace_tables=true", "bench.name="):
+        assert needle in message, message
+    assert {p.name: p.read_text() for p in tables.iterdir()} == files  # untouched
+    assert not (tmp_path / "run" / "cost-cpu.csv").exists()  # nothing measured
+    proc = run_bench(tmp_path, f"bench.table_dir={tables}", "bench.name=cost-self")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tables / "cost-self-cpu.md").is_file() and (tables / "cost-cpu.md").read_text() == files["cost-cpu.md"]
+    proc = run_bench(tmp_path, f"bench.table_dir={tables}", "bench.replace_tables=true")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "self" in (tables / "cost-cpu.md").read_text() and (tables / "cost-cpu-time.png").is_file()
+
+
+def test_table_dir_check_names_what_a_run_would_lose(tmp_path):
+    full = bench_settings("bench.tasks=true", f"bench.table_dir={tmp_path}")
+    _table_there(tmp_path, full)
+    cost.check_table_dir(full, "cost-cpu")  # the same run again: replaced
+    cost.check_table_dir(bench_settings("bench.tasks=true", f"bench.table_dir={tmp_path}",
+                                        "bench.dtypes=[float32,bfloat16]"), "cost-cpu")  # more: replaced
+    cost.check_table_dir(bench_settings(f"bench.table_dir={tmp_path}", "bench.quick=true", "bench.replace_tables=true"),
+                         "cost-cpu")
+    cost.check_table_dir(bench_settings(f"bench.table_dir={tmp_path}", "bench.quick=true"), "cost-other")
+    for overrides, needle in ((["bench.quick=true", "bench.tasks=true"], "bench.quick=true"),
+                              (["bench.tasks=true", "++bench.options.external.heads=2"],
+                               "bench.options.external: heads=2 (the table's: 1)"),
+                              (["bench.tasks=true", "bench.task_names=[gan]"], "bench.task_names=[gan] lacks modelnet"),
+                              (["bench.tasks=true", "bench.batch=2"], "bench.batch=2"),
+                              (["bench.tasks=true", "bench.layouts=[points]"], "bench.layouts=[points] lacks grid")):
+        with pytest.raises(cost.UserError, match=re.escape(needle)):
+            cost.check_table_dir(bench_settings(f"bench.table_dir={tmp_path}", *overrides), "cost-cpu")
+    (tmp_path / "cost-cpu.json").unlink()  # a table there whose settings are not known
+    with pytest.raises(cost.UserError, match="no readable settings"):
+        cost.check_table_dir(full, "cost-cpu")
+
+
+@pytest.mark.parametrize("stem, overrides", [
+    ("cost-cpu", ["bench.tasks=true"]),  # make bench
+    ("cost-cuda", ["bench.device=cuda", "bench.dtypes=[float32,bfloat16]", "bench.tasks=true"]),  # make bench-gpu
+    ("deterministic-cuda", ["bench.device=cuda", "bench.variants=[]", "bench.baselines=[]", "bench.tasks=true",
+                            "bench.task_deterministic=true", "bench.task_pct=false", "bench.name=deterministic"])])
+def test_make_bench_replaces_the_committed_tables(stem, overrides):
+    """The Makefile's full runs (the settings, not the measurement) pass the check against benchmarks/."""
+    assert (ROOT / "benchmarks" / f"{stem}.json").is_file()
+    cost.check_table_dir(bench_settings(*overrides, f"bench.table_dir={ROOT / 'benchmarks'}"), stem)
 
 
 @pytest.mark.parametrize("override", ["bench.sizes=[-4]", "bench.sizes=[]", "bench.channels=[0]", "bench.batch=0",
