@@ -19,6 +19,7 @@ import logging
 from pathlib import Path
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -51,6 +52,22 @@ class RunCheckpoint(ModelCheckpoint):
     that named files of the old folder name the same files in this one, and everything is restored."""
 
     _said_moved = False
+
+    # A NaN or infinite monitored value is the worst there is, never the best. Lightning compares it as it is when it
+    # already holds its top k: an infinite one in the better direction (-inf with mode=min, +inf with mode=max) was
+    # best from then on, and the run tested that checkpoint whatever came after. (A NaN it saves only while it holds
+    # fewer than k, scored as the worst; that stays so: a run whose every validation is non-finite keeps its first,
+    # and fails at its end, suite/guard.py.)
+    def check_monitor_top_k(self, trainer, current=None) -> bool:
+        return super().check_monitor_top_k(trainer, self._worst_unless_finite(current))
+
+    def _update_best_and_save(self, current, trainer, monitor_candidates) -> None:
+        super()._update_best_and_save(self._worst_unless_finite(current), trainer, monitor_candidates)
+
+    def _worst_unless_finite(self, current):
+        if isinstance(current, torch.Tensor) and not bool(torch.isfinite(current).all()):
+            return torch.tensor(float("inf") if self.mode == "min" else float("-inf"), device=current.device)
+        return current
 
     def load_state_dict(self, state_dict: dict) -> None:
         old, best = state_dict.get("dirpath"), state_dict.get("best_model_path")

@@ -20,12 +20,23 @@ those of earlier backward calls of the same update (the GAN's discriminator back
 up its real and fake terms one after the other), so the task's
 ``optimizer.step()`` changes nothing). Under DDP the ranks agree first (one boolean all-reduce per check), so
 all of them skip or stop together instead of deadlocking.
+
+Evaluation is checked too, unless ``off``: a validation or test metric (``val/*``, ``test/*``) that is NaN or
+infinite in the run's record fails the run once everything is written (``metrics.json``, the checkpoints, the
+loggers' files), with a :class:`NonFiniteMetrics` (exit code 2, as a non-finite training loss) naming the
+metrics, their split and the checkpoint they scored (:meth:`NonFiniteGuard.evaluation_error`), so that a sweep or a
+script sees the failure. ``skip`` drops training batches only: an evaluation has no batch to drop without changing
+its metric, so it fails as under ``stop``. Each non-finite validation during fit is also logged when it happens
+(:meth:`NonFiniteGuard.on_validation_end`); it does not stop training (the weights are what the training loss
+check guards), and the best checkpoint passes over it (``suite.checkpoints.RunCheckpoint``). Under DDP the ranks
+agree on the failure (one boolean all-reduce).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 from pathlib import Path
 
 import lightning as L
@@ -41,6 +52,19 @@ class NonFiniteLoss(UserError):
     """A training loss was NaN or infinite and ``trainer.on_nan=stop``."""
 
 
+class NonFiniteMetrics(UserError):
+    """A validation or test metric of the run's record was NaN or infinite and ``trainer.on_nan`` is not ``off``."""
+
+
+EVALUATED = {"val/": "the validation split", "test/": "the test split"}  # metric prefix -> the split it scores
+
+
+def non_finite(metrics) -> dict[str, float]:
+    """The evaluation metrics (``val/*``, ``test/*``) of ``metrics`` that are NaN or infinite."""
+    return {k: float(v) for k, v in metrics.items()
+            if k.startswith(tuple(EVALUATED)) and isinstance(v, (int, float)) and not math.isfinite(v)}
+
+
 class NonFiniteGuard(L.pytorch.callbacks.Callback):
     def __init__(self, mode: str = "stop"):
         if mode not in MODES:
@@ -49,6 +73,8 @@ class NonFiniteGuard(L.pytorch.callbacks.Callback):
         self.mode = mode
         self.skipped: list[int] = []  # global steps whose batch was dropped
         self._snapshot: list[torch.Tensor] | None = None
+        self.validated_at: int | None = None  # the global step of the fit's last validation
+        self.bad_validations: list[int] = []  # global steps of validations with a non-finite metric
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if self.mode == "off" or stage != "fit" or getattr(pl_module, "_nan_guarded", False):
@@ -89,6 +115,69 @@ class NonFiniteGuard(L.pytorch.callbacks.Callback):
             log.warning("skipped %d training batch(es) with a NaN or infinite loss (trainer.on_nan=skip), at "
                         "step(s) %s", len(self.skipped), shown)
 
+    def on_validation_end(self, trainer, pl_module) -> None:
+        """Note (and log at once: a long run's log says so when it happens) a validation whose metrics are not all
+        finite; the run fails at its end (:meth:`evaluation_error`). One host read of the logged values per
+        validation."""
+        if self.mode == "off" or trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        self.validated_at = int(trainer.global_step)
+        bad = non_finite({k: float(v) for k, v in trainer.callback_metrics.items()})
+        bad = {k: v for k, v in bad.items() if k.startswith("val/")}
+        if not bad:
+            return
+        self.bad_validations.append(self.validated_at)
+        if trainer.is_global_zero:
+            monitor = getattr(trainer.checkpoint_callback, "monitor", None)
+            passed = f"; the best checkpoint (by {monitor}) passes over it" if monitor in bad else ""
+            log.warning("the validation at step %d (epoch %d) gave %s: the run will end with an error once it has "
+                        "written its results (trainer.on_nan=%s)%s", trainer.global_step, trainer.current_epoch,
+                        _listed(bad), self.mode, passed)
+
+    def evaluation_error(self, metrics: dict, trainer, tested: str, record: Path | None) -> NonFiniteMetrics | None:
+        """The error for a run whose recorded ``metrics`` hold a NaN or infinite validation or test metric (None:
+        all finite, or ``trainer.on_nan=off``). ``tested``: what the test scored (a checkpoint, or words for the
+        weights it used); ``record``: the metrics.json written. Every rank must call it: under DDP they agree
+        (a rank whose own values are finite fails too when another's are not)."""
+        if self.mode == "off":
+            return None
+        bad = non_finite(metrics)
+        failed = bool(bad)
+        if trainer.world_size > 1:  # every rank raises, or none: the others would wait in the next collective
+            failed = bool(trainer.strategy.reduce_boolean_decision(failed, all=False))
+        if not failed:
+            return None
+        parts = []
+        for prefix, split in EVALUATED.items():
+            these = {k: v for k, v in bad.items() if k.startswith(prefix)}
+            if not these:
+                continue
+            if prefix == "test/":
+                parts.append(f"{_listed(these)} on {split}, scoring {tested}")
+                continue
+            when = f" at step {self.validated_at}" if self.validated_at is not None else ""
+            first = self.bad_validations[0] if self.bad_validations else None
+            earlier = f", non-finite since the validation at step {first}" if first is not None \
+                and first != self.validated_at else ""
+            parts.append(f"{_listed(these)} on {split}, from the last validation{when}{earlier}")
+        found = "; ".join(parts) if parts else "NaN or infinite values on another process"
+        module = trainer.lightning_module
+        if module is not None and not all(bool(torch.isfinite(t).all()) for t in
+                                          [*module.parameters(), *module.buffers()] if t.is_floating_point()):
+            found += (". The weights evaluated last hold NaN or infinite values themselves: the training diverged "
+                      "in its last updates")
+        written = f"{record}, the checkpoints and the loggers' files are written" if record is not None else \
+            "the checkpoints and the loggers' files are written (no metrics.json: it is rank zero's)"
+        return NonFiniteMetrics(
+            f"The run's evaluation is not a number: {found}. Nothing is lost ({written}), but its result cannot be "
+            f"compared, so the run fails (trainer.on_nan={self.mode}: skip drops training batches only; off accepts "
+            "such a run). Usual causes: weights that diverged in the last updates, after the last finite training "
+            "loss (lower optim.optimizer.lr, or clip gradients with ++trainer.gradient_clip_val=1.0); float16 "
+            "overflow in evaluation (trainer.precision=bf16-mixed or 32); NaN or infinite values in the validation "
+            "or test data; normalisation statistics (BatchNorm running means and variances, used only in "
+            "evaluation) gone non-finite."
+        )
+
     def _finite(self, trainer, pl_module, loss: torch.Tensor, name: str) -> bool:
         bad = not bool(torch.isfinite(loss.detach()).all())
         if trainer.world_size > 1:  # every rank takes the same branch, or DDP's next all-reduce hangs
@@ -113,6 +202,10 @@ class NonFiniteGuard(L.pytorch.callbacks.Callback):
         pl_module.log("train/skipped_batches", float(len(self.skipped)), on_step=True, on_epoch=False,
                       reduce_fx="max")
         return False
+
+
+def _listed(values: dict[str, float]) -> str:
+    return ", ".join(f"{k}={v:g}" for k, v in sorted(values.items()))
 
 
 def _last_checkpoint(trainer) -> str:

@@ -13,7 +13,8 @@ a run already: to its ``test-<time>/`` folder), with the run's wall time, peak m
 training throughput and evaluation protocol (``suite/run_record.py``). No run overwrites another's results
 (``suite/run_dirs.py``). Checkpoints (best by ``monitor``, ``last.ckpt`` however fit ends, the run's identity in
 each) are ``suite/checkpoints.py``'s; resuming is ``suite/resume.py``'s. A run stopped by SIGTERM says so and exits
-with code 143; one that took no training step is refused.
+with code 143; one that took no training step is refused; one whose validation or test metrics are NaN or
+infinite fails once its record is written, with exit code 2 (``trainer.on_nan``, ``suite/guard.py``).
 """
 
 from __future__ import annotations
@@ -200,9 +201,15 @@ def fit_and_test(cfg: DictConfig, composed, run_dir: Path, out_dir: Path, starte
                         put_back_run_record(run_dir)
                     raise UserError(past)
                 if record.steps == 0 and (kept := finished_already(trainer, out_dir)) is not None:
-                    close_loggers(loggers)  # resumed at its end, with its record written: nothing to do
+                    # resumed at its end, with its record written: nothing to do, but a record that is not a number
+                    # fails again (a sweep resumed to finish its unfinished runs took such a run as finished)
+                    failure = parts["guard"].evaluation_error(
+                        kept, trainer, "the checkpoint its metrics.json names ('tested')", out_dir / "metrics.json")
+                    close_loggers(loggers, exit_code=2 if failure else 0)
                     if trainer.is_global_zero:  # its record stays the finished run's, as its metrics.json does
                         put_back_run_record(run_dir)
+                    if failure:
+                        raise failure
                     return kept
                 metrics.update(record.fit_metrics(trainer))
                 best = parts["best"].best_model_path or None
@@ -228,7 +235,12 @@ def fit_and_test(cfg: DictConfig, composed, run_dir: Path, out_dir: Path, starte
                           parts["record"].code(), parts["record"].settings() if training else None,
                           validates_on_test(datamodule) if training else None,
                           None if training else checkpoint_origin(tested))
-        close_loggers(loggers)
+        # A NaN or infinite val/* or test/* metric fails the run once all is written (suite/guard.py), exit code 2.
+        failure = parts["guard"].evaluation_error(metrics, trainer, tested_words(tested, cfg.mode, weights),
+                                                  out_dir / "metrics.json" if trainer.is_global_zero else None)
+        close_loggers(loggers, exit_code=2 if failure else 0)
+        if failure:
+            raise failure
         return metrics
     except BaseException as err:
         from suite.errors import as_user_error
@@ -274,6 +286,15 @@ def interrupted(trainer, run_dir: Path, mode: str, ctrl_c: bool = False) -> int:
         log.error("interrupted by %s at step %d (epoch %d), before the run finished (no metrics.json): %s; %s. "
                   "Exit code %d.", signal_name, trainer.global_step, trainer.current_epoch, kept, how, code)
     return code
+
+
+def tested_words(tested: str | None, mode: str, weights: list[str]) -> str:
+    """What a test scored, for messages: its checkpoint, or the weights it used without one."""
+    if tested:
+        return f"checkpoint {tested}"
+    if mode != "train":
+        return f"the published weights ({', '.join(weights)})" if weights else "the network as built"
+    return "the weights at the end of fit (no best checkpoint: no validation chose one)"
 
 
 def checkpoint_length(ckpt: str) -> tuple[int, int]:
@@ -417,7 +438,8 @@ def build_trainer(config: dict, module, out_dir: Path, loggers: list, identity: 
 def finish_metrics(metrics: dict[str, float], guard, datamodule, trainer) -> dict[str, float]:
     """The run's final metrics: skipped batches and files counted (and the files named again at the end, where
     they are seen; under DDP those of every process: each loads its own share, and drops its own bad ones when it
-    loads them); last-batch values (``*_step``), which differ per process and say little, left out."""
+    loads them); last-batch values (``*_step``, and the training metrics a task logs per step only, its
+    ``step_metrics``: segmentation's and the GAN's), which differ per process and say little, left out."""
     if guard.skipped:
         metrics["train/skipped_batches"] = float(len(guard.skipped))
     skipped = list(getattr(datamodule, "skipped", None) or [])
@@ -432,7 +454,8 @@ def finish_metrics(metrics: dict[str, float], guard, datamodule, trainer) -> dic
     if skipped and trainer.is_global_zero:
         log.warning("data.on_bad_file=skip left out %d bad file(s)/sample(s): %s%s", len(skipped),
                     "; ".join(skipped[:5]), " ..." if len(skipped) > 5 else "")
-    return {k: v for k, v in sorted(metrics.items()) if not k.endswith("_step")}
+    per_step = set(getattr(trainer.lightning_module, "step_metrics", ()))
+    return {k: v for k, v in sorted(metrics.items()) if not k.endswith("_step") and k not in per_step}
 
 
 def write_metrics(metrics: dict, module, config: dict, tested: str | None, trainer, wall_time: float, meter,

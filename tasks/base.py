@@ -15,6 +15,9 @@ subclass that fills these in (nothing is looked up with ``getattr``):
   them: they decide the best checkpoint);
 - ``validation_metrics(cfg)``: the metrics each validation logs, with the direction they improve in: what
   ``monitor`` may choose the best checkpoint by (checked at start-up, ``suite/validate.py``);
+- ``step_metrics``: the training metrics it logs per step only (their value at the end of fit is one batch's),
+  which ``metrics.json`` leaves out as it leaves out every last-batch value (``*_step``): its ``train/*`` are
+  epoch means (``train/loss_epoch``) or nothing;
 - ``weights_options``: which ``model.<option>=PATH`` loads published weights into which of its networks
   (``{"weights": "net"}`` by default); the runtime takes these options out of ``model`` before building the
   task and then calls :meth:`Task.load_weights` (``tasks/nets/weights.py`` reads the files).
@@ -54,6 +57,8 @@ class Task(L.LightningModule):
     ddp_find_unused_parameters: ClassVar[bool] = False
     # Validation metrics whose best so far is logged beside the monitored one, with their direction.
     also_best: ClassVar[Mapping[str, str]] = {}
+    # Training metrics logged per step only: their final value is the last batch's, so metrics.json leaves them out.
+    step_metrics: ClassVar[tuple[str, ...]] = ()
     # model.<option> -> the attribute (dotted) of the network its weights file is loaded into.
     weights_options: ClassVar[Mapping[str, str]] = {"weights": "net"}
     # Evaluation options (under eval / metrics) that validation uses too, so that they decide the best checkpoint:

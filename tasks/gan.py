@@ -231,6 +231,8 @@ class GAN(Task):
     layout = "grid"
     # StudioGAN releases G, D and G_ema as separate files; G's weights also start the EMA unless it has its own.
     weights_options = {"g_weights": "G", "d_weights": "D", "g_ema_weights": "G_ema.module"}
+    # per generator update; their last values say little of the run: metrics.json leaves them out
+    step_metrics = ("train/loss_d", "train/loss_g", "train/d_real", "train/d_fake")
     # validation's FID and IS (the best checkpoint's choice) depend on these; data.val_samples is the count
     # generated (metrics.num_samples unless set itself)
     validation_options = ("metrics.num_samples", "data.val_samples", "metrics.reference_samples",

@@ -23,7 +23,7 @@ from torch import nn
 from attention.errors import UserError
 
 from . import deterministic
-from .base import Task
+from .base import Task, TrainLoss
 from .nets.segnet import SegNet
 from .metrics.segmentation import SegConfusion, check_eval, predict, scores
 from .wandb_media import log_table
@@ -65,6 +65,8 @@ class Segmentation(Task):
     layout = "grid"
     weights_options = {}  # model.weights is the backbone's, loaded by SegNet itself
     validation_options = ("eval.mode", "eval.stride", "eval.scales", "eval.flip")  # validation infers as the test
+    # per iteration (mmseg's log); metrics.json has the epoch mean, train/loss_epoch, instead of the last batch's
+    step_metrics = ("train/loss", "train/loss_main", "train/loss_aux")
 
     @classmethod
     def validation_metrics(cls, cfg) -> Mapping[str, str]:
@@ -91,6 +93,7 @@ class Segmentation(Task):
         self.val_confusion = SegConfusion(num_classes, ignore_index)
         self.test_confusion = SegConfusion(num_classes, ignore_index)
         self._images: list = []
+        self.train_loss = TrainLoss()  # the epoch mean, updated on the device: no host sync in the step
         self.example_input_array = torch.zeros(1, 3, *self.crop)
 
     @classmethod
@@ -119,6 +122,8 @@ class Segmentation(Task):
             self.log("train/loss_aux", aux_loss.detach(), on_step=True, on_epoch=False, sync_dist=True)
             loss = loss + self.aux_weight * aux_loss
         self.log("train/loss", loss.detach(), on_step=True, on_epoch=False, prog_bar=True, sync_dist=True)
+        self.train_loss(loss)
+        self.log("train/loss_epoch", self.train_loss, on_step=False, on_epoch=True)
         return loss
 
     def _predict(self, image: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,176 @@
+"""Runs whose evaluation is not a number: a NaN or infinite ``val/*`` or ``test/*`` metric ended the run with exit
+code 0 (``trainer.on_nan`` watched the training loss alone), and a sweep or script took it as finished. Now the run
+writes everything (metrics.json, checkpoints, the loggers' files) and then fails with one paragraph, exit code 2
+(``suite/guard.py``); ``trainer.on_nan=off`` keeps the old behaviour. A non-finite monitored value never becomes the
+best checkpoint (``suite/checkpoints.py``)."""
+
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+
+from suite.checkpoints import RunCheckpoint
+from suite.guard import NonFiniteGuard
+from test_reliability import launch
+from test_run import TINY, env, run  # noqa: F401 - env is a fixture
+
+# One SGD step at lr=1e30 from a finite loss: that last update makes the weights so large that the forward pass
+# overflows, which the training-loss check (before the update) cannot see; the validation after it and the test of
+# its checkpoint are NaN. No injection: a learning rate too high, found out at the end of the run.
+DIVERGED_AT_THE_END = [*TINY, "++trainer.max_steps=1", "optim.optimizer.lr=1e30"]
+
+# NaN in every test batch (as bad test data the readers did not catch would give); training and validation finite.
+NAN_IN_TEST = r"""
+from tasks.modelnet import PointCloudClassification
+step = PointCloudClassification.test_step
+def test_step(self, batch, batch_idx):
+    return step(self, {**batch, "points": batch["points"] * float("nan")}, batch_idx)
+PointCloudClassification.test_step = test_step
+"""
+
+
+def error_line(stderr: str) -> str:
+    assert "Traceback" not in stderr, stderr[-3000:]
+    (said,) = [line for line in stderr.splitlines() if line.startswith("error:")]
+    return said
+
+
+def test_weights_diverged_in_the_last_update_fail_the_run_after_it_wrote_everything(env, tmp_path):
+    args = [*DIVERGED_AT_THE_END, "logger=csv", f"hydra.run.dir={tmp_path}"]
+    proc = run(args, env, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    said = error_line(proc.stderr)
+    (best,) = (tmp_path / "checkpoints").glob("best-*.ckpt")
+    for needle in ("val/loss=nan on the validation split, from the last validation at step 1",
+                   f"test/loss=nan on the test split, scoring checkpoint {best}", str(tmp_path / "metrics.json"),
+                   "optim.optimizer.lr", "trainer.precision=bf16-mixed",
+                   "trainer.on_nan=stop", "off accepts"):
+        assert needle in said, (needle, said)
+    assert "val/oa" not in said  # finite values are not named
+    # Nothing lost: the record, both checkpoints and the CSV log are written as in a finished run.
+    record = json.loads((tmp_path / "metrics.json").read_text())
+    assert math.isnan(record["val/loss"]) and math.isnan(record["test/loss"])
+    assert record["tested"]["checkpoint"] == best.name
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    assert "val/loss" in (tmp_path / "csv" / "metrics.csv").read_text().splitlines()[0]
+    assert "the validation at step 1 (epoch 0) gave val/loss=nan" in proc.stdout  # logged when it happened
+    # Resumed at its end (a sweep resumed to finish its unfinished runs), it fails again instead of passing.
+    again = run([*args, "resume=true"], env, check=False)
+    assert again.returncode == 2, again.stderr[-3000:]
+    assert "val/loss=nan" in error_line(again.stderr) and "this run had finished already" in again.stdout
+    assert json.loads((tmp_path / "metrics.json").read_text())["tested"] == record["tested"]  # kept as it was
+
+
+def test_a_non_finite_test_names_the_test_split_and_the_checkpoint_it_scored(env, tmp_path):
+    proc = launch(NAN_IN_TEST, [*TINY, "logger=none", f"hydra.run.dir={tmp_path}"], env, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    said = error_line(proc.stderr)
+    (best,) = (tmp_path / "checkpoints").glob("best-*.ckpt")
+    assert f"test/loss=nan on the test split, scoring checkpoint {best}" in said, said
+    assert "validation split" not in said and "themselves" not in said  # validation and weights are finite
+    assert math.isnan(json.loads((tmp_path / "metrics.json").read_text())["test/loss"])
+
+
+def test_on_nan_off_accepts_a_non_finite_evaluation(env, tmp_path):
+    proc = run([*DIVERGED_AT_THE_END, "logger=none", "trainer.on_nan=off", f"hydra.run.dir={tmp_path}"], env)
+    assert proc.returncode == 0 and "error:" not in proc.stderr
+    assert math.isnan(json.loads((tmp_path / "metrics.json").read_text())["val/loss"])
+
+
+def fake_trainer(world_size: int = 1, others_bad: bool = False):
+    """What :meth:`NonFiniteGuard.evaluation_error` reads of a trainer: its size, the ranks' agreement (a boolean
+    all-reduce, "any": ``others_bad`` says another rank saw a non-finite value) and the module evaluated."""
+    strategy = SimpleNamespace(reduce_boolean_decision=lambda decision, all=True: decision or others_bad)
+    return SimpleNamespace(world_size=world_size, strategy=strategy, lightning_module=torch.nn.Linear(2, 2))
+
+
+def test_the_processes_agree_and_skip_fails_as_stop_does():
+    finite, nan = {"val/oa": 0.5, "test/oa": 0.5, "train/loss": 1.0}, {"val/oa": 0.5, "test/loss": math.nan}
+    stop = NonFiniteGuard("stop")
+    assert stop.evaluation_error(finite, fake_trainer(), "checkpoint x", None) is None
+    # A process whose own values are finite fails with the one that saw a NaN: under DDP every rank raises or none.
+    error = stop.evaluation_error(finite, fake_trainer(world_size=2, others_bad=True), "checkpoint x", None)
+    assert error is not None and "another process" in str(error)
+    # skip drops training batches; an evaluation has none to drop, so it fails as under stop.
+    assert "test/loss=nan on the test split" in str(NonFiniteGuard("skip").evaluation_error(
+        nan, fake_trainer(), "checkpoint x", None))
+    assert NonFiniteGuard("off").evaluation_error(nan, fake_trainer(), "checkpoint x", None) is None
+    assert "test/loss=inf" in str(stop.evaluation_error({"test/loss": math.inf}, fake_trainer(), "x", None))
+    assert "themselves" not in str(stop.evaluation_error(nan, fake_trainer(), "x", None))
+    diverged = fake_trainer()
+    with torch.no_grad():
+        diverged.lightning_module.weight[0, 0] = math.nan
+    assert "The weights evaluated last hold NaN or infinite values themselves" in str(
+        stop.evaluation_error(nan, diverged, "x", None))
+
+
+class Scripted(L.LightningModule):
+    """Logs the given value of ``val/x`` at each epoch's validation."""
+
+    def __init__(self, values):
+        super().__init__()
+        self.values = values
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def training_step(self, batch, batch_idx):
+        return (self.w - batch[0]).pow(2).mean()
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/x", torch.tensor(self.values[self.current_epoch]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(2, 1)), batch_size=2)
+
+    val_dataloader = train_dataloader
+
+
+@pytest.mark.parametrize("mode, values, best_epoch", [
+    ("min", [1.0, -math.inf, 0.5, math.nan], 2),  # -inf was best for good, whatever came after
+    ("max", [0.2, math.inf, 0.4, math.nan], 2),
+    ("min", [math.nan, 2.0, math.inf], 1),  # (Lightning's own: a NaN first, then beaten by any finite value)
+])
+def test_a_non_finite_monitored_value_is_never_the_best_checkpoint(tmp_path, mode, values, best_epoch):
+    best = RunCheckpoint(dirpath=tmp_path, filename="best-{epoch}", monitor="val/x", mode=mode)
+    trainer = L.Trainer(max_epochs=len(values), callbacks=[best], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=tmp_path)
+    trainer.fit(Scripted(values))
+    assert best.best_model_path.endswith(f"best-epoch={best_epoch}.ckpt"), best.best_model_path
+    assert float(best.best_model_score) == pytest.approx(values[best_epoch])
+
+
+# --- metrics.json's train/* are epoch means, never one batch's values ---------------------------------------------
+def test_segmentation_records_the_epoch_mean_of_its_training_loss_not_the_last_batch(env, tmp_path):
+    """Segmentation logged train/* per step only, and metrics.json's train/loss was the last batch's loss, where the
+    other tasks' are epoch means: now it records the epoch mean (train/loss_epoch) and leaves the last values out."""
+    from test_run import SEG_TINY
+
+    run([*SEG_TINY, "attn=external", "trainer.max_steps=4", "logger=csv", "trainer.log_every_n_steps=1",
+         f"hydra.run.dir={tmp_path}"], env)  # 16 images in batches of 4: one epoch of 4 steps
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert not {"train/loss", "train/loss_main", "train/loss_aux"} & metrics.keys(), sorted(metrics)
+    import csv
+
+    rows = list(csv.DictReader((tmp_path / "csv" / "metrics.csv").open()))
+    steps = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
+    assert len(steps) == 4 and len(set(steps)) > 1
+    assert metrics["train/loss_epoch"] == pytest.approx(sum(steps) / len(steps), rel=1e-5)
+
+
+def test_the_gans_last_step_values_are_left_out_of_the_record():
+    from suite.train import finish_metrics
+    from tasks.gan import GAN
+
+    trainer = SimpleNamespace(world_size=1, is_global_zero=True, lightning_module=SimpleNamespace(
+        step_metrics=GAN.step_metrics))
+    fit = {"train/loss_d": 0.7, "train/loss_g": 1.2, "train/d_real": 0.3, "train/d_fake": -0.2, "val/fid": 80.0,
+           "train/samples_per_sec": 10.0}
+    kept = finish_metrics(fit, SimpleNamespace(skipped=[]), None, trainer)
+    assert kept == {"val/fid": 80.0, "train/samples_per_sec": 10.0}
