@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from attention.errors import UserError
+from fixture_cache import user_error_in_process
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,41 +53,10 @@ def refused(home, args: list[str], *needles: str) -> str:
 
 
 def refused_in_process(args: list[str], capsys, out_dir: Path, *needles: str) -> str:
-    """What ``run.py args`` does, in this process: the same checks, composition, run and ending as in run.py
-    (``SystemExit(2)``, one ``error:`` paragraph on stderr). Returns the message."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import open_dict
-
-    from suite.cli import check_group_choices, check_overrides, exit_with_message, quote_report_runs
-    from suite.errors import as_user_error
-    from suite.run_dirs import register_resolvers
-    from suite.train import run
-
-    register_resolvers()  # as run.py does first
-
-    args = quote_report_runs(["logger=none", *args])
-    capsys.readouterr()
-    try:
-        with pytest.raises(SystemExit) as ended:
-            check_group_choices(args)
-            check_overrides(args)
-            with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-                cfg = compose("config", overrides=args, return_hydra_config=True)
-            HydraConfig.instance().set_config(cfg)  # as Hydra's run_job does
-            with open_dict(cfg):
-                del cfg["hydra"]
-            try:
-                run(cfg, out_dir, args)
-            except Exception as err:  # noqa: BLE001 - run.py's main: a user error is a message, a bug a traceback
-                cause = as_user_error(err)
-                if cause is None:
-                    raise
-                exit_with_message(str(cause))
-    finally:
-        HydraConfig.instance().cfg = None
-    assert ended.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
+    """What ``run.py args`` does, in this process (``fixture_cache.user_error_in_process``: the same checks,
+    composition, run and ending as in run.py), ending in one ``error:`` paragraph on stderr. Returns the message."""
+    err = user_error_in_process(["logger=none", *args], capsys, os.getcwd(), out_dir)
+    lines = err.strip().splitlines()
     assert len([line for line in lines if "error:" in line]) == 1 and lines[-1].startswith("error: "), lines
     for needle in needles:
         assert needle in lines[-1], (needle, lines[-1])

@@ -22,6 +22,7 @@ import pytest
 import torch
 from test_reliability import launch
 from test_run import GAN_TINY, ROOT, SEG_TINY, TINY, env, run, user_error  # noqa: F401  (env is a fixture)
+from fixture_cache import user_error_in_process
 
 from suite.distributed import lr_scale, scale_learning_rates
 from suite.run_record import quality_metrics
@@ -117,9 +118,9 @@ def test_lr_scaling_rules():
     assert optim["weight_decay"] == 1e-4
 
 
-def test_bad_scaling_rule_and_ddp_inside_a_local_multirun_are_refused(env, tmp_path):
-    user_error([*TINY, "optim.scale_lr=cubic", "logger=none", f"hydra.run.dir={tmp_path / 'a'}"], env,
-               "optim.scale_lr", "linear", "sqrt")
+def test_bad_scaling_rule_and_ddp_inside_a_local_multirun_are_refused(env, tmp_path, capsys):
+    user_error_in_process([*TINY, "optim.scale_lr=cubic", "logger=none", f"hydra.run.dir={tmp_path / 'a'}"], capsys,
+                          env["HOME"], tmp_path / "a", "optim.scale_lr", "linear", "sqrt")
     user_error(["-m", *TINY, *DDP, "attn=self,external", f"hydra.sweep.dir={tmp_path / 'b'}"], env,
                "trainer=ddp", "multirun", "hydra/launcher=slurm")
     # Strategies that start their processes from this one: ddp_spawn failed with a traceback (a lock cannot be

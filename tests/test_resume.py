@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from suite.run_record import quality_metrics
-from fixture_cache import once_per_worker
+from fixture_cache import once_per_worker, user_error_in_process
 from test_last_checkpoint import INTERRUPT
 from test_reliability import launch
 from test_run import GAN_TINY, ROOT, TINY, env, run, user_error  # noqa: F401  (env is a fixture)
@@ -190,13 +190,15 @@ def test_a_step_limited_run_stopped_between_epochs_resumes_with_a_whole_epoch(en
     assert names[0] == names[1]
 
 
-def test_ckpt_path_last_needs_a_checkpoint_in_the_run_directory(env, tmp_path):
+def test_ckpt_path_last_needs_a_checkpoint_in_the_run_directory(env, tmp_path, capsys):
     """The message says where a run's directory is (it claimed "it is printed at the start of every run", which it
     is not) and the other ways: a checkpoint file, or resume=true."""
-    err = user_error([*TINY, "ckpt_path=last", "logger=none", f"hydra.run.dir={tmp_path}"], env,
-                     "ckpt_path=last", str(tmp_path / "checkpoints"), "hydra.run.dir=<run dir>",
-                     "outputs/<task>/<attn>/<start time>/", "last checkpoint: <run dir>/checkpoints/last.ckpt",
-                     "ckpt_path=<file>.ckpt", "resume=true")
+    err = user_error_in_process([*TINY, "ckpt_path=last", "logger=none", f"hydra.run.dir={tmp_path}"], capsys,
+                                env["HOME"], tmp_path,
+                                "ckpt_path=last", str(tmp_path / "checkpoints"), "hydra.run.dir=<run dir>",
+                                "outputs/<task>/<attn>/<start time>/",
+                                "last checkpoint: <run dir>/checkpoints/last.ckpt", "ckpt_path=<file>.ckpt",
+                                "resume=true")
     assert "printed at the start" not in err
 
 
@@ -289,7 +291,7 @@ def test_a_finished_run_that_trains_on_sets_its_record_aside(env, tmp_path):
     assert (folder / f"metrics-step{step}.json").read_bytes() == written
 
 
-def test_a_checkpoint_is_trained_on_only_under_its_own_recipe(env, tmp_path):
+def test_a_checkpoint_is_trained_on_only_under_its_own_recipe(env, tmp_path, capsys):
     """Lightning restores a checkpoint's optimizer and scheduler states: resumed with optim.optimizer.lr=0.5 the run
     went on at 0.01 while resolved_config.yaml and the checkpoint's hyper-parameters said 0.5. Such a command is
     refused before anything is written, naming the value and the ways on: the run's value to continue it, or a new
@@ -304,24 +306,27 @@ def test_a_checkpoint_is_trained_on_only_under_its_own_recipe(env, tmp_path):
     run([*recipe, "logger=csv", f"hydra.run.dir={first}"], env)
     before = {p: p.read_bytes() for p in [first / "resolved_config.yaml", first / "checkpoints" / "last.ckpt"]}
     changed = ["optim.optimizer.lr=0.5", "trainer.max_epochs=2", "logger=csv"]
-    err = user_error([*recipe, *changed, "resume=true", f"hydra.run.dir={first}"], env,
-                     f"hydra.run.dir={first} holds a run trained with optim.optimizer.lr=0.01 (this command: 0.5). ",
-                     "(optim.optimizer.lr=0.01)", f"model.weights={first}/checkpoints/last.ckpt")
+    err = user_error_in_process(
+        [*recipe, *changed, "resume=true", f"hydra.run.dir={first}"], capsys, env["HOME"], first,
+        f"hydra.run.dir={first} holds a run trained with optim.optimizer.lr=0.01 (this command: 0.5). ",
+        "(optim.optimizer.lr=0.01)", f"model.weights={first}/checkpoints/last.ckpt")
     assert "resuming" not in err and "T_max" not in err
     assert {p: p.read_bytes() for p in before} == before  # nothing written
     ckpt = first / "checkpoints" / "last.ckpt"
-    user_error([*recipe, *changed, f"ckpt_path={ckpt}", f"hydra.run.dir={tmp_path / 'second'}"], env,
-               f"ckpt_path={ckpt} was trained with optim.optimizer.lr=0.01 (this command: 0.5)",
-               f"model.weights={ckpt}")
+    user_error_in_process(
+        [*recipe, *changed, f"ckpt_path={ckpt}", f"hydra.run.dir={tmp_path / 'second'}"], capsys, env["HOME"],
+        tmp_path / "second", f"ckpt_path={ckpt} was trained with optim.optimizer.lr=0.01 (this command: 0.5)",
+        f"model.weights={ckpt}")
     # model, task and data values are the recipe too: a run resumed with them trained on under them, and recorded
     # them alone (the order of a sweep's values changed between its first run and the one that finishes it)
-    err = user_error([*recipe, "data.npoints=128", "model.dropout=0.1", "task.label_smoothing=0", "data.num_workers=1",
-                      "eval.votes=2", "logger=csv", "resume=true", f"hydra.run.dir={first}"], env,
-                     f"hydra.run.dir={first} holds a run trained with data.npoints=256 (this command: 128), "
-                     "model.dropout=0.5 (this command: 0.1), task.label_smoothing=0.2 (this command: 0). It would "
-                     "train on under this command's model, task, data or validation values",
-                     "(data.npoints=256 model.dropout=0.5 task.label_smoothing=0.2)",
-                     f"model.weights={first}/checkpoints/last.ckpt")
+    err = user_error_in_process(
+        [*recipe, "data.npoints=128", "model.dropout=0.1", "task.label_smoothing=0", "data.num_workers=1",
+         "eval.votes=2", "logger=csv", "resume=true", f"hydra.run.dir={first}"], capsys, env["HOME"], first,
+        f"hydra.run.dir={first} holds a run trained with data.npoints=256 (this command: 128), "
+        "model.dropout=0.5 (this command: 0.1), task.label_smoothing=0.2 (this command: 0). It would "
+        "train on under this command's model, task, data or validation values",
+        "(data.npoints=256 model.dropout=0.5 task.label_smoothing=0.2)",
+        f"model.weights={first}/checkpoints/last.ckpt")
     assert "input_points" not in err and "num_workers" not in err and "votes" not in err and "optim" not in err
     assert {p: p.read_bytes() for p in before} == before
 
@@ -356,7 +361,7 @@ def test_a_checkpoint_is_trained_on_only_under_its_own_recipe(env, tmp_path):
 
 
 @pytest.mark.xdist_group("resume")
-def test_gan_resumed_mid_epoch_continues_where_it_stopped(env, tmp_path):
+def test_gan_resumed_mid_epoch_continues_where_it_stopped(env, tmp_path, capsys):
     """GAN checkpoints fall mid-epoch (validation every 2 steps of a 224-step epoch): stopping at step 2 and
     continuing to step 6 gives the 6-step run, batch for batch (the loader's position is in the checkpoint)."""
     args = [*GAN_TINY, "attn=external", "metrics.every_n_steps=2", "metrics.num_samples=4", "eval.num_samples=4",
@@ -366,8 +371,8 @@ def test_gan_resumed_mid_epoch_continues_where_it_stopped(env, tmp_path):
     run([*args, "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'split'}"], env)
     # Validation's FID of another number of samples would choose the best checkpoint among FIDs of two sizes (FID
     # is biased by it): refused.
-    user_error([*args, "trainer.max_steps=6", "metrics.num_samples=8", "ckpt_path=last",
-                f"hydra.run.dir={tmp_path / 'split'}"], env,
+    user_error_in_process([*args, "trainer.max_steps=6", "metrics.num_samples=8", "ckpt_path=last",
+                           f"hydra.run.dir={tmp_path / 'split'}"], capsys, env["HOME"], tmp_path / "split",
                "holds a run trained with metrics.num_samples=4 (this command: 8)", "(metrics.num_samples=4)")
     proc = run([*args, "trainer.max_steps=6", "ckpt_path=last", f"hydra.run.dir={tmp_path / 'split'}"], env)
     assert "resuming from" in proc.stdout + proc.stderr

@@ -14,7 +14,7 @@ import torch
 import yaml
 
 import attention
-from fixture_cache import once_per_worker
+from fixture_cache import once_per_worker, user_error_in_process
 from suite.run_record import quality_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,18 +99,20 @@ def test_unknown_task_lists_choices(env):
     user_error(["task=detection"], env, "detection", "modelnet")
 
 
-def test_missing_dataset_says_how_to_get_it(env, tmp_path):
+def test_missing_dataset_says_how_to_get_it(env, tmp_path, capsys):
     missing = tmp_path / "nowhere"
-    user_error(["task=modelnet", f"data_dir={missing}", "logger=none"], env,
-               str(missing), "data.download=true", "data=shapes")
+    user_error_in_process(["task=modelnet", f"data_dir={missing}", "logger=none"], capsys, env["HOME"], tmp_path,
+                          str(missing), "data.download=true", "data=shapes")
 
 
-def test_invalid_attention_option_names_it(env):
-    user_error([*TINY, "attn=self", "attn.heads=3", "logger=none"], env, "attn.heads")
+def test_invalid_attention_option_names_it(env, tmp_path, capsys):
+    user_error_in_process([*TINY, "attn=self", "attn.heads=3", "logger=none"], capsys, env["HOME"], tmp_path,
+                          "attn.heads")
 
 
-def test_test_mode_needs_a_checkpoint(env, tmp_path):
-    user_error([*TINY, "mode=test", f"ckpt_path={tmp_path / 'none.ckpt'}", "logger=none"], env, "ckpt_path")
+def test_test_mode_needs_a_checkpoint(env, tmp_path, capsys):
+    user_error_in_process([*TINY, "mode=test", f"ckpt_path={tmp_path / 'none.ckpt'}", "logger=none"], capsys,
+                          env["HOME"], tmp_path / "run", "ckpt_path")
 
 
 def test_unknown_mode(env):
@@ -224,9 +226,10 @@ def test_shapenet_summary_reports_published_size(env):
     assert out.strip().splitlines()[-1].startswith("params=2446130 flops=")
 
 
-def test_shapenet_missing_dataset_says_how_to_get_it(env, tmp_path):
-    user_error(["task=shapenet", f"data_dir={tmp_path}", "logger=none"], env,
-               "shapenetcore_partanno_segmentation_benchmark_v0_normal", "data.download=true", "data=parts")
+def test_shapenet_missing_dataset_says_how_to_get_it(env, tmp_path, capsys):
+    user_error_in_process(["task=shapenet", f"data_dir={tmp_path}", "logger=none"], capsys, env["HOME"],
+                          tmp_path / "run", "shapenetcore_partanno_segmentation_benchmark_v0_normal",
+                          "data.download=true", "data=parts")
 
 
 def assert_declares_what_it_logs(run_dir: Path, metrics: dict) -> None:
@@ -415,17 +418,18 @@ def test_a_refused_run_is_recorded_in_wandb_with_its_exit_code(env, tmp_path):
 
 
 @pytest.mark.xdist_group("runs")
-def test_a_checkpoint_that_does_not_fit_the_network_names_the_options(wandb_run, env, tmp_path):
+def test_a_checkpoint_that_does_not_fit_the_network_names_the_options(wandb_run, env, tmp_path, capsys):
     """Same task and attention, other model or data options (PCT's point embedding, the number of classes): the
     weights do not fit, and Lightning's traceback listed every tensor. One paragraph names the first mismatches
     and, from the checkpoint's run folder, the options it was trained with."""
     last = wandb_run[0] / "checkpoints" / "last.ckpt"
     for option, said in (("model.embedding=point", "model.embedding='neighbor' (here 'point')"),
                          ("data.num_classes=5", "data.num_classes=10 (here 5)")):
-        err = user_error([*TINY, option, "mode=test", f"ckpt_path={last}", "logger=none",
-                          f"hydra.run.dir={tmp_path / option.split('=')[0]}"], env,
-                         f"ckpt_path={last} does not fit this run's network (", "in the checkpoint",
-                         f"Its run ({wandb_run[0] / 'resolved_config.yaml'}) had", said)
+        folder = tmp_path / option.split("=")[0]
+        err = user_error_in_process([*TINY, option, "mode=test", f"ckpt_path={last}", "logger=none",
+                                     f"hydra.run.dir={folder}"], capsys, env["HOME"], folder,
+                                    f"ckpt_path={last} does not fit this run's network (", "in the checkpoint",
+                                    f"Its run ({wandb_run[0] / 'resolved_config.yaml'}) had", said)
         assert "size mismatch" not in err  # Lightning's own list
 
 
@@ -532,23 +536,24 @@ def test_gan_eval_mode_reproduces_and_saves_samples(gan_run, env, tmp_path):
 
 
 @pytest.mark.xdist_group("runs")
-def test_gan_checkpoint_of_another_variant_or_task_is_refused(gan_run, wandb_run, env):
+def test_gan_checkpoint_of_another_variant_or_task_is_refused(gan_run, wandb_run, env, tmp_path, capsys):
     out, _ = gan_run
     last = out / "checkpoints" / "last.ckpt"
-    user_error([*GAN_TINY, "attn=self", "mode=eval", f"ckpt_path={last}", "logger=none"], env,
-               "attn=external", str(last))
+    user_error_in_process([*GAN_TINY, "attn=self", "mode=eval", f"ckpt_path={last}", "logger=none"], capsys,
+                          env["HOME"], tmp_path / "self", "attn=external", str(last))
     modelnet = wandb_run[0] / "checkpoints" / "last.ckpt"
-    user_error([*GAN_TINY, "attn=external", "mode=eval", f"ckpt_path={modelnet}", "logger=none"], env,
-               "task=modelnet")
+    user_error_in_process([*GAN_TINY, "attn=external", "mode=eval", f"ckpt_path={modelnet}", "logger=none"], capsys,
+                          env["HOME"], tmp_path / "modelnet", "task=modelnet")
 
 
-def test_gan_bad_input(env, tmp_path):
-    user_error([*GAN_TINY, "attn=self", "data.resolution=64", "trainer.fast_dev_run=true", "logger=none"], env,
-               "data.resolution=64", "32")
-    user_error([*GAN_TINY, "attn=self", f"metrics.inception_weights={tmp_path / 'nope.pth'}",
-                "trainer.fast_dev_run=true", "logger=none"], env, "metrics.inception_weights")
-    user_error(["task=gan", "data=image_folder", f"data.root={tmp_path / 'missing'}", "logger=none"], env,
-               "missing")
+def test_gan_bad_input(env, tmp_path, capsys):
+    user_error_in_process([*GAN_TINY, "attn=self", "data.resolution=64", "trainer.fast_dev_run=true", "logger=none"],
+                          capsys, env["HOME"], tmp_path / "a", "data.resolution=64", "32")
+    user_error_in_process([*GAN_TINY, "attn=self", f"metrics.inception_weights={tmp_path / 'nope.pth'}",
+                           "trainer.fast_dev_run=true", "logger=none"], capsys, env["HOME"], tmp_path / "b",
+                          "metrics.inception_weights")
+    user_error_in_process(["task=gan", "data=image_folder", f"data.root={tmp_path / 'missing'}", "logger=none"],
+                          capsys, env["HOME"], tmp_path / "c", "missing")
 
 
 # --- task=segmentation ------------------------------------------------------------------------------------------
@@ -623,9 +628,9 @@ def test_segmentation_validates_the_last_step_once(env, tmp_path, max_steps, val
         assert best == 5, scores
 
 
-def test_segmentation_missing_dataset_shows_layout(env, tmp_path):
-    user_error(["task=segmentation", "data=voc", f"data_dir={tmp_path}", "logger=none"], env,
-               "VOCdevkit", "SegmentationClass")
+def test_segmentation_missing_dataset_shows_layout(env, tmp_path, capsys):
+    user_error_in_process(["task=segmentation", "data=voc", f"data_dir={tmp_path}", "logger=none"], capsys,
+                          env["HOME"], tmp_path / "run", "VOCdevkit", "SegmentationClass")
 
 
 @pytest.mark.slow

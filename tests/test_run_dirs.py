@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fixture_cache import once_per_worker
+from fixture_cache import once_per_worker, user_error_in_process
 from suite.report import read_folders
 from test_run import ROOT, TINY, env, run, user_error  # noqa: F401 - env is a fixture
 
@@ -106,10 +106,11 @@ def test_a_fresh_run_refuses_a_directory_holding_a_run(trained, env, tmp_path):
     assert json.loads((folder / "metrics.json").read_text())["protocol"]["checkpoint"].startswith("best")
 
 
-def test_a_run_that_trains_nothing_is_refused(env, tmp_path):
-    user_error([*TINY, "trainer.max_epochs=0", "logger=none", f"hydra.run.dir={tmp_path / 'a'}"], env,
-               "trainer.max_epochs=0 trains nothing", "mode=test")
+def test_a_run_that_trains_nothing_is_refused(env, tmp_path, capsys):
+    user_error_in_process([*TINY, "trainer.max_epochs=0", "logger=none", f"hydra.run.dir={tmp_path / 'a'}"], capsys,
+                          env["HOME"], tmp_path / "a", "trainer.max_epochs=0 trains nothing", "mode=test")
     # No training batch at all: refused after fit instead of testing the untrained network as "last".
+    # in a process of its own: this refusal comes after a fit, whose state must not stay in the test process
     user_error([*TINY, "++trainer.limit_train_batches=0", "logger=none", f"hydra.run.dir={tmp_path / 'b'}"], env,
                "took no training step", "no checkpoint was written")
     assert not (tmp_path / "b" / "metrics.json").exists() and not (tmp_path / "b" / "checkpoints").exists()
@@ -251,7 +252,7 @@ def test_a_refused_sweep_job_keeps_the_record_of_the_run_in_its_folder(trained, 
     assert digests(sweep / "0_modelnet_external") == before
 
 
-def test_a_directory_is_not_used_by_two_training_runs_at_once(env, tmp_path):
+def test_a_directory_is_not_used_by_two_training_runs_at_once(env, tmp_path, capsys):
     """A job submitted twice with one hydra.run.dir and resume=true, or overwrite=true on a run still training: two
     processes wrote their checkpoints and metrics.json over each other's, or deleted the running one's. While a run
     trains, its directory is refused to another; once it has ended (even killed), it is free."""
@@ -267,9 +268,9 @@ def test_a_directory_is_not_used_by_two_training_runs_at_once(env, tmp_path):
         while not last.is_file():
             assert first.poll() is None and time.monotonic() < deadline, "the first run did not start training"
             time.sleep(0.1)
-        for option in ("resume=true", "overwrite=true"):
-            user_error([*TINY, "logger=none", option, f"hydra.run.dir={folder}"], env,
-                       f"hydra.run.dir={folder} is in use: another run is training there now")
+        for option in ("resume=true", "overwrite=true"):  # refused in this process: another one than the first
+            user_error_in_process([*TINY, "logger=none", option, f"hydra.run.dir={folder}"], capsys, env["HOME"],
+                                  folder, f"hydra.run.dir={folder} is in use: another run is training there now")
         assert first.poll() is None and last.is_file()  # untouched: not deleted by overwrite=true
     finally:
         first.send_signal(signal.SIGKILL)

@@ -21,6 +21,7 @@ from datamodules import TinyDigits
 from suite.resume import RandomState
 from tasks.classification import ImageClassification, topk_accuracy
 from test_run import env, run, user_error  # noqa: F401  (env is a fixture; tests/ is on the path)
+from fixture_cache import user_error_in_process
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
@@ -373,7 +374,7 @@ def test_every_model_composes_with_each_attention_variant():
 # run.py end to end
 
 
-def test_run_fast_dev_run_and_bad_size(env, tmp_path):  # noqa: F811
+def test_run_fast_dev_run_and_bad_size(env, tmp_path, capsys):  # noqa: F811
     """Every model at full size with its own mixer: `trainer.fast_dev_run=true` on tiny (one multirun, one start;
     every model x every variant is covered at reduced depth in tests/tasks/test_backbones.py)."""
     from tasks.nets.backbones import MODELS, NATIVE_ATTN
@@ -387,8 +388,8 @@ def test_run_fast_dev_run_and_bad_size(env, tmp_path):  # noqa: F811
         for key in ("train/loss", "val/top1", "val/top5", "val/top1_best", "test/top1", "test/top5", "test/loss"):
             assert key in metrics and metrics[key] == metrics[key], (model, key)
         assert 0 <= metrics["test/top1"] <= metrics["test/top5"] <= 1
-    user_error(["task=classification", "model=vit_s", "data.img_size=40", "logger=none"], env,
-               "data.img_size", "40", "16")
+    user_error_in_process(["task=classification", "model=vit_s", "data.img_size=40", "logger=none"], capsys,
+                          env["HOME"], tmp_path / "bad-size", "data.img_size", "40", "16")
     user_error(["task=classification", "model=resnet9000"], env, "resnet9000", "vit_s", "model=")
 
 

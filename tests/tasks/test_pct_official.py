@@ -190,6 +190,7 @@ def assert_same_training_step(ours: nn.Module, official: nn.Module, logits, expe
 
 # --- through run.py: mode=test with the published weights, and files that do not fit ---------------------------
 from test_run import TINY, env, run, user_error  # noqa: E402,F401 - env is a fixture
+from fixture_cache import user_error_in_process  # noqa: E402
 
 OFFICIAL_TINY = [*TINY, "attn=offset", "logger=none", "data.test_per_class=3"]  # demo's shapes: 10 classes
 
@@ -227,15 +228,17 @@ def test_mode_test_evaluates_the_published_model(env, tmp_path):
     assert total == 30 and metrics["test/oa"] == pytest.approx(right / total, abs=1e-6)
 
 
-def test_weights_that_do_not_fit_are_named(env, tmp_path):
+def test_weights_that_do_not_fit_are_named(env, tmp_path, capsys):
     wrong = tmp_path / "wrong.pth"
     torch.save({"model": {"encoder.weight": torch.zeros(3, 3)}, "epoch": 3}, wrong)
-    err = user_error([*OFFICIAL_TINY, "mode=test", f"model.weights={wrong}"], env,
-                     f"model.weights={wrong} does not fit a PCT", "missing 109", "unexpected 1 (encoder.weight)",
-                     "a dict with keys ['model', 'epoch'] whose 'model' is a state dict of 1 tensors")
+    err = user_error_in_process([*OFFICIAL_TINY, "mode=test", f"model.weights={wrong}"], capsys, env["HOME"],
+                                tmp_path / "wrong", f"model.weights={wrong} does not fit a PCT", "missing 109",
+                                "unexpected 1 (encoder.weight)",
+                                "a dict with keys ['model', 'epoch'] whose 'model' is a state dict of 1 tensors")
     assert "PCT_Pytorch's model.t7" in err
     text = tmp_path / "notes.txt"
     text.write_text("not weights")
-    user_error([*OFFICIAL_TINY, "mode=test", f"model.weights={text}"], env,
-               f"model.weights={text} is not a PyTorch file")
-    user_error([*OFFICIAL_TINY, "mode=test", f"model.weights={tmp_path / 'none.t7'}"], env, "is not a file")
+    user_error_in_process([*OFFICIAL_TINY, "mode=test", f"model.weights={text}"], capsys, env["HOME"],
+                          tmp_path / "text", f"model.weights={text} is not a PyTorch file")
+    user_error_in_process([*OFFICIAL_TINY, "mode=test", f"model.weights={tmp_path / 'none.t7'}"], capsys,
+                          env["HOME"], tmp_path / "none", "is not a file")
