@@ -6,6 +6,11 @@ memory estimate, ``torch.compile``'s tracing, ``torch.library.opcheck``), that i
 real call then got (and a cached real tensor broke the fake call: "Please convert all Tensors to FakeTensors
 first"). Here a call under a fake mode computes its own and leaves the cache alone; under ``torch.compile`` dynamo
 traces the function itself, as it did through ``lru_cache``.
+
+A call under ``torch.inference_mode`` (Lightning's ``trainer.test`` and ``trainer.validate``) makes its tensors
+outside it: an inference tensor in the cache broke every later training step that saved it for backward ("Inference
+tensors cannot be saved for backward"), as in a local multirun's second job after the first one's test, with
+``attn=focal`` on a grid. Normal tensors serve inference mode as they are.
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ def tensor_cache(maxsize: int | None = 64) -> Callable:
         def call(*args, **kwargs):
             if torch.compiler.is_compiling() or under_fake_mode():
                 return fn(*args, **kwargs)
+            if torch.is_inference_mode_enabled():
+                with torch.inference_mode(False):  # normal tensors in the cache (module docstring)
+                    return cached(*args, **kwargs)
             return cached(*args, **kwargs)
 
         call.cache_clear, call.cache_info = cached.cache_clear, cached.cache_info

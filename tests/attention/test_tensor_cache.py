@@ -45,3 +45,33 @@ def test_the_suites_cached_plans_under_a_fake_mode_first():
         for f, r in zip(fake, real, strict=True):
             assert isinstance(f, FakeTensor) and not isinstance(r, FakeTensor), cached.__name__
             assert (f.shape, f.dtype) == (r.shape, r.dtype), cached.__name__
+
+
+def test_a_plan_first_made_under_inference_mode_is_a_normal_tensor_that_training_can_save():
+    """Lightning's test and validate run under torch.inference_mode: a plan cached there was an inference tensor,
+    and every later training step that saved it for backward failed (a local multirun's second job, after the first
+    one's test, with attn=focal on a grid)."""
+    @tensor_cache(maxsize=4)
+    def plan(n: int) -> torch.Tensor:
+        return torch.arange(n)
+
+    with torch.inference_mode():
+        made = plan(3)
+        assert plan(3) is made and not made.is_inference()
+    weights = torch.ones(3, requires_grad=True)
+    (weights * plan(3)).sum().backward()  # saves the cached tensor for backward
+    assert torch.equal(weights.grad, torch.arange(3.0))
+
+
+def test_every_variant_trains_after_an_evaluation_under_inference_mode():
+    import attention
+    from attention import Grid, Points
+
+    torch.manual_seed(0)
+    for name in attention.names():
+        for make in (lambda: Grid(8, 8), lambda: Points(torch.randn(2, 64, 3))):
+            mixer, x = attention.build(name, 32), torch.randn(2, 64, 32)
+            with torch.inference_mode():
+                mixer(x, make())
+            mixer(x.requires_grad_(), make()).sum().backward()
+            assert x.grad is not None and torch.isfinite(x.grad).all(), name
