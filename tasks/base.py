@@ -176,21 +176,44 @@ class Task(L.LightningModule):
         return head.endswith("_best") and tail in ("max_value", "min_value")
 
 
-class TrainLoss(MeanMetric):
-    """The running mean of the training loss, updated without a host synchronisation: ``train_loss(loss)``.
+class DeviceMean(MeanMetric):
+    """A weighted mean updated on the device, without a host synchronisation: ``mean(value, weight)``. A base: its
+    subclasses say what a NaN or infinite value does (``drop_non_finite``).
 
     torchmetrics' ``MeanMetric`` drops NaN values by asking the host (``if nans.any()``), a wait for the GPU in every
-    training step (and its ``nan_strategy="disable"`` ignores the weights). Here a non-finite loss (NaN or infinite:
-    a batch that ``trainer.on_nan=skip`` drops) enters with weight 0 instead, decided on the device: the mean is
-    that of the finite losses, and a step's own value (the ``on_step`` log) is NaN when its loss was not finite.
+    step; its ``nan_strategy="disable"`` does not ask, but ignores the weights (every value counts once). Both are
+    wrong here: a dropped NaN would hide a diverged network, an unweighted mean would be wrong across batch sizes.
     """
+
+    drop_non_finite: ClassVar[bool]
 
     def update(self, value: torch.Tensor, weight: torch.Tensor | float = 1.0) -> None:
         value = value.detach().to(self.mean_value.dtype)
-        finite = torch.isfinite(value)
         if isinstance(weight, torch.Tensor):
-            weight = finite * weight.to(device=value.device, dtype=self.weight.dtype)
-        else:  # a number multiplies as a scalar: torch.as_tensor(number, device="cuda") would be a blocking copy
-            weight = finite.to(self.weight.dtype) * weight
-        self.mean_value += (torch.where(finite, value, 0.0) * weight).sum()
+            weight = torch.broadcast_to(weight.to(device=value.device, dtype=self.weight.dtype), value.shape)
+        else:  # filled on the device: torch.as_tensor(number, device="cuda") would be a blocking copy
+            weight = torch.full_like(value, float(weight), dtype=self.weight.dtype)
+        if self.drop_non_finite:  # decided on the device: weight 0 and value 0 (NaN * 0 is NaN)
+            finite = torch.isfinite(value)
+            weight = weight * finite
+            value = torch.where(finite, value, 0.0)
+        self.mean_value += (value * weight).sum()
         self.weight += weight.sum()
+
+
+class TrainLoss(DeviceMean):
+    """The running mean of the training loss: ``train_loss(loss)``. A non-finite loss (NaN or infinite: a batch
+    that ``trainer.on_nan=skip`` drops) enters with weight 0: the mean is that of the finite losses, and a step's own
+    value (the ``on_step`` log) is NaN when its loss was not finite."""
+
+    drop_non_finite = True
+
+
+class EvalLoss(DeviceMean):
+    """An evaluation loss, the mean over a split weighted by batch size: ``val_loss(loss, len(batch))``; exact
+    across ranks that evaluate different numbers of samples (``self.log``'s ``sync_dist`` would average the ranks'
+    means). A NaN or infinite batch makes the split's mean NaN or infinite, as it is: dropped, it would leave a
+    finite loss over fewer samples that ``trainer.on_nan``'s check of the evaluation (``suite/guard.py``) cannot
+    see."""
+
+    drop_non_finite = False

@@ -38,12 +38,11 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
-from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from attention.errors import UserError
 
-from .base import Task, TrainLoss
+from .base import EvalLoss, Task, TrainLoss
 from .nets.backbones import build_backbone
 from .optim import updates_per_epoch
 
@@ -132,9 +131,8 @@ class ImageClassification(Task):
         self._per_update = False  # the schedule set after every update (configure_optimizers)
         self._ema_step = 0  # the optimiser step the EMA last saw
         self.train_loss = TrainLoss()  # updated on the device: no host sync in the step
-        # Evaluation losses as torchmetrics means weighted by batch size: exact across ranks that evaluate
-        # different numbers of samples.
-        self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
+        # Evaluation losses: means over the split weighted by batch size, NaN kept (EvalLoss)
+        self.val_loss, self.test_loss = EvalLoss(), EvalLoss()
         self.val_top1, self.val_top5 = topk_accuracy(num_classes, 1), topk_accuracy(num_classes, 5)
         self.test_top1, self.test_top5 = topk_accuracy(num_classes, 1), topk_accuracy(num_classes, 5)
         self.example_input_array = torch.zeros(1, in_chans, img_size, img_size)  # one sample, for summaries

@@ -17,10 +17,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
-from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
 
-from .base import Task, TrainLoss
+from .base import EvalLoss, Task, TrainLoss
 from .metrics.classification import BalancedAccuracy
 from .nets.pct import PCT
 from .optim import build_optimizers
@@ -59,9 +58,8 @@ class PointCloudClassification(Task):
         self.smoothing = reference_smoothing(label_smoothing, num_classes)
         self.log_samples = log_samples
         self.train_loss = TrainLoss()  # updated on the device: no host sync in the step
-        # Evaluation losses as torchmetrics means weighted by batch size: exact across ranks that evaluate
-        # different numbers of samples (self.log's sync_dist would average the ranks' means).
-        self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
+        # Evaluation losses: means over the split weighted by batch size, NaN kept (EvalLoss)
+        self.val_loss, self.test_loss = EvalLoss(), EvalLoss()
         # No argument checks in the training step: torchmetrics 1.3's count the target's distinct labels with
         # torch.unique, a host sync every step on a GPU (later releases skip that count for logits). The data modules
         # check the labels' range as they read them.

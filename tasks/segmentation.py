@@ -12,6 +12,7 @@ kappa, F1 and per-class IoU.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 from hydra.utils import instantiate
 from torch import nn
+from torchmetrics import SumMetric
 
 from attention.errors import UserError
 
@@ -32,6 +34,7 @@ SCALARS = ("miou", "pixel_acc", "aa", "kappa", "f1")
 NO_END = ("task=segmentation's poly schedule decays the rate to 0 at the end of training, and this run has none "
           "(trainer.max_steps=-1 with trainer.max_epochs=-1): give trainer.max_steps (the papers' iterations, e.g. "
           "40000) or trainer.max_epochs.")
+log = logging.getLogger(__name__)
 
 
 def poly_lambda(max_steps, power: float = 0.9):
@@ -92,6 +95,11 @@ class Segmentation(Task):
         self.register_buffer("std", torch.tensor(std).view(1, 3, 1, 1), persistent=False)
         self.val_confusion = SegConfusion(num_classes, ignore_index)
         self.test_confusion = SegConfusion(num_classes, ignore_index)
+        # Pixels whose logits hold a NaN or an infinity, per split: such a split's scores are NaN (_log_scores). The
+        # argmax of NaN logits is still a class, and the scores of a diverged network would look like a constant
+        # prediction's, finite, for trainer.on_nan's check of the evaluation to pass. Counted on the device
+        # ("disable": torchmetrics' NaN check of the count would ask the host).
+        self.val_nonfinite, self.test_nonfinite = SumMetric(nan_strategy="disable"), SumMetric(nan_strategy="disable")
         self._images: list = []
         self.train_loss = TrainLoss()  # the epoch mean, updated on the device: no host sync in the step
         self.example_input_array = torch.zeros(1, 3, *self.crop)
@@ -137,15 +145,22 @@ class Segmentation(Task):
 
     def _eval_step(self, stage: str, batch):
         confusion = self.val_confusion if stage == "val" else self.test_confusion
+        nonfinite = self.val_nonfinite if stage == "val" else self.test_nonfinite
+
+        def predicted(image: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) -> the classes (B, H, W)
+            logits = self._predict(image)  # (B, K, H, W)
+            nonfinite.update((~torch.isfinite(logits)).any(dim=1).sum())
+            return logits.argmax(dim=1)
+
         images, masks = batch["image"], batch["mask"]
         padded = tuple(images.shape[-2:])
         if all(size == padded for size in batch.get("sizes", [padded])):
-            preds = self._predict(images).argmax(dim=1)  # (B, H, W)
+            preds = predicted(images)  # (B, H, W)
             confusion.update(preds, masks)
         else:  # images of several sizes: each predicted at its own, as alone (PadCollate's docstring says why)
             images = [image[:, :h, :w] for image, (h, w) in zip(images, batch["sizes"])]
             masks = [mask[:h, :w] for mask, (h, w) in zip(masks, batch["sizes"])]
-            preds = [self._predict(image[None]).argmax(dim=1)[0] for image in images]  # B x (h, w)
+            preds = [predicted(image[None])[0] for image in images]  # B x (h, w)
             for pred, mask in zip(preds, masks):
                 confusion.update(pred[None], mask[None])
         room = self.log_images - len(self._images)
@@ -154,8 +169,15 @@ class Segmentation(Task):
 
     def _log_scores(self, stage: str) -> dict:
         confusion = self.val_confusion if stage == "val" else self.test_confusion
+        nonfinite = self.val_nonfinite if stage == "val" else self.test_nonfinite
         result = scores(confusion.compute().cpu(), self.class_names)
+        bad = int(nonfinite.compute())  # summed over the ranks: every rank takes the same branch
         confusion.reset()
+        nonfinite.reset()
+        if bad:
+            log.warning("%s: the logits of %d pixel(s) were NaN or infinite, so the split's scores are NaN", stage, bad)
+            result = {k: torch.full_like(v, math.nan) if isinstance(v, torch.Tensor) else math.nan
+                      for k, v in result.items()}
         self.log_dict({f"{stage}/{k}": float(result[k]) for k in SCALARS}, prog_bar=stage == "val")
         if self.trainer.is_global_zero:
             rows = [[name, float(iou), float(acc)] for name, iou, acc in
@@ -193,6 +215,7 @@ class Segmentation(Task):
     def on_validation_epoch_end(self):
         if self.trainer.sanity_checking:
             self.val_confusion.reset()
+            self.val_nonfinite.reset()
             self._images = []
             return
         result = self._log_scores("val")

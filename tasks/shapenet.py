@@ -18,10 +18,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
-from torchmetrics import MeanMetric
 
 from . import deterministic
-from .base import Task, TrainLoss
+from .base import EvalLoss, Task, TrainLoss
 from .metrics.part_iou import PartIoU, category_part_mask, restrict_to_category
 from .nets.pct import PCTPartSeg
 from .optim import build_optimizers
@@ -53,9 +52,8 @@ class PartSegmentation(Task):
         self.category_names = list(category_names)
         self.register_buffer("part_mask", category_part_mask(category_parts, num_parts), persistent=False)
         self.train_loss = TrainLoss()  # updated on the device: no host sync in the step
-        # Evaluation losses as torchmetrics means weighted by batch size: exact across ranks that evaluate
-        # different numbers of samples (self.log's sync_dist would average the ranks' means).
-        self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
+        # Evaluation losses: means over the split weighted by batch size, NaN kept (EvalLoss)
+        self.val_loss, self.test_loss = EvalLoss(), EvalLoss()
         self.val_iou = PartIoU(category_parts, num_parts)
         self.test_iou = PartIoU(category_parts, num_parts)
         self.example_input_array = (torch.zeros(1, input_points, 6 if normals else 3),

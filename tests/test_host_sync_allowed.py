@@ -86,3 +86,24 @@ def test_train_loss_mean_drops_non_finite_losses_on_the_device():
     metric.reset()
     metric.update(torch.tensor([2.0, 4.0]), torch.tensor([1.0, 3.0]))  # weighted, as MeanMetric
     assert metric.compute().item() == 3.5
+
+
+def test_eval_loss_is_weighted_keeps_non_finite_batches_and_never_asks_the_host():
+    """torchmetrics' MeanMetric dropped a NaN evaluation batch (asking the host, with a warning): the split's loss was
+    finite over fewer samples, and a diverged network passed trainer.on_nan's check of the evaluation."""
+    from tasks.base import EvalLoss
+
+    metric = EvalLoss()
+    with HostSyncs() as syncs:
+        metric.update(torch.tensor(1.0), 2)
+        metric.update(torch.tensor(4.0), 1)
+    assert syncs.count == 0
+    assert metric.compute().item() == 2.0  # (1 * 2 + 4 * 1) / 3: weighted by batch size
+    for bad in (float("nan"), float("inf")):
+        metric.reset()
+        with HostSyncs() as syncs:
+            for value in (1.0, bad, 3.0):
+                metric.update(torch.tensor(value), 4)
+        assert syncs.count == 0
+        result = metric.compute()
+        assert result.isnan() if bad != bad else result.isinf(), (bad, result)

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from suite.checkpoints import RunCheckpoint
 from suite.guard import NonFiniteGuard
@@ -174,3 +175,33 @@ def test_the_gans_last_step_values_are_left_out_of_the_record():
            "train/samples_per_sec": 10.0}
     kept = finish_metrics(fit, SimpleNamespace(skipped=[]), None, trainer)
     assert kept == {"val/fid": 80.0, "train/samples_per_sec": 10.0}
+
+
+NAN_BATCH = {"modelnet": "points", "shapenet": "points", "classification": "image", "segmentation": "image"}
+SCORED = {"modelnet": "val/loss", "shapenet": "val/loss", "classification": "val/loss", "segmentation": "val/miou"}
+
+
+@pytest.mark.parametrize("task", sorted(NAN_BATCH))
+def test_one_non_finite_evaluation_batch_makes_the_splits_score_nan(task):
+    """One batch whose prediction is NaN (bad data, or weights that overflow on some inputs) among finite ones: the
+    evaluation losses were torchmetrics means that dropped it, and segmentation's argmax made a class of NaN logits,
+    so the split scored finite (a loss over fewer samples, an mIoU of a constant prediction) and trainer.on_nan's
+    check passed. Now the split's score is NaN. The same batches, all finite, score finite."""
+    from task_steps import TASKS, build
+
+    datamodule, module = build(TASKS[task])
+    datamodule.setup("validate")
+    whole = next(iter(datamodule.val_dataloader()))  # the runs' tiny splits are one batch: made two here
+    half = len(whole[NAN_BATCH[task]]) // 2
+    assert half >= 1
+    batches = [{k: v[:half] for k, v in whole.items()}, {k: v[half:] for k, v in whole.items()}]
+    key, metric = NAN_BATCH[task], SCORED[task]
+    poisoned = [{**b, key: b[key] * float("nan")} if i == 1 else b for i, b in enumerate(batches)]
+    scored = {}
+    for name, loader in (("finite", batches), ("poisoned", poisoned)):
+        trainer = L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, accelerator="cpu", devices=1)
+        trainer.validate(module, dataloaders=DataLoader(loader, batch_size=None), verbose=False)
+        scored[name] = float(trainer.callback_metrics[metric])
+    assert math.isfinite(scored["finite"]), scored
+    assert math.isnan(scored["poisoned"]), scored

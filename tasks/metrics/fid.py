@@ -28,6 +28,7 @@ are not comparable with published numbers.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import tempfile
@@ -260,7 +261,12 @@ def fid_statistics(features: Tensor) -> dict[str, np.ndarray]:
 
 
 def frechet_distance(stats_1: Mapping[str, np.ndarray], stats_2: Mapping[str, np.ndarray]) -> float:
-    """FID between two sets of statistics (torch-fidelity's ``fid_statistics_to_metric``), in float64."""
+    """FID between two sets of statistics (torch-fidelity's ``fid_statistics_to_metric``), in float64.
+
+    NaN when either holds a NaN or an infinity (images of a diverged generator), as the Inception Score and KID of
+    such features are: scipy's ``sqrtm`` would raise instead, ending the run in a traceback at its validation,
+    where a NaN score lets it write its checkpoints and fail through ``trainer.on_nan``'s check (``suite/guard.py``).
+    """
     s1 = {k: np.asarray(stats_1[k], dtype=np.float64) for k in ("mu", "sigma")}
     s2 = {k: np.asarray(stats_2[k], dtype=np.float64) for k in ("mu", "sigma")}
     if s1["mu"].shape != s2["mu"].shape or s1["sigma"].shape != s2["sigma"].shape:
@@ -268,6 +274,8 @@ def frechet_distance(stats_1: Mapping[str, np.ndarray], stats_2: Mapping[str, np
             f"FID statistics of different feature sizes: mu {s1['mu'].shape} vs {s2['mu'].shape}, "
             f"sigma {s1['sigma'].shape} vs {s2['sigma'].shape}"
         )
+    if not all(np.isfinite(s[k]).all() for s in (s1, s2) for k in ("mu", "sigma")):
+        return math.nan
     return float(fid_statistics_to_metric(s1, s2, verbose=False)[KEY_METRIC_FID])
 
 

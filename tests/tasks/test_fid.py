@@ -138,6 +138,19 @@ def test_frechet_distance_matches_scipy_sqrtm():
     assert fid.frechet_distance(s1, s2) == pytest.approx(fid.frechet_distance(s2, s1), rel=1e-9)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_frechet_distance_of_non_finite_features_is_nan_not_a_traceback(bad):
+    """A diverged generator's images give NaN features: scipy's sqrtm raised (LinAlgError) and the GAN run ended in
+    a traceback at its validation, before its checkpoints; now FID is NaN, as IS and KID are, and the run fails
+    through trainer.on_nan's check once it has written everything."""
+    x = torch.from_numpy(np.random.default_rng(0).normal(size=(40, 4)))
+    good = fid.fid_statistics(x)
+    x[3, 1] = bad
+    for pair in ((fid.fid_statistics(x), good), (good, fid.fid_statistics(x))):
+        assert np.isnan(fid.frechet_distance(*pair))
+    assert np.isnan(fid.inception_score(torch.full((8, 1008), bad))[0])
+
+
 def test_inception_score_hand_made_logits():
     mean, std = fid.inception_score(torch.zeros(10, 1008))
     assert mean == pytest.approx(1.0, abs=1e-12) and std == 0.0
