@@ -49,16 +49,23 @@ def apply(tf32: bool | None) -> None:
     torch.backends.cudnn.allow_tf32 = tf32
 
 
+def restore(before: tuple[str, bool]) -> None:
+    """Both switches as :func:`state` returned them."""
+    torch.set_float32_matmul_precision(before[0])
+    torch.backends.cudnn.allow_tf32 = before[1]
+
+
 @contextmanager
 def arithmetic(tf32: bool | None) -> Iterator[None]:
-    """``apply(tf32)`` for the block, then the switches as they were (benchmarks alternate the forms step by step)."""
+    """``apply(tf32)`` for the block, then the switches as they were: benchmarks alternate the forms step by step,
+    and each run of a process (a local multirun's jobs) restores them as it ends (``suite.train.run``), or a
+    ``trainer.tf32=null`` job after a ``true`` one would run in TF32, not under torch's defaults."""
     before = state()
     apply(tf32)
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(before[0])
-        torch.backends.cudnn.allow_tf32 = before[1]
+        restore(before)
 
 
 class TensorCoreHint(logging.Filter):

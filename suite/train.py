@@ -64,6 +64,11 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> dict:
     # a refused job puts them back): both before anything else of the run is written.
     run_dir, out_dir = out_dir, record_dir(out_dir, cfg.mode)
     held = False
+    from suite import tf32
+
+    # torch's TF32 switches as this run found them, put back as it ends: trainer.tf32 sets them for this run alone
+    # (a local multirun's next job, in this process, starts from these)
+    arithmetic = tf32.state()
     try:
         if cfg.mode == "train":
             try:
@@ -89,6 +94,7 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> dict:
             return print_summaries(composed.module)
         return fit_and_test(cfg, composed, run_dir, out_dir, started)
     finally:
+        tf32.restore(arithmetic)
         forget_run_record(run_dir)
         if held:
             release(run_dir)

@@ -72,6 +72,31 @@ def test_a_run_takes_the_option_and_says_what_it_set(env, tmp_path):  # noqa: F8
     assert (tmp_path / "run" / "metrics.json").is_file()
 
 
+# Each job prints the switches it trains under (they are set as its Trainer is built).
+SAY_SWITCHES = r"""
+import suite.train
+from suite import tf32
+build = suite.train.build_trainer
+def build_trainer(*args, **kwargs):
+    out = build(*args, **kwargs)
+    print("SWITCHES", *tf32.state())
+    return out
+suite.train.build_trainer = build_trainer
+"""
+
+
+def test_a_null_job_after_a_true_one_in_the_same_process_runs_under_torchs_defaults(env, tmp_path):  # noqa: F811
+    """A local multirun's jobs share the process: the `null` job (torch's defaults, untouched) ran in the TF32 that
+    the `true` job before it had set; each run now puts the switches back as it ends."""
+    from test_reliability import launch
+
+    proc = launch(SAY_SWITCHES, ["-m", *TINY, "trainer.accelerator=cpu", "logger=none", "trainer.tf32=true,null",
+                                 f"hydra.sweep.dir={tmp_path}"], env)
+    said = [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("SWITCHES")]
+    defaults = [torch.get_float32_matmul_precision(), "True"]  # a fresh process's (this one's are the same)
+    assert said == [["high", "True"], defaults], proc.stdout[-2000:]
+
+
 @pytest.mark.parametrize("choice", [None, False])
 def test_lightnings_tensor_core_hint_names_the_option(torch_defaults, monkeypatch, caplog, choice):
     """Lightning's own check (lightning.fabric.accelerators.cuda, run as on an H200 with IEEE matrix products) asks
