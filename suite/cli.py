@@ -261,6 +261,10 @@ def unknown_key(key: str, overrides: list[str]) -> str:
     except Exception:  # noqa: BLE001 - another override fails too: the message names this one without its siblings
         return (f"{key} is not an option of the composed config (and another override fails too); "
                 "`python run.py --cfg job` prints the config's keys.")
+    given = next((o for o in overrides if o.lstrip("+~").split("=", 1)[0] == key), f"{key}=<value>")
+    value = given.split("=", 1)[1] if "=" in given else "<value>"
+    if (inside := missing_inside(cfg, key, given)) is not None:  # key={a:{b:1}}: the key exists, a or b does not
+        key, value = inside
     parts = key.split(".")
     node, depth = cfg, 0
     while isinstance(node, DictConfig) and depth < len(parts) - 1 and parts[depth] in node:
@@ -270,8 +274,6 @@ def unknown_key(key: str, overrides: list[str]) -> str:
     keys = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
     close = difflib.get_close_matches(wrong, keys, n=3, cutoff=0.6)
     where = f"{parent} has no key {wrong!r}" if parent else f"the config has no top-level key {wrong!r}"
-    given = next((o for o in overrides if o.split("=", 1)[0] == key), f"{key}=<value>")
-    value = given.split("=", 1)[1] if "=" in given else "<value>"
     meant = [".".join([*parts[:depth], c, *parts[depth + 1:]]) for c in close]  # the whole key, corrected
     text = f"{key} is not an option: {where}."
     if meant:
@@ -291,6 +293,41 @@ def unknown_key(key: str, overrides: list[str]) -> str:
     elif meant:
         text += f" Example: `python run.py {meant[0]}={value}`."
     return text
+
+
+def missing_inside(cfg, key: str, override: str) -> tuple[str, str] | None:
+    """(the first key missing from the config, its value as given) where ``override`` sets ``key``, which the config
+    has, to a dict holding a key it lacks (``bench.limits={bogus:1}``: ``("bench.limits.bogus", "1")``): Hydra names
+    only ``key``. None when ``key`` is not a section of the config or the value is not a dict."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf import DictConfig, OmegaConf
+
+    node = OmegaConf.select(cfg, key, default=None)
+    try:
+        value = OverridesParser.create().parse_override(override).value()
+    except HydraException:
+        return None
+    if not isinstance(node, DictConfig) or not isinstance(value, dict):
+        return None
+
+    def written(value) -> str:  # as the command line writes it
+        if isinstance(value, dict):
+            return "{" + ",".join(f"{k}:{written(v)}" for k, v in value.items()) + "}"
+        if isinstance(value, list):
+            return "[" + ",".join(written(v) for v in value) + "]"
+        return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+    def walk(node: DictConfig, value: dict, prefix: str) -> tuple[str, str] | None:
+        for name, given in value.items():
+            if name not in node:
+                return f"{prefix}.{name}", written(given)
+            if isinstance(given, dict) and isinstance(node[name], DictConfig):
+                if (found := walk(node[name], given, f"{prefix}.{name}")) is not None:
+                    return found
+        return None
+
+    return walk(node, value, key)
 
 
 def is_trainer_argument(name: str) -> bool:

@@ -137,8 +137,13 @@ def test_bad_value_through_run_py(home):
     (["+trainer.max_epochs=3"], ["+trainer.max_epochs=3", "`trainer.max_epochs=3`", "`++trainer.max_epochs=3`"]),
     (["-m", "attn=self,offset", "attn.head=4"], ["attn.head is not an option", "attn.heads"]),
     (["data.root=[a"], ["'data.root=[a'", "key=value"]),
+    # a dict value: Hydra names only the key it sets, which exists ("bench has no key 'limits'" was said)
+    (["mode=bench", "bench.limits={matmull:256,repeats:3}"],
+     ["bench.limits.matmull is not an option: bench.limits has no key 'matmull'", "Did you mean bench.limits.matmul?",
+      "`python run.py bench.limits.matmul=256`"]),
+    (["mode=bench", "bench={limits:{bogus:{a:1}}}"], ["bench.limits.bogus is not an option", "matmul, copy_mb"]),
 ], ids=["trainer-typo", "attn-typo", "group-typo", "unlisted-trainer-argument", "plus-on-existing-key",
-        "typo-in-a-sweep", "unparsable"])
+        "typo-in-a-sweep", "unparsable", "typo-inside-a-dict", "nested-dict"])
 def test_key_typos_say_which_keys_exist(args, needles, capsys, tmp_path):
     message = refused_in_process(args, capsys, tmp_path, *needles)
     assert "+key" not in message and "To append to your config" not in message
