@@ -181,6 +181,12 @@ def table_dir(s: dict) -> Path | None:
     return folder if folder.is_absolute() else Path.cwd() / folder
 
 
+# Settings whose smaller value measures less: fewer timed repeats or warm-up steps, a shorter minimum, a smaller
+# memory or time budget (rows skipped), fewer task batches or PCT rounds.
+BUDGETS = ("warmup", "repeats", "min_seconds", "max_gb", "max_seconds", "task_warmup", "task_batches",
+           "task_pct_rounds")
+
+
 def table_losses(old: dict, s: dict) -> list[str]:
     """What a table measured with settings ``old`` holds that one measured with ``s`` would not: each as the
     option and what it lacks or changes."""
@@ -194,6 +200,15 @@ def table_losses(old: dict, s: dict) -> list[str]:
         losses.append(f"bench.batch={s['batch']} (the table's: {old['batch']})")
     if s.get("quick") and not old.get("quick"):
         losses.append("bench.quick=true (the smoke run's sizes, repeats and budget)")
+    else:  # fewer repeats are noisier medians; a smaller budget skips rows that the table measured
+        budgets = [(f"bench.{k}", s.get(k), old.get(k)) for k in BUDGETS if k in old] + \
+            [(f"bench.limits.{k}", (s.get("limits") or {}).get(k), v) for k, v in (old.get("limits") or {}).items()]
+        for option, mine, theirs in budgets:
+            if option == "bench.max_gb" and (mine is None) != (theirs is None):  # null: half the free memory
+                free = 0.5 * measure.available_bytes(pick_device(s.get("device") or "auto")) / GiB
+                mine, theirs = (free if v is None else v for v in (mine, theirs))
+            if isinstance(mine, (int, float)) and isinstance(theirs, (int, float)) and mine < theirs:
+                losses.append(f"{option}={mine:g} (the table's: {theirs:g})")
     for name in [v for v in s["variants"] + s["baselines"] if v in old.get("variants", []) + old.get("baselines", [])]:
         mine, theirs = mixer_options(name, s.get("options")), mixer_options(name, old.get("options"))
         if mine != theirs and mine != mixer_options(name, None):  # the table's files changed since: no loss

@@ -209,6 +209,8 @@ def test_table_dir_check_names_what_a_run_would_lose(tmp_path):
     cost.check_table_dir(full, "cost-cpu")  # the same run again: replaced
     cost.check_table_dir(bench_settings("bench.tasks=true", f"bench.table_dir={tmp_path}",
                                         "bench.dtypes=[float32,bfloat16]"), "cost-cpu")  # more: replaced
+    cost.check_table_dir(bench_settings("bench.tasks=true", f"bench.table_dir={tmp_path}", "bench.max_seconds=60",
+                                        "bench.max_gb=1000", "bench.repeats=9"), "cost-cpu")  # a larger budget
     cost.check_table_dir(bench_settings(f"bench.table_dir={tmp_path}", "bench.quick=true", "bench.replace_tables=true"),
                          "cost-cpu")
     cost.check_table_dir(bench_settings(f"bench.table_dir={tmp_path}", "bench.quick=true"), "cost-other")
@@ -217,7 +219,14 @@ def test_table_dir_check_names_what_a_run_would_lose(tmp_path):
                                "bench.options.external: heads=2 (the table's: 1)"),
                               (["bench.tasks=true", "bench.task_names=[gan]"], "bench.task_names=[gan] lacks modelnet"),
                               (["bench.tasks=true", "bench.batch=2"], "bench.batch=2"),
-                              (["bench.tasks=true", "bench.layouts=[points]"], "bench.layouts=[points] lacks grid")):
+                              (["bench.tasks=true", "bench.layouts=[points]"], "bench.layouts=[points] lacks grid"),
+                              # a smaller budget skips rows the table measured; fewer repeats give noisier medians
+                              (["bench.tasks=true", "bench.max_seconds=1"], "bench.max_seconds=1 (the table's: 30)"),
+                              (["bench.tasks=true", "bench.max_gb=0.001"], "bench.max_gb=0.001 (the table's: "),
+                              (["bench.tasks=true", "bench.repeats=2"], "bench.repeats=2 (the table's: 5)"),
+                              (["bench.tasks=true", "bench.task_batches=3"], "bench.task_batches=3 (the table's: 30)"),
+                              (["bench.tasks=true", "bench.limits.matmul=256"],
+                               "bench.limits.matmul=256 (the table's: 4096)")):
         with pytest.raises(cost.UserError, match=re.escape(needle)):
             cost.check_table_dir(bench_settings(f"bench.table_dir={tmp_path}", *overrides), "cost-cpu")
     (tmp_path / "cost-cpu.json").unlink()  # a table there whose settings are not known
