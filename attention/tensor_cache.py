@@ -7,10 +7,12 @@ real call then got (and a cached real tensor broke the fake call: "Please conver
 first"). Here a call under a fake mode computes its own and leaves the cache alone; under ``torch.compile`` dynamo
 traces the function itself, as it did through ``lru_cache``.
 
-A call under ``torch.inference_mode`` (Lightning's ``trainer.test`` and ``trainer.validate``) makes its tensors
-outside it: an inference tensor in the cache broke every later training step that saved it for backward ("Inference
-tensors cannot be saved for backward"), as in a local multirun's second job after the first one's test, with
-``attn=focal`` on a grid. Normal tensors serve inference mode as they are.
+A call under ``torch.inference_mode`` (Lightning's ``trainer.test`` and ``trainer.validate``; a fit's validation
+runs under ``no_grad``) makes its tensors outside it: an inference tensor in the cache broke every later training
+step of the process that saved it for backward ("Inference tensors cannot be saved for backward"; ``attn=focal`` on a
+grid), wherever an evaluation made a plan before training first needed it: a ``validate`` before a ``fit``, or a
+multirun job training at a size that only an earlier job's test had used (segmentation tests whole images). Normal
+tensors serve inference mode as they are.
 """
 
 from __future__ import annotations

@@ -49,8 +49,8 @@ def test_the_suites_cached_plans_under_a_fake_mode_first():
 
 def test_a_plan_first_made_under_inference_mode_is_a_normal_tensor_that_training_can_save():
     """Lightning's test and validate run under torch.inference_mode: a plan cached there was an inference tensor,
-    and every later training step that saved it for backward failed (a local multirun's second job, after the first
-    one's test, with attn=focal on a grid)."""
+    and every later training step of the process that saved it for backward failed (attn=focal on a grid, in a fit
+    after a validate, as the test suite's own in-process runs do)."""
     @tensor_cache(maxsize=4)
     def plan(n: int) -> torch.Tensor:
         return torch.arange(n)
