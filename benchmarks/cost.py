@@ -260,6 +260,22 @@ def check_table_dir(s: dict, stem: str) -> None:
         "bench.replace_tables=true.")
 
 
+def clear_earlier_plots(folder: Path, stem: str) -> None:
+    """Delete the plots of the table ``<stem>`` that ``folder`` holds, before this run's are copied there: a table
+    replaced by one of other dtypes left the earlier plots beside it (``<stem>-float32-time.png`` and
+    ``-bfloat16-`` under one of ``<stem>-time.png``). The names come from that table's JSON (``plots``), or for a
+    table written before it listed them, are the names this bench gives."""
+    try:
+        names = json.loads((folder / f"{stem}.json").read_text())["plots"]
+        assert isinstance(names, list)
+    except Exception:  # noqa: BLE001 - no JSON, or one without the list
+        names = [f"{stem}{suffix}-{metric}.png" for suffix in ["", *(f"-{d}" for d in DTYPES)]
+                 for metric in ("time", "memory")]
+    for name in names:
+        if isinstance(name, str) and name.endswith(".png") and Path(name).name == name:  # a file of the folder only
+            (folder / name).unlink(missing_ok=True)
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -952,11 +968,12 @@ def bench(cfg: DictConfig) -> dict:
                                                  plot_paths, command, max_bytes, pct_rows))
     summary = {"machine": info, "settings": s, "limits": limits, "exponents": exps, "roofline": roof,
                "targets": tgts, "dilated": dil, "tasks": task_rows, "pct": pct_rows,
-               "seconds": time.perf_counter() - started}
+               "seconds": time.perf_counter() - started, "plots": [p.name for p in plot_paths]}
     (out_dir / f"{stem}.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     written = [out_dir / f"{stem}.{ext}" for ext in ("md", "csv", "json")] + plot_paths
     if (folder := table_dir(s)) is not None:
         folder.mkdir(parents=True, exist_ok=True)
+        clear_earlier_plots(folder, stem)
         for path in written:
             shutil.copyfile(path, folder / path.name)
         log.info("copied %s to %s", ", ".join(p.name for p in written), folder)

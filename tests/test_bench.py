@@ -198,9 +198,24 @@ def test_a_partial_bench_does_not_replace_a_fuller_table(tmp_path):
     proc = run_bench(tmp_path, f"bench.table_dir={tables}", "bench.name=cost-self")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tables / "cost-self-cpu.md").is_file() and (tables / "cost-cpu.md").read_text() == files["cost-cpu.md"]
+    stale = [tables / "cost-cpu-float32-time.png", tables / "cost-cpu-bfloat16-memory.png"]  # a two-dtype table's
+    for path in [*stale, tables / "notes.png"]:
+        path.write_bytes(b"png")
     proc = run_bench(tmp_path, f"bench.table_dir={tables}", "bench.replace_tables=true")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "self" in (tables / "cost-cpu.md").read_text() and (tables / "cost-cpu-time.png").is_file()
+    assert not any(p.exists() for p in stale) and (tables / "notes.png").is_file()  # the old table's plots only
+    assert json.loads((tables / "cost-cpu.json").read_text())["plots"] == ["cost-cpu-time.png", "cost-cpu-memory.png"]
+
+
+def test_a_replaced_table_takes_the_plots_its_json_lists_with_it(tmp_path):
+    (tmp_path / "cost-cuda.json").write_text(json.dumps({"plots": ["cost-cuda-x.png", "../outside.png"]}))
+    for name in ("cost-cuda-x.png", "cost-cuda-y.png"):
+        (tmp_path / name).write_bytes(b"png")
+    (tmp_path.parent / "outside.png").write_bytes(b"png")
+    cost.clear_earlier_plots(tmp_path, "cost-cuda")
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["cost-cuda-y.png"]  # listed: gone; others: kept
+    assert (tmp_path.parent / "outside.png").is_file()  # never outside the folder
 
 
 def test_table_dir_check_names_what_a_run_would_lose(tmp_path):
