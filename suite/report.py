@@ -484,7 +484,11 @@ def read_wandb(path: str, api=None) -> tuple[list[Run], list[LeftOut], int]:
 
 
 def learning_curve(run: Run, key: str) -> list[tuple[float, float]]:
-    """(step, value) of ``key`` from the run's logged history: Lightning's metrics.csv or W&B's history."""
+    """(step, value) of ``key`` from the run's logged history: Lightning's metrics.csv or W&B's history, one value a
+    step, the last logged. A run killed (SIGKILL: no checkpoint at the kill) and resumed from its last checkpoint
+    logs the steps since that checkpoint again, and W&B keeps both: its curve counted those steps twice, as two
+    seeds, in the report's mean and spread. The last is the resumed run's, whose weights went on. (The CSV history
+    drops the rows past the checkpoint when it resumes: ``suite.loggers.HistoryCSVLogger``.)"""
     points = []
     if isinstance(run.history, Path):
         try:
@@ -500,7 +504,7 @@ def learning_curve(run: Run, key: str) -> list[tuple[float, float]]:
                 points.append((float(row["trainer/global_step"]), float(row[key])))
         except Exception as err:  # noqa: BLE001 - a curve is not worth losing the report
             log.warning("W&B history of %s unreadable: %s", run.path, err)
-    return points
+    return list(dict(points).items())  # the last value of each step, steps in the order first logged
 
 
 # --- 3. grouping ---------------------------------------------------------------------------------------------------

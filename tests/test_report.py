@@ -1121,3 +1121,17 @@ def test_runs_chosen_by_different_monitors_get_a_table_each(sweep, tmp_path):
     assert "| `attn=self " in loss and "| `attn=offset " not in loss
     assert "(modelnet-shapes-test_oa-flops.png)" in oa and "(modelnet-shapes-test_loss-flops.png)" in loss
     assert (tmp_path / "a" / "modelnet-shapes-test_loss-flops.png").is_file()
+
+
+def test_a_curve_has_one_value_a_step_the_resumed_runs():
+    """A run SIGKILLed after its last checkpoint and resumed logs the steps since that checkpoint again; W&B's history
+    keeps both, and the report's learning curve counted those steps twice, as two seeds would be."""
+    from suite.report import Run, learning_curve
+
+    class History:  # what a W&B run's scan_history gives, in logged order
+        def scan_history(self, keys):
+            rows = [(10, 0.5), (20, 0.6), (30, 0.2), (20, 0.65), (30, 0.7), (40, 0.75)]  # killed at 30, resumed at 10
+            return [{"trainer/global_step": step, keys[0]: value} for step, value in rows]
+
+    run = Run(path="wandb:e/p/id", config={}, metrics={}, cost={}, protocol={}, history=History())
+    assert learning_curve(run, "val/oa") == [(10.0, 0.5), (20.0, 0.65), (30.0, 0.7), (40.0, 0.75)]
