@@ -59,7 +59,7 @@ class TrainerOptions:
     limit_predict_batches: Union[int, float, None] = option(0.25, batches=True)
     overfit_batches: Union[int, float] = option(10, batches=True)
     val_check_interval: Union[int, float, str, dict[str, int], None] = option(
-        1.0, batches=True, note="a fraction of an epoch, a number of training batches or a time DD:HH:MM:SS")
+        1.0, batches=True, gt=0, note="a fraction of an epoch, a number of training batches or a time DD:HH:MM:SS")
     check_val_every_n_epoch: Optional[int] = option(1, ge=1)
     num_sanity_val_steps: Optional[int] = option(2, ge=-1, note="-1 runs the whole validation set")
     log_every_n_steps: Optional[int] = option(10, ge=0)
@@ -309,7 +309,8 @@ def conforms(value: Any, tp: Any, meta: Mapping) -> bool:
 
 def in_range(number: float, meta: Mapping) -> bool:
     if meta.get("batches"):  # Lightning's _determine_batch_limits: a fraction, or a whole number of batches
-        return 0 <= number <= 1 or (number > 1 and number % 1 == 0)
+        whole_or_fraction = 0 <= number <= 1 or (number > 1 and number % 1 == 0)
+        return whole_or_fraction and (meta.get("gt") is None or number > meta["gt"])
     return not ((meta.get("ge") is not None and number < meta["ge"]) or
                 (meta.get("gt") is not None and number <= meta["gt"]) or
                 (meta.get("lt") is not None and number >= meta["lt"]))
@@ -341,6 +342,9 @@ def describe(tp: Any, meta: Mapping) -> str:
     if tp is str:
         return "a string"
     if meta.get("batches"):
+        if meta.get("gt") == 0:  # none is not a choice (val_check_interval: Lightning divides by it)
+            return "a fraction in (0.0, 1.0] or a whole number of batches" if tp is float else \
+                "a number of batches >= 1"
         return "a fraction in [0.0, 1.0] or a whole number of batches" if tp is float else "a number of batches >= 0"
     word = {int: "an integer", float: "a number"}.get(tp, f"a {getattr(tp, '__name__', tp)}")
     return f"{word} {bounds(meta)}".rstrip()

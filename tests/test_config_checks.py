@@ -106,6 +106,9 @@ def test_checkpoint_that_is_no_torch_file_is_named(env, absent_data, tmp_path): 
     (["task=segmentation", "data=blobs", "model.head_channels=0"], ["model.head_channels=0"]),
     (["task=classification", "model.drop_path_rate=1"], ["model.drop_path_rate=1", "< 1"]),
     (["++trainer.limit_train_batches=1.5"], ["`python run.py ++trainer.limit_train_batches=0.25`"]),
+    # Lightning divides the batch index by it: ZeroDivisionError after the first training batch
+    (["++trainer.val_check_interval=0"], ["trainer.val_check_interval=0", "a fraction in (0.0, 1.0]"]),
+    (["++trainer.val_check_interval=0.0"], ["trainer.val_check_interval=0.0", "a fraction in (0.0, 1.0]"]),
     (["trainer.compile=maybe"], ["trainer.compile='maybe'", "true or false"]),
     (["trainer.compile_mode=fast"], ["trainer.compile_mode='fast'", "'reduce-overhead', 'max-autotune'"]),
     (["trainer.compile_dynamic=sometimes"], ["trainer.compile_dynamic='sometimes'", "true, false or null"]),
