@@ -185,6 +185,17 @@ class GanTaskOptions:
 
 
 @dataclass
+class SegmentationTaskOptions:
+    """task=segmentation's own options in the ``task`` block (checked by ``suite.validate``)."""
+
+    WHERE = "configs/task/segmentation.yaml (or the experiment file that sets it)"
+
+    # a negative weight trained the auxiliary head to be wrong, with exit code 0
+    aux_weight: float = option(0.4, ge=0, note="the auxiliary FCN head's loss weight; model.aux=false drops the head")
+    log_images: int = option(4, ge=0, note="validation/test images logged to W&B with their masks")
+
+
+@dataclass
 class GanMetricsOptions:
     """task=gan's evaluation options (``metrics``); the sample counts themselves are held against what FID, IS and
     KID need by ``tasks.gan.GAN.check_config``."""

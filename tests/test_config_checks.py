@@ -104,6 +104,8 @@ def test_checkpoint_that_is_no_torch_file_is_named(env, absent_data, tmp_path): 
     (["model.dropout=1.5"], ["model.dropout=1.5", "a number >= 0 and < 1"]),  # torch's traceback before
     (["task=gan", "model.z_dim=0"], ["model.z_dim=0", "an integer >= 1"]),  # trained a GAN without a latent
     (["task=segmentation", "data=blobs", "model.head_channels=0"], ["model.head_channels=0"]),
+    (["task=segmentation", "data=blobs", "task.aux_weight=-1"], ["task.aux_weight=-1", "a number >= 0",
+                                                                "configs/task/segmentation.yaml"]),
     (["task=classification", "model.drop_path_rate=1"], ["model.drop_path_rate=1", "< 1"]),
     (["++trainer.limit_train_batches=1.5"], ["`python run.py ++trainer.limit_train_batches=0.25`"]),
     # Lightning divides the batch index by it: ZeroDivisionError after the first training batch
