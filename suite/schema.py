@@ -196,6 +196,20 @@ class SegmentationTaskOptions:
 
 
 @dataclass
+class PointTaskOptions:
+    """task=modelnet's and task=shapenet's own options in the ``task`` block (checked by ``suite.validate``)."""
+
+    WHERE = "configs/task/<task>.yaml (or the experiment file that sets it)"
+
+    # torch refused 1.5 in the first training step (a traceback); a negative value trained with exit code 0
+    label_smoothing: float = option(0.2, ge=0, lt=1, note="the reference's smoothing: true class 1 - eps")
+
+
+# The task block's schema of each task that has one (the GAN's options are checked with its metrics, below).
+TASK_OPTIONS = {"segmentation": SegmentationTaskOptions, "modelnet": PointTaskOptions, "shapenet": PointTaskOptions}
+
+
+@dataclass
 class GanMetricsOptions:
     """task=gan's evaluation options (``metrics``); the sample counts themselves are held against what FID, IS and
     KID need by ``tasks.gan.GAN.check_config``."""

@@ -238,8 +238,9 @@ def check_option_types(cfg: DictConfig, overrides: Iterable[str] = ()) -> None:
     group(cfg.data, schema.DataOptions, "data")
     if isinstance(cfg.get("model"), DictConfig):
         group(cfg.model, schema.ModelOptions, "model")
-    if (cfg.get("task") or {}).get("name") == "segmentation" and isinstance(cfg.get("task"), DictConfig):
-        group(cfg.task, schema.SegmentationTaskOptions, "task")
+    if (task_options := schema.TASK_OPTIONS.get((cfg.get("task") or {}).get("name"))) is not None \
+            and isinstance(cfg.get("task"), DictConfig):
+        group(cfg.task, task_options, "task")
     if (cfg.get("task") or {}).get("name") == "gan":  # a feature's options only where it is on: off, not read
         metrics, ema = cfg.get("metrics") or {}, cfg.get("ema") or {}
         for options, prefix, on in ((schema.GanTaskOptions, "task", True), (schema.GanMetricsOptions, "metrics", True),

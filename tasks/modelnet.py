@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
 
+from attention.errors import UserError
+
 from .base import EvalLoss, Task, TrainLoss
 from .metrics.classification import BalancedAccuracy
 from .nets.pct import PCT
@@ -56,6 +58,10 @@ class PointCloudClassification(Task):
         self.net = PCT(num_classes, attn=dict(attn), **dict(model))
         self.class_names = list(class_names)
         self.smoothing = reference_smoothing(label_smoothing, num_classes)
+        if self.smoothing > 1:  # torch's bound: the reference's eps gives the other classes more than the true one
+            raise UserError(f"task.label_smoothing={label_smoothing} is too large for {num_classes} classes: the "
+                            f"reference's smoothing gives each other class eps / (K - 1), so eps <= (K - 1) / K = "
+                            f"{(num_classes - 1) / num_classes:.4g} (PCT: 0.2).")
         self.log_samples = log_samples
         self.train_loss = TrainLoss()  # updated on the device: no host sync in the step
         # Evaluation losses: means over the split weighted by batch size, NaN kept (EvalLoss)

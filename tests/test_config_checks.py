@@ -104,6 +104,8 @@ def test_checkpoint_that_is_no_torch_file_is_named(env, absent_data, tmp_path): 
     (["model.dropout=1.5"], ["model.dropout=1.5", "a number >= 0 and < 1"]),  # torch's traceback before
     (["task=gan", "model.z_dim=0"], ["model.z_dim=0", "an integer >= 1"]),  # trained a GAN without a latent
     (["task=segmentation", "data=blobs", "model.head_channels=0"], ["model.head_channels=0"]),
+    (["task.label_smoothing=1.5"], ["task.label_smoothing=1.5", "a number >= 0 and < 1", "configs/task/<task>.yaml"]),
+    (["task=shapenet", "data=parts", "task.label_smoothing=-0.1"], ["task.label_smoothing=-0.1"]),
     (["task=segmentation", "data=blobs", "task.aux_weight=-1"], ["task.aux_weight=-1", "a number >= 0",
                                                                 "configs/task/segmentation.yaml"]),
     (["task=classification", "model.drop_path_rate=1"], ["model.drop_path_rate=1", "< 1"]),
@@ -421,3 +423,13 @@ def test_segmentation_eval_options_pass(fine):
 def test_segmentation_eval_flip_string_exits_2_without_traceback(env, tmp_path):  # noqa: F811
     user_error([*SEG_TINY, "trainer.max_steps=1", "logger=none", "eval.flip=no", f"hydra.run.dir={tmp_path}"], env,
                "eval.flip='no'", "eval.flip=false")  # a 1-step run (exit 0) before the check
+
+
+def test_modelnets_smoothing_beyond_torchs_bound_for_its_classes_is_refused_naming_the_bound(capsys, tmp_path):
+    """The reference's eps gives every other class eps / (K - 1): above (K - 1) / K torch refused its equivalent in
+    the first training step, a traceback."""
+    from fixture_cache import user_error_in_process
+    from test_run import TINY
+
+    user_error_in_process([*TINY, "task.label_smoothing=0.95", "logger=none"], capsys, tmp_path, tmp_path / "run",
+                          "task.label_smoothing=0.95 is too large for 10 classes", "<= (K - 1) / K = 0.9")
