@@ -205,8 +205,18 @@ class PointTaskOptions:
     label_smoothing: float = option(0.2, ge=0, lt=1, note="the reference's smoothing: true class 1 - eps")
 
 
-# The task block's schema of each task that has one (the GAN's options are checked with its metrics, below).
-TASK_OPTIONS = {"segmentation": SegmentationTaskOptions, "modelnet": PointTaskOptions, "shapenet": PointTaskOptions}
+@dataclass
+class SegmentationEvalOptions:
+    """task=segmentation's ``eval`` block, where ``suite.validate`` checks it (the rest: ``check_eval``)."""
+
+    WHERE = "configs/task/segmentation.yaml (or the experiment file that sets it)"
+
+    every_n_steps: int = option(2000, ge=1, note="iterations between validations; trainer.val_check_interval's")
+
+
+# The blocks' schemas of each task that has its own (the GAN's options are checked with its metrics), by block.
+TASK_OPTIONS = {"segmentation": {"task": SegmentationTaskOptions, "eval": SegmentationEvalOptions},
+                "modelnet": {"task": PointTaskOptions}, "shapenet": {"task": PointTaskOptions}}
 
 
 @dataclass

@@ -226,6 +226,20 @@ def check_option_types(cfg: DictConfig, overrides: Iterable[str] = ()) -> None:
         schema.check(OmegaConf.to_container(node, resolve=True), options, prefix,
                      given=OmegaConf.to_container(node, resolve=False), added=added)
 
+    for prefix, options in schema.TASK_OPTIONS.get((cfg.get("task") or {}).get("name"), {}).items():
+        if isinstance(cfg.get(prefix), DictConfig):
+            group(cfg[prefix], options, prefix)
+    if (cfg.get("task") or {}).get("name") == "gan":  # a feature's options only where it is on: off, not read
+        metrics, ema = cfg.get("metrics") or {}, cfg.get("ema") or {}
+        for options, prefix, on in ((schema.GanTaskOptions, "task", True), (schema.GanMetricsOptions, "metrics", True),
+                                    (schema.GanKidOptions, "metrics", metrics.get("kid", False)),
+                                    (schema.GanPrcOptions, "metrics", metrics.get("prc", False)),
+                                    (schema.GanEmaOptions, "ema", ema.get("enabled", False))):
+            if on and isinstance(cfg.get(prefix), DictConfig):
+                group(cfg[prefix], options, prefix)
+    # A task's own blocks first: a trainer option set through one of theirs (trainer.val_check_interval through
+    # metrics.every_n_steps or eval.every_n_steps) is named as that option; the trainer's before the optim, data and
+    # model options set through it (optim.scheduler.T_max through trainer.max_epochs).
     group(cfg.trainer, schema.TrainerOptions, "trainer")
     group(cfg.trainer, schema.CompileOptions, "trainer")
     group(cfg.trainer, schema.ArithmeticOptions, "trainer")
@@ -238,17 +252,6 @@ def check_option_types(cfg: DictConfig, overrides: Iterable[str] = ()) -> None:
     group(cfg.data, schema.DataOptions, "data")
     if isinstance(cfg.get("model"), DictConfig):
         group(cfg.model, schema.ModelOptions, "model")
-    if (task_options := schema.TASK_OPTIONS.get((cfg.get("task") or {}).get("name"))) is not None \
-            and isinstance(cfg.get("task"), DictConfig):
-        group(cfg.task, task_options, "task")
-    if (cfg.get("task") or {}).get("name") == "gan":  # a feature's options only where it is on: off, not read
-        metrics, ema = cfg.get("metrics") or {}, cfg.get("ema") or {}
-        for options, prefix, on in ((schema.GanTaskOptions, "task", True), (schema.GanMetricsOptions, "metrics", True),
-                                    (schema.GanKidOptions, "metrics", metrics.get("kid", False)),
-                                    (schema.GanPrcOptions, "metrics", metrics.get("prc", False)),
-                                    (schema.GanEmaOptions, "ema", ema.get("enabled", False))):
-            if on and isinstance(cfg.get(prefix), DictConfig):
-                group(cfg[prefix], options, prefix)
 
 
 def check_checkpoint_format(ckpt_path) -> None:

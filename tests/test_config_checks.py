@@ -113,6 +113,7 @@ def test_checkpoint_that_is_no_torch_file_is_named(env, absent_data, tmp_path): 
     # Lightning divides the batch index by it: ZeroDivisionError after the first training batch
     (["++trainer.val_check_interval=0"], ["trainer.val_check_interval=0", "a fraction in (0.0, 1.0]"]),
     (["++trainer.val_check_interval=0.0"], ["trainer.val_check_interval=0.0", "a fraction in (0.0, 1.0]"]),
+    (["task=segmentation", "data=blobs", "eval.every_n_steps=0"], ["eval.every_n_steps=0", "an integer >= 1"]),
     (["trainer.compile=maybe"], ["trainer.compile='maybe'", "true or false"]),
     (["trainer.compile_mode=fast"], ["trainer.compile_mode='fast'", "'reduce-overhead', 'max-autotune'"]),
     (["trainer.compile_dynamic=sometimes"], ["trainer.compile_dynamic='sometimes'", "true, false or null"]),
