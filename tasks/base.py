@@ -191,14 +191,13 @@ class DeviceMean(MeanMetric):
         value = value.detach().to(self.mean_value.dtype)
         if isinstance(weight, torch.Tensor):
             weight = torch.broadcast_to(weight.to(device=value.device, dtype=self.weight.dtype), value.shape)
-        else:  # filled on the device: torch.as_tensor(number, device="cuda") would be a blocking copy
-            weight = torch.full_like(value, float(weight), dtype=self.weight.dtype)
+        # a number stays a scalar operand: torch.as_tensor(number, device="cuda") would be a blocking copy
         if self.drop_non_finite:  # decided on the device: weight 0 and value 0 (NaN * 0 is NaN)
             finite = torch.isfinite(value)
-            weight = weight * finite
+            weight = finite.to(self.weight.dtype) * weight
             value = torch.where(finite, value, 0.0)
         self.mean_value += (value * weight).sum()
-        self.weight += weight.sum()
+        self.weight += weight.sum() if isinstance(weight, torch.Tensor) else weight * value.numel()
 
 
 class TrainLoss(DeviceMean):
