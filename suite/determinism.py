@@ -18,6 +18,10 @@ What makes a run repeatable, and who does it:
 ``trainer.deterministic=warn`` (Lightning's ``warn_only``) runs a nondeterministic kernel with a warning instead of
 raising: a run that completes, with no promise of repeatability. What deterministic mode costs in throughput on a
 GPU: docs/scale.md.
+
+These switches are the process's, and Lightning sets them only for ``true``, ``false`` and ``warn``: a
+``trainer.deterministic=null`` job after a ``true`` one in a local multirun (one process) trained in deterministic
+mode. Each run puts them back as it ends (:func:`state` and :func:`restore`, ``suite.train.run``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,27 @@ import torch
 
 log = logging.getLogger(__name__)
 CUBLAS_WORKSPACE = ":4096:8"  # one of the two settings NVIDIA documents for reproducible cuBLAS results
+
+
+Switches = tuple[bool, bool, bool, str | None]
+
+
+def state() -> Switches:
+    """(deterministic algorithms, their warn-only mode, cuDNN benchmarking, ``CUBLAS_WORKSPACE_CONFIG``) as the
+    process has them now."""
+    return (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+            bool(torch.backends.cudnn.benchmark), os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+
+
+def restore(before: Switches) -> None:
+    """The switches as :func:`state` returned them (the environment variable unset if it was)."""
+    enabled, warn_only, benchmark, workspace = before
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+    torch.backends.cudnn.benchmark = benchmark
+    if workspace is None:
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    else:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = workspace
 
 
 def configure(trainer: Mapping) -> None:

@@ -64,11 +64,12 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> dict:
     # a refused job puts them back): both before anything else of the run is written.
     run_dir, out_dir = out_dir, record_dir(out_dir, cfg.mode)
     held = False
-    from suite import tf32
+    from suite import determinism, tf32
 
-    # torch's TF32 switches as this run found them, put back as it ends: trainer.tf32 sets them for this run alone
-    # (a local multirun's next job, in this process, starts from these)
-    arithmetic = tf32.state()
+    # torch's TF32 and determinism switches as this run found them, put back as it ends: trainer.tf32 and
+    # trainer.deterministic set them for this run alone (a local multirun's next job, in this process, starts from
+    # these)
+    arithmetic, repeatable = tf32.state(), determinism.state()
     try:
         if cfg.mode == "train":
             try:
@@ -95,6 +96,7 @@ def run(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> dict:
         return fit_and_test(cfg, composed, run_dir, out_dir, started)
     finally:
         tf32.restore(arithmetic)
+        determinism.restore(repeatable)
         forget_run_record(run_dir)
         if held:
             release(run_dir)

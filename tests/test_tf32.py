@@ -75,11 +75,11 @@ def test_a_run_takes_the_option_and_says_what_it_set(env, tmp_path):  # noqa: F8
 # Each job prints the switches it trains under (they are set as its Trainer is built).
 SAY_SWITCHES = r"""
 import suite.train
-from suite import tf32
+from suite import determinism, tf32
 build = suite.train.build_trainer
 def build_trainer(*args, **kwargs):
     out = build(*args, **kwargs)
-    print("SWITCHES", *tf32.state())
+    print("SWITCHES", *tf32.state(), *determinism.state())
     return out
 suite.train.build_trainer = build_trainer
 """
@@ -87,14 +87,19 @@ suite.train.build_trainer = build_trainer
 
 def test_a_null_job_after_a_true_one_in_the_same_process_runs_under_torchs_defaults(env, tmp_path):  # noqa: F811
     """A local multirun's jobs share the process: the `null` job (torch's defaults, untouched) ran in the TF32 that
-    the `true` job before it had set; each run now puts the switches back as it ends."""
+    the `true` job before it had set, and in the deterministic mode (Lightning's flags and CUBLAS_WORKSPACE_CONFIG)
+    of a `trainer.deterministic=true` job before it; each run now puts the switches back as it ends."""
     from test_reliability import launch
 
+    env = {k: v for k, v in env.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+    # trainer.deterministic follows trainer.tf32 in each job: job 1 true and true, job 2 null and null
     proc = launch(SAY_SWITCHES, ["-m", *TINY, "trainer.accelerator=cpu", "logger=none", "trainer.tf32=true,null",
-                                 f"hydra.sweep.dir={tmp_path}"], env)
+                                 "trainer.deterministic=${trainer.tf32}", f"hydra.sweep.dir={tmp_path}"], env)
     said = [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("SWITCHES")]
-    defaults = [torch.get_float32_matmul_precision(), "True"]  # a fresh process's (this one's are the same)
-    assert said == [["high", "True"], defaults], proc.stdout[-2000:]
+    # a fresh process's (this one's are the same): matmul precision, cuDNN TF32, deterministic algorithms, their
+    # warn-only mode, cuDNN benchmarking, CUBLAS_WORKSPACE_CONFIG
+    defaults = [torch.get_float32_matmul_precision(), "True", "False", "False", "False", "None"]
+    assert said == [["high", "True", "True", "False", "False", ":4096:8"], defaults], proc.stdout[-2000:]
 
 
 @pytest.mark.parametrize("choice", [None, False])
