@@ -19,6 +19,7 @@ import attention
 from benchmarks import cost, measure
 from benchmarks.baselines import BASELINES
 from fixture_cache import once_per_worker
+import warm_python
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -106,8 +107,8 @@ def run_bench(tmp_path, *args, small_limits=True, timeout=300):
              "bench.layouts=[grid]", "bench.sizes=[256]", "bench.channels=[64]", "bench.warmup=1", "bench.repeats=1",
              "bench.min_seconds=0", f"hydra.run.dir={tmp_path}/run"]
     small += ["bench.limits={matmul:256,copy_mb:8,repeats:1}"] if small_limits else []
-    return subprocess.run([sys.executable, str(ROOT / "run.py"), *small, *args], cwd=tmp_path, env=env,
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+    return warm_python.run([sys.executable, str(ROOT / "run.py"), *small, *args], cwd=tmp_path, env=env,
+                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
 
 
 def test_bench_options_are_taken_and_a_variant_that_cannot_be_built_is_refused():
@@ -635,8 +636,8 @@ def _quick_bench(out):
     # the CPU's tables (cost-cpu.*) whatever the machine has: tests/gpu runs the quick bench on CUDA
     args = ["mode=bench", "bench.quick=true", "bench.device=cpu", "logger=none", f"hydra.run.dir={out}",
             "bench.tasks=true", "bench.task_names=[modelnet,segmentation]", f"bench.table_dir={out / 'table'}"]
-    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=out, env=env, stdin=subprocess.DEVNULL,
-                          capture_output=True, text=True, timeout=600)
+    proc = warm_python.run([sys.executable, str(ROOT / "run.py"), *args], cwd=out, env=env, stdin=subprocess.DEVNULL,
+                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+import warm_python
 
 ROOT = Path(__file__).resolve().parents[1]
 NEW = "external_copy"
@@ -57,8 +58,8 @@ print(json.dumps({{"module": attention.get("{NEW}").__module__, "file": attentio
 def run(args, cwd):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "PYTEST_"))}
     env.update(OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
-    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, stdin=subprocess.DEVNULL, capture_output=True,
-                          text=True, timeout=300)
+    proc = warm_python.run([sys.executable, *args], cwd=cwd, env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                           text=True, timeout=300)
     assert proc.returncode == 0, f"{args}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
 

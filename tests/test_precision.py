@@ -32,6 +32,7 @@ from attention import Grid, Points
 from attention import functional as AF
 from attention.pointops import knn
 from suite.run_record import quality_metrics
+import warm_python
 
 HALF = [torch.bfloat16, torch.float16]
 
@@ -288,9 +289,9 @@ def task_runs(env, tmp_path_factory):  # noqa: F811 - env is the imported fixtur
         runs = [["-m", *args, "logger=none", f"trainer.precision={','.join(precisions)}",
                  f"hydra.sweep.dir={out / task}"] for task, (args, precisions, _) in TASK_RUNS.items()]
         runs[list(TASK_RUNS).index("gan")].append(f"metrics.cache_dir={out / 'fid'}")
-        proc = subprocess.run([sys.executable, "-c", LAUNCHER, str(ROOT / "run.py"), json.dumps(runs)],
-                              cwd=env["HOME"], env={**env, "OMP_NUM_THREADS": "1"},  # 2 threads on 2 busy cores spin
-                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
+        proc = warm_python.run([sys.executable, "-c", LAUNCHER, str(ROOT / "run.py"), json.dumps(runs)],
+                               cwd=env["HOME"], env={**env, "OMP_NUM_THREADS": "1"},  # 2 threads on 2 busy cores spin
+                               stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         return proc
 

@@ -24,6 +24,7 @@ from suite.run_record import quality_metrics
 from suite.secrets import redact, redact_file, redact_override
 from suite.validate import validate_config
 from test_run import TINY, env, run, user_error  # noqa: F401 - env is a fixture
+import warm_python
 
 ROOT = Path(__file__).resolve().parents[1]
 TWO_EPOCHS = [*TINY, "trainer.max_epochs=2"]  # 40 training clouds in batches of 4: 10 steps an epoch
@@ -115,8 +116,8 @@ cio.os.fsync = staticmethod(hanging_fsync)
 
 
 def launch(patch: str, args: list[str], env: dict, check: bool = True, **popen) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-c", LAUNCHER, str(ROOT / "run.py"), patch, *args], cwd=env["HOME"],
-                          env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600, **popen)
+    proc = warm_python.run([sys.executable, "-c", LAUNCHER, str(ROOT / "run.py"), patch, *args], cwd=env["HOME"],
+                           env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600, **popen)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc

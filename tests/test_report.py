@@ -26,6 +26,7 @@ from attention.errors import UserError
 from fixture_cache import once_per_worker
 from suite import report as rep
 from suite.run_record import code_version, protocol
+import warm_python
 
 ROOT = Path(__file__).resolve().parents[1]
 # Two epochs of three generated classes at 128 points: about 5 s a run on 2 CPU cores.
@@ -43,8 +44,8 @@ def run_py(args, cwd: Path, check=True):
     # Open MPI, which aborts the run without the launcher settings of the caller's environment.
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env.update(HOME=str(cwd), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-                          capture_output=True, text=True, timeout=600)
+    proc = warm_python.run([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                           capture_output=True, text=True, timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(f"run.py {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n"
                              f"{proc.stderr[-3000:]}")

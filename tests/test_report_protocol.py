@@ -19,6 +19,7 @@ import yaml
 from datamodules.points.shapes import Shapes
 from suite.run_record import protocol
 from suite.run_record import tested_part as part_of
+import warm_python
 
 ROOT = Path(__file__).resolve().parents[1]
 # 3 classes: 12 test clouds and 6 validation clouds in batches of 4 -> 3 test batches, 2 validation batches
@@ -31,8 +32,8 @@ TINY = ["experiment=demo", "trainer.max_epochs=1", "data.num_classes=3", "data.t
 def run_py(args, cwd: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env.update(HOME=str(cwd), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *args, f"hydra.run.dir={cwd / 'run'}"], cwd=cwd,
-                          env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
+    proc = warm_python.run([sys.executable, str(ROOT / "run.py"), *args, f"hydra.run.dir={cwd / 'run'}"], cwd=cwd,
+                           env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"run.py exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return json.loads((cwd / "run" / "metrics.json").read_text())
 

@@ -16,6 +16,7 @@ import yaml
 import attention
 from fixture_cache import once_per_worker, user_error_in_process
 from suite.run_record import quality_metrics
+import warm_python
 
 ROOT = Path(__file__).resolve().parents[1]
 # A small but real PCT run on generated shapes: a few seconds per run on 2 CPU cores.
@@ -34,10 +35,12 @@ def env(tmp_path_factory):
     return e
 
 
-def run(args, env, check=True):
+def run(args, env, check=True, cold=False):
+    """``python run.py args`` (from a warm interpreter, tests/warm_python.py, unless ``cold``)."""
+    start = subprocess.run if cold else warm_python.run
     # From a scratch folder: Hydra's default run dirs (outputs/...) must not litter the checkout.
-    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=env["HOME"], env=env,
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
+    proc = start([sys.executable, str(ROOT / "run.py"), *args], cwd=env["HOME"], env=env,
+                 stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(f"run.py {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n"
                              f"{proc.stderr[-3000:]}")
@@ -183,8 +186,8 @@ def test_a_sweep_goes_on_past_a_failed_job(env, tmp_path):
                 "for o in gc.get_objects()))); atexit.register(lambda: print('live after each job:', live)); "
                 f"sys.argv = [{str(ROOT / 'run.py')!r}, *sys.argv[1:]]; "
                 f"runpy.run_path({str(ROOT / 'run.py')!r}, run_name='__main__')")
-    proc = subprocess.run([sys.executable, "-c", counting, *args], cwd=env["HOME"], env=env,
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
+    proc = warm_python.run([sys.executable, "-c", counting, *args], cwd=env["HOME"], env=env,
+                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "live after each job: [0, 0]" in proc.stdout  # no task module of a job alive once it ended
     assert "Traceback" not in proc.stderr
@@ -435,11 +438,13 @@ def test_a_checkpoint_that_does_not_fit_the_network_names_the_options(wandb_run,
 
 def test_seed_makes_cpu_runs_reproducible(env, tmp_path):
     """On the CPU (pinned: with a GPU, accelerator=auto would take it; GPU runs repeat with trainer.deterministic=true,
-    tests/gpu/test_cuda_tasks.py)."""
+    tests/gpu/test_cuda_tasks.py). Run b starts cold, a and c from the warm interpreter the tests' runs start from
+    (tests/warm_python.py), which shares its hash seed with them: a warm start is the cold one's run."""
     results = []
     for name in ("a", "b", "c"):
         seed = "seed=7" if name != "c" else "seed=8"
-        run([*TINY, seed, "trainer.accelerator=cpu", "logger=csv", f"hydra.run.dir={tmp_path / name}"], env)
+        run([*TINY, seed, "trainer.accelerator=cpu", "logger=csv", f"hydra.run.dir={tmp_path / name}"], env,
+            cold=name == "b")
         results.append(quality_metrics(json.loads((tmp_path / name / "metrics.json").read_text())))
     assert results[0] == results[1]
     assert results[0] != results[2]
