@@ -66,7 +66,9 @@ def _start_server() -> tuple[subprocess.Popen, str, dict]:
         time.sleep(0.05)
     _server = (proc, path, _read_at_start(env))
     import atexit
+    import shutil
 
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)  # runs after the kill: last registered, first run
     atexit.register(proc.kill)
     return _server
 
