@@ -80,7 +80,9 @@ def eligible(argv: list[str], env: dict | None, **popen) -> bool:
     if len(argv) < 2 or argv[0] != sys.executable or not (argv[1] == "-c" or argv[1].endswith(".py")):
         return False
     wanted = _read_at_start(os.environ if env is None else env)
-    return wanted == _read_at_start({**os.environ, **SERVER_ENV})
+    # the running server's (this process's environment may have changed since it started), else the one to start
+    alive = _server is not None and _server[0].poll() is None
+    return wanted == (_server[2] if alive else _read_at_start({**os.environ, **SERVER_ENV}))
 
 
 def run(argv: list[str], *, cwd=None, env: dict | None = None, stdin=None, timeout: float | None = None,
