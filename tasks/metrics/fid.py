@@ -5,8 +5,10 @@ Everything numerical is torch-fidelity's own code: the feature extractor
 2015-12-05 TensorFlow graph ported bit-for-bit, including its resizing),
 ``fid_features_to_statistics`` / ``fid_statistics_to_metric``,
 ``isc_features_to_metric`` and ``kid_features_to_metric`` (KID on the same
-pool features as FID: no second pass). This module only adds what a training
-loop needs around them:
+pool features as FID: no second pass), but for FID's trace term when one side
+has fewer images than features, computed in the equal, smaller form
+(:func:`frechet_distance`). This module only adds what a training loop needs
+around them:
 
 * :func:`to_uint8` quantises generator output in [-1, 1] exactly as
   ``torchvision.utils.save_image`` does, so scoring the in-memory tensor and
@@ -250,14 +252,37 @@ def rgb_batches(extractor: torch.nn.Module, images_uint8: Tensor, batch_size: in
 
 
 def fid_statistics(features: Tensor) -> dict[str, np.ndarray]:
-    """torch-fidelity's FID statistics ``{"mu": (D,), "sigma": (D, D)}`` (float64) of (N, D) features."""
+    """torch-fidelity's FID statistics ``{"mu": (D,), "sigma": (D, D)}`` (float64) of (N, D) features and, for
+    fewer images than features (N <= D), ``"factor"`` (:func:`covariance_factor`), which :func:`frechet_distance`
+    uses."""
     if features.dim() != 2 or features.shape[0] < 2:
         raise UserError(
             f"FID statistics need at least 2 images (features of shape {tuple(features.shape)} were given); raise "
             f"the number of images used for FID (hundreds at least, 50,000 for comparable numbers)."
         )
-    stats = fid_features_to_statistics(features.detach().to("cpu", torch.float64))
-    return {"mu": np.asarray(stats["mu"], dtype=np.float64), "sigma": np.asarray(stats["sigma"], dtype=np.float64)}
+    features = features.detach().to("cpu", torch.float64)
+    stats = fid_features_to_statistics(features)
+    out = {"mu": np.asarray(stats["mu"], dtype=np.float64), "sigma": np.asarray(stats["sigma"], dtype=np.float64)}
+    factor = covariance_factor(features.numpy())
+    if factor is not None:
+        out["factor"] = factor
+    return out
+
+
+def covariance_factor(features: np.ndarray) -> np.ndarray | None:
+    """For (N, D) features with N <= D: F of shape (N - 1, D) with F.T F their covariance (ddof=1), of full row
+    rank for features in general position; None for N > D. F = (H X)[1:] / sqrt(N - 1), H the Householder
+    reflection taking the unit vector of ones to e_1: H's other rows span the vectors orthogonal to the ones, so
+    they centre X with no structural zero left, where the (N, D) centred X has one (its rows sum to 0), whose
+    rounding-level eigenvalue :func:`frechet_distance` would take the square root of."""
+    x = np.asarray(features, dtype=np.float64)
+    n, d = x.shape
+    if n > d:
+        return None
+    u = np.full(n, 1 / math.sqrt(n))
+    u[0] -= 1.0                                                     # H = I - 2 u u.T / (u.T u)
+    reflected = x - np.outer(u, (2 / (u @ u)) * (u @ x))             # (N, D) = H X
+    return reflected[1:] / math.sqrt(n - 1)                          # (N - 1, D)
 
 
 def frechet_distance(stats_1: Mapping[str, np.ndarray], stats_2: Mapping[str, np.ndarray]) -> float:
@@ -266,17 +291,34 @@ def frechet_distance(stats_1: Mapping[str, np.ndarray], stats_2: Mapping[str, np
     NaN when either holds a NaN or an infinity (images of a diverged generator), as the Inception Score and KID of
     such features are: scipy's ``sqrtm`` would raise instead, ending the run in a traceback at its validation,
     where a NaN score lets it write its checkpoints and fail through ``trainer.on_nan``'s check (``suite/guard.py``).
+
+    The trace term tr sqrt(sigma_1 sigma_2) is torch-fidelity's (the square roots of ``eigvals(sigma_1 @
+    sigma_2)``) unless a side carries :func:`fid_statistics`'s ``"factor"`` F (fewer images than features, as a
+    validation of a few hundred samples has): sigma = F.T F, so the nonzero eigenvalues of sigma_1 sigma_2 =
+    F.T (F sigma_2) are those of the (N - 1, N - 1) symmetric F sigma_2 F.T (with both factors: the squared singular
+    values of F_1 F_2.T). The same number, computed here because torch-fidelity's general eigensolver on (D, D) took
+    6 s of a 2-core CPU for every score, and in that case sums the square roots of D - N + 1 rounding-level
+    eigenvalues (~1e-7 relative noise), which the smaller form does not have.
     """
-    s1 = {k: np.asarray(stats_1[k], dtype=np.float64) for k in ("mu", "sigma")}
-    s2 = {k: np.asarray(stats_2[k], dtype=np.float64) for k in ("mu", "sigma")}
+    s1 = {k: np.asarray(v, dtype=np.float64) for k, v in stats_1.items() if k in ("mu", "sigma", "factor")}
+    s2 = {k: np.asarray(v, dtype=np.float64) for k, v in stats_2.items() if k in ("mu", "sigma", "factor")}
     if s1["mu"].shape != s2["mu"].shape or s1["sigma"].shape != s2["sigma"].shape:
         raise ValueError(
             f"FID statistics of different feature sizes: mu {s1['mu'].shape} vs {s2['mu'].shape}, "
             f"sigma {s1['sigma'].shape} vs {s2['sigma'].shape}"
         )
-    if not all(np.isfinite(s[k]).all() for s in (s1, s2) for k in ("mu", "sigma")):
+    if not all(np.isfinite(v).all() for s in (s1, s2) for v in s.values()):
         return math.nan
-    return float(fid_statistics_to_metric(s1, s2, verbose=False)[KEY_METRIC_FID])
+    if "factor" not in s1 and "factor" not in s2:
+        return float(fid_statistics_to_metric(s1, s2, verbose=False)[KEY_METRIC_FID])
+    if "factor" in s1 and "factor" in s2:
+        tr_covmean = float(np.linalg.svd(s1["factor"] @ s2["factor"].T, compute_uv=False).sum())  # (N1-1, N2-1)
+    else:
+        factor, other = (s1["factor"], s2["sigma"]) if "factor" in s1 else (s2["factor"], s1["sigma"])
+        small = factor @ other @ factor.T                                              # (N - 1, N - 1)
+        tr_covmean = float(np.sqrt(np.clip(np.linalg.eigvalsh((small + small.T) / 2), 0, None)).sum())
+    diff = s1["mu"] - s2["mu"]
+    return float(diff @ diff + np.trace(s1["sigma"]) + np.trace(s2["sigma"]) - 2 * tr_covmean)
 
 
 def inception_score(logits: Tensor, splits: int = 1) -> tuple[float, float]:
@@ -355,9 +397,11 @@ def reference_statistics(
     """FID statistics of a real image set, cached as
     ``<cache_dir>/fid_ref_<dataset_key>_<weights_id>_<computation_id>.npz``.
 
-    Returns ``{"mu": (D,), "sigma": (D, D)}`` in float64 and, with
+    Returns ``{"mu": (D,), "sigma": (D, D)}`` in float64, for N <= D images
+    :func:`fid_statistics`'s ``"factor"`` (rebuilt from the file's features on
+    a hit: the same numbers) and, with
     ``keep_features``, ``"features"``: the (N, D) pool features themselves, for
-    KID. The file holds all three (the features as float32, which is what the
+    KID. The file holds mu, sigma and the features (the features as float32, which is what the
     network computes, so nothing is lost); a cache file written before
     features were kept is recomputed when they are asked for.
     ``dataset_key`` must identify the exact image set (dataset, split, number of
@@ -383,6 +427,10 @@ def reference_statistics(
             raise ValueError(f"mu {stats['mu'].shape} and sigma {stats['sigma'].shape} do not match")
         if keep_features and (stats["features"].ndim != 2 or stats["features"].shape[1] != d):
             raise ValueError(f"features {stats['features'].shape} do not match mu {stats['mu'].shape}")
+        if "features" in f.files:  # the factor of a miss (fid_statistics), from the same float32 features
+            factor = covariance_factor(np.asarray(f["features"]))
+            if factor is not None:
+                stats["factor"] = factor
         return stats
 
     computation = extractor_computation_id(extractor)

@@ -138,6 +138,72 @@ def test_frechet_distance_matches_scipy_sqrtm():
     assert fid.frechet_distance(s1, s2) == pytest.approx(fid.frechet_distance(s2, s1), rel=1e-9)
 
 
+def fid_mp(x1: np.ndarray, x2: np.ndarray, digits: int = 40) -> float:
+    """FID of two sets of features as torch-fidelity defines it (mean, ddof=1 covariance, the real parts of the
+    square roots of the covariances' product's eigenvalues), all in ``digits``-digit arithmetic: a covariance of
+    fewer images than features is rank-deficient there, where float64's has rounding-level eigenvalues instead."""
+    import mpmath
+
+    def stats(x):
+        rows = mpmath.matrix(x.tolist())
+        n, d = rows.rows, rows.cols
+        mu = [mpmath.fsum(rows[i, j] for i in range(n)) / n for j in range(d)]
+        centred = mpmath.matrix([[rows[i, j] - mu[j] for j in range(d)] for i in range(n)])
+        return mu, centred.T * centred / (n - 1)
+
+    with mpmath.workdps(digits):
+        (m1, c1), (m2, c2) = stats(x1), stats(x2)
+        eigenvalues = mpmath.eig(c1 * c2, left=False, right=False)
+        trace_sqrt = mpmath.fsum(mpmath.re(mpmath.sqrt(mpmath.mpc(e))) for e in eigenvalues)
+        value = (mpmath.fsum((a - b) ** 2 for a, b in zip(m1, m2)) + sum(c1[i, i] + c2[i, i] for i in range(c1.rows))
+                 - 2 * trace_sqrt)
+        return float(value)
+
+
+def test_fid_statistics_of_fewer_images_than_features_carry_the_covariance_factor():
+    x = torch.randn(6, 10, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    stats = fid.fid_statistics(x)
+    assert stats["factor"].shape == (5, 10)
+    np.testing.assert_allclose(stats["factor"].T @ stats["factor"], stats["sigma"], rtol=1e-12, atol=1e-15)
+    assert "factor" in fid.fid_statistics(x[:, :6]) and "factor" not in fid.fid_statistics(x[:, :5])  # N <= D
+
+
+@pytest.mark.parametrize("sizes", [(7, 40), (40, 7), (7, 5), (12, 12)], ids=lambda s: f"N={s[0]},{s[1]}")
+def test_frechet_distance_of_fewer_images_than_features_is_the_extended_precision_value(sizes):
+    """D = 12 features: one side low-rank (7 images), both (7 and 5; 12 and 12), neither is not here (the
+    general path, torch-fidelity's, is the tests above). Against the definition in 40 digits: the smaller forms are
+    exact to float64 rounding, and torch-fidelity's (D, D) eigensolver agrees with them to its own noise."""
+    from torch_fidelity.metric_fid import fid_statistics_to_metric
+
+    rng = np.random.default_rng(1)
+    mix = rng.normal(size=(12, 12))
+    x1 = rng.normal(size=(sizes[0], 12)) @ mix
+    x2 = rng.normal(loc=0.3, size=(sizes[1], 12)) @ mix.T
+    s1, s2 = fid.fid_statistics(torch.from_numpy(x1)), fid.fid_statistics(torch.from_numpy(x2))
+    expected = fid_mp(x1, x2)
+    assert fid.frechet_distance(s1, s2) == pytest.approx(expected, rel=1e-12)
+    assert fid.frechet_distance(s2, s1) == pytest.approx(expected, rel=1e-12)
+    without_factors = [{k: s[k] for k in ("mu", "sigma")} for s in (s1, s2)]
+    assert fid.frechet_distance(*without_factors) == pytest.approx(expected, rel=1e-6)  # torch-fidelity's path
+    torch_fidelity = fid_statistics_to_metric(*without_factors, verbose=False)["frechet_inception_distance"]
+    assert fid.frechet_distance(s1, s2) == pytest.approx(torch_fidelity, rel=1e-6)
+
+
+def test_frechet_distance_of_a_few_samples_of_inception_features_is_torch_fidelitys():
+    """The GAN task's case: a few hundred generated samples (here 50) of D = 2048 features against a full-rank
+    reference, and a validation of 4 against 8. torch-fidelity's (D, D) eigenvalues carry ~1e-7 relative noise
+    there (the square roots of ~2000 rounding-level eigenvalues)."""
+    from torch_fidelity.metric_fid import fid_statistics_to_metric
+
+    rng = np.random.default_rng(2)
+    reference = fid.fid_statistics(torch.from_numpy(rng.gamma(1.0, size=(2500, 2048))))
+    for n, other in ((50, reference), (4, fid.fid_statistics(torch.from_numpy(rng.gamma(1.0, size=(8, 2048)))))):
+        generated = fid.fid_statistics(torch.from_numpy(rng.gamma(1.2, size=(n, 2048))))
+        theirs = fid_statistics_to_metric(*({k: s[k] for k in ("mu", "sigma")} for s in (generated, other)),
+                                          verbose=False)["frechet_inception_distance"]
+        assert fid.frechet_distance(generated, other) == pytest.approx(theirs, rel=1e-5), n
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_frechet_distance_of_non_finite_features_is_nan_not_a_traceback(bad):
     """A diverged generator's images give NaN features: scipy's sqrtm raised (LinAlgError) and the GAN run ended in
@@ -263,6 +329,9 @@ def test_reference_statistics_cache(tmp_path, extractor, weights_file, image_set
     for k in ("mu", "sigma"):
         assert second[k].dtype == np.float64
         np.testing.assert_array_equal(second[k], first[k])
+    # 4 images of 2048 features: the low-rank factor, rebuilt on a hit from the cached features to the same bits
+    assert set(first) == set(second) == {"mu", "sigma", "factor"} and first["factor"].shape == (3, 2048)
+    np.testing.assert_array_equal(second["factor"], first["factor"])
 
     # an unreadable cache file is recomputed and replaced, not fatal
     expected_file.write_bytes(b"truncated")
