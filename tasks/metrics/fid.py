@@ -271,13 +271,13 @@ def fid_statistics(features: Tensor) -> dict[str, np.ndarray]:
 
 def covariance_factor(features: np.ndarray) -> np.ndarray | None:
     """For (N, D) features with N <= D: F of shape (N - 1, D) with F.T F their covariance (ddof=1), of full row
-    rank for features in general position; None for N > D. F = (H X)[1:] / sqrt(N - 1), H the Householder
+    rank for features in general position; None for N > D (or N < 2). F = (H X)[1:] / sqrt(N - 1), H the Householder
     reflection taking the unit vector of ones to e_1: H's other rows span the vectors orthogonal to the ones, so
     they centre X with no structural zero left, where the (N, D) centred X has one (its rows sum to 0), whose
     rounding-level eigenvalue :func:`frechet_distance` would take the square root of."""
     x = np.asarray(features, dtype=np.float64)
     n, d = x.shape
-    if n > d:
+    if n > d or n < 2:
         return None
     u = np.full(n, 1 / math.sqrt(n))
     u[0] -= 1.0                                                     # H = I - 2 u u.T / (u.T u)
@@ -401,8 +401,8 @@ def reference_statistics(
     :func:`fid_statistics`'s ``"factor"`` (rebuilt from the file's features on
     a hit: the same numbers) and, with
     ``keep_features``, ``"features"``: the (N, D) pool features themselves, for
-    KID. The file holds mu, sigma and the features (the features as float32, which is what the
-    network computes, so nothing is lost); a cache file written before
+    KID. The file holds mu, sigma and the features (as float32, which is what
+    the network computes, so nothing is lost); a cache file written before
     features were kept is recomputed when they are asked for.
     ``dataset_key`` must identify the exact image set (dataset, split, number of
     images, preprocessing): it is the cache key together with
@@ -420,15 +420,16 @@ def reference_statistics(
         stats = {k: np.asarray(f[k], dtype=np.float64) for k in ("mu", "sigma")}
         if keep_features and "features" not in f.files:
             raise ValueError("written without the pool features that KID needs")
-        if keep_features:
-            stats["features"] = np.asarray(f["features"])
         d = stats["mu"].shape[0] if stats["mu"].ndim == 1 else -1
         if stats["sigma"].shape != (d, d):
             raise ValueError(f"mu {stats['mu'].shape} and sigma {stats['sigma'].shape} do not match")
-        if keep_features and (stats["features"].ndim != 2 or stats["features"].shape[1] != d):
-            raise ValueError(f"features {stats['features'].shape} do not match mu {stats['mu'].shape}")
-        if "features" in f.files:  # the factor of a miss (fid_statistics), from the same float32 features
-            factor = covariance_factor(np.asarray(f["features"]))
+        if "features" in f.files:
+            features = np.asarray(f["features"])
+            if features.ndim != 2 or features.shape[1] != d:
+                raise ValueError(f"features {features.shape} do not match mu {stats['mu'].shape}")
+            if keep_features:
+                stats["features"] = features
+            factor = covariance_factor(features)  # a miss's (fid_statistics), from the same float32 features
             if factor is not None:
                 stats["factor"] = factor
         return stats

@@ -341,6 +341,12 @@ def test_reference_statistics_cache(tmp_path, extractor, weights_file, image_set
     np.testing.assert_allclose(third["sigma"], first["sigma"])
     with np.load(expected_file, allow_pickle=False) as f:
         np.testing.assert_array_equal(f["mu"], third["mu"])
+    # so is one whose features (the low-rank factor's source) are not the statistics' size
+    np.savez(expected_file, mu=first["mu"], sigma=first["sigma"], features=np.zeros((4, 7), np.float32))
+    caplog.clear()
+    fourth = fid.reference_statistics(extractor, materialise, "toy/train", weights_file, tmp_path, batch_size=4)
+    assert calls == [1, 1, 1] and "do not match" in caplog.text
+    np.testing.assert_array_equal(fourth["factor"], first["factor"])
 
     # another weights id -> another file (the tensor itself may be passed instead of a callable)
     fid.reference_statistics(extractor, images, "toy/train", "random:1", tmp_path, batch_size=4)
