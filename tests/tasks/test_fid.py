@@ -170,9 +170,9 @@ def test_fid_statistics_of_fewer_images_than_features_carry_the_covariance_facto
 
 @pytest.mark.parametrize("sizes", [(7, 40), (40, 7), (7, 5), (12, 12)], ids=lambda s: f"N={s[0]},{s[1]}")
 def test_frechet_distance_of_fewer_images_than_features_is_the_extended_precision_value(sizes):
-    """D = 12 features: one side low-rank (7 images), both (7 and 5; 12 and 12), neither is not here (the
-    general path, torch-fidelity's, is the tests above). Against the definition in 40 digits: the smaller forms are
-    exact to float64 rounding, and torch-fidelity's (D, D) eigensolver agrees with them to its own noise."""
+    """D = 12 features: one side with fewer images than features (7 against 40, either way round), both (7 and
+    5; 12 and 12). Neither is torch-fidelity's own path, the tests above. Against the definition in 40 digits: the
+    smaller forms are exact to float64 rounding, and torch-fidelity's (D, D) eigensolver agrees to its own noise."""
     from torch_fidelity.metric_fid import fid_statistics_to_metric
 
     rng = np.random.default_rng(1)
