@@ -29,7 +29,10 @@ script sees the failure. ``skip`` drops training batches only: an evaluation has
 its metric, so it fails as under ``stop``. Each non-finite validation during fit is also logged when it happens
 (:meth:`NonFiniteGuard.on_validation_end`); it does not stop training (the weights are what the training loss
 check guards), and the best checkpoint passes over it (``suite.checkpoints.RunCheckpoint``). Under DDP the ranks
-agree on the failure (one boolean all-reduce).
+agree on the failure (one boolean all-reduce). A metric that the split's data leaves undefined is NaN without any
+fault (segmentation's kappa where target and prediction are one class in every pixel): the task lists it in
+``undefined_metrics`` with the reason, it is logged as a warning and recorded in metrics.json (``"undefined"``), and
+the check passes over it.
 """
 
 from __future__ import annotations
@@ -59,10 +62,19 @@ class NonFiniteMetrics(UserError):
 EVALUATED = {"val/": "the validation split", "test/": "the test split"}  # metric prefix -> the split it scores
 
 
-def non_finite(metrics) -> dict[str, float]:
-    """The evaluation metrics (``val/*``, ``test/*``) of ``metrics`` that are NaN or infinite."""
+def non_finite(metrics, undefined=()) -> dict[str, float]:
+    """The evaluation metrics (``val/*``, ``test/*``) of ``metrics`` that are NaN or infinite, but for those in
+    ``undefined`` (and their ``_best``): NaN where the data leaves them undefined (``Task.undefined_metrics``)."""
     return {k: float(v) for k, v in metrics.items()
-            if k.startswith(tuple(EVALUATED)) and isinstance(v, (int, float)) and not math.isfinite(v)}
+            if k.startswith(tuple(EVALUATED)) and isinstance(v, (int, float)) and not math.isfinite(v)
+            and k not in undefined and k.removesuffix("_best") not in undefined}
+
+
+def undefined_metrics(module, record=None) -> dict[str, str]:
+    """The evaluation metrics that ``module`` (a task) logged NaN because its data leaves them undefined, and those
+    a run ``record`` (metrics.json) lists under ``"undefined"``: name -> why."""
+    kept = (record or {}).get("undefined")
+    return {**(kept if isinstance(kept, dict) else {}), **getattr(module, "undefined_metrics", {})}
 
 
 class NonFiniteGuard(L.pytorch.callbacks.Callback):
@@ -122,7 +134,7 @@ class NonFiniteGuard(L.pytorch.callbacks.Callback):
         if self.mode == "off" or trainer.sanity_checking or trainer.state.fn != "fit":
             return
         self.validated_at = int(trainer.global_step)
-        bad = non_finite({k: float(v) for k, v in trainer.callback_metrics.items()})
+        bad = non_finite({k: float(v) for k, v in trainer.callback_metrics.items()}, undefined_metrics(pl_module))
         bad = {k: v for k, v in bad.items() if k.startswith("val/")}
         if not bad:
             return
@@ -141,7 +153,7 @@ class NonFiniteGuard(L.pytorch.callbacks.Callback):
         (a rank whose own values are finite fails too when another's are not)."""
         if self.mode == "off":
             return None
-        bad = non_finite(metrics)
+        bad = non_finite(metrics, undefined_metrics(trainer.lightning_module, metrics))
         failed = bool(bad)
         if trainer.world_size > 1:  # every rank raises, or none: the others would wait in the next collective
             failed = bool(trainer.strategy.reduce_boolean_decision(failed, all=False))

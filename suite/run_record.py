@@ -19,7 +19,9 @@
   (torch.compile's tracing and code generation, forward and backward, evaluation and test included) and the graphs
   compiled (``suite/compile.py``);
 - ``provenance``: what produced the numbers (:func:`provenance`): the code's git commit for each part of the run
-  (a resumed run may have continued under other code), torch's version and the device.
+  (a resumed run may have continued under other code), torch's version and the device;
+- ``undefined``, only where there are such: the metrics recorded NaN because the split's data leaves them undefined,
+  each with the reason (``Task.undefined_metrics``; ``trainer.on_nan``'s check passes over them).
 
 Nothing here may lose a run: a count or measurement that fails is left out with a warning.
 """
@@ -37,9 +39,10 @@ from pathlib import Path, PurePath
 
 log = logging.getLogger(__name__)
 
-# What :func:`record` adds to metrics.json beside the metrics (these differ between two runs of one seed).
+# What :func:`record` adds to metrics.json beside the metrics (these differ between two runs of one seed, or, as
+# "undefined", are words about the metrics).
 RECORD_KEYS = ("wall_time_s", "peak_memory_bytes", "peak_memory_source", "train_samples_per_sec", "params", "flops",
-               "protocol", "compile_time_s", "compile_graphs", "provenance", "tested")
+               "protocol", "compile_time_s", "compile_graphs", "provenance", "tested", "undefined")
 # The W&B config key holding the resolved values of the config keys a `wandb agent` locked to the sweep's values
 # (suite.loggers.ResilientWandbLogger.log_hyperparams), where mode=report reads them.
 RESOLVED_KEY = "resolved"
@@ -496,4 +499,6 @@ def record(module, config: dict, tested: str | None, device_type: str, wall_time
         log.warning("provenance not recorded in metrics.json: %s", err)
     if compiler is not None:
         out.update(compiler.record())
+    if undefined := getattr(module, "undefined_metrics", None):
+        out["undefined"] = dict(sorted(undefined.items()))
     return out

@@ -365,7 +365,10 @@ def finished_already(trainer, out_dir: Path) -> dict | None:
                  "(or trainer.max_steps) with resume=true; to test it again, `mode=test ckpt_path=last "
                  "hydra.run.dir=%s` writes its own record.", trainer.global_step, trainer.current_epoch,
                  metrics_file, out_dir)
-    return {k: v for k, v in recorded.items() if isinstance(v, (int, float))}
+    kept = {k: v for k, v in recorded.items() if isinstance(v, (int, float))}
+    if isinstance(recorded.get("undefined"), dict):  # metrics its data left undefined: its check passes over them
+        kept["undefined"] = recorded["undefined"]
+    return kept
 
 
 def trained_nothing(trainer) -> str:

@@ -75,6 +75,11 @@ class Task(L.LightningModule):
 
     def __init__(self, monitor: Mapping | None = None):
         super().__init__()
+        # "<split>/<metric>" -> why: the evaluation metrics whose last value this process logged is NaN because the
+        # split's data leaves them undefined (a task's scores say so), not because the network's output was not a
+        # number. trainer.on_nan's check of the evaluation (suite/guard.py) passes over them and metrics.json
+        # records them under "undefined".
+        self.undefined_metrics: dict[str, str] = {}
         tracked = dict(self.also_best)
         if monitor:
             tracked[str(monitor["metric"])] = str(monitor.get("mode", "min"))

@@ -27,7 +27,7 @@ from attention.errors import UserError
 from . import deterministic
 from .base import Task, TrainLoss
 from .nets.segnet import SegNet
-from .metrics.segmentation import SegConfusion, check_eval, predict, scores
+from .metrics.segmentation import SegConfusion, check_eval, predict, scores, undefined_scores
 from .wandb_media import log_table
 
 SCALARS = ("miou", "pixel_acc", "aa", "kappa", "f1")
@@ -170,10 +170,20 @@ class Segmentation(Task):
     def _log_scores(self, stage: str) -> dict:
         confusion = self.val_confusion if stage == "val" else self.test_confusion
         nonfinite = self.val_nonfinite if stage == "val" else self.test_nonfinite
-        result = scores(confusion.compute().cpu(), self.class_names)
+        matrix = confusion.compute().cpu()
+        result = scores(matrix, self.class_names)
         bad = int(nonfinite.compute())  # summed over the ranks: every rank takes the same branch
         confusion.reset()
         nonfinite.reset()
+        undefined = {} if bad else undefined_scores(matrix, self.class_names)
+        for name in SCALARS:
+            key, why = f"{stage}/{name}", undefined.get(name)
+            if why is not None and key not in self.undefined_metrics:  # said once a run, not at every validation
+                log.warning("%s is NaN, %s; trainer.on_nan's check passes over it", key, why)
+            if why is None:
+                self.undefined_metrics.pop(key, None)
+            else:
+                self.undefined_metrics[key] = why
         if bad:
             log.warning("%s: the logits of %d pixel(s) were NaN or infinite, so the split's scores are NaN", stage, bad)
             result = {k: torch.full_like(v, math.nan) if isinstance(v, torch.Tensor) else math.nan

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from suite.checkpoints import RunCheckpoint
 from suite.guard import NonFiniteGuard
 from test_reliability import launch
-from test_run import TINY, env, run  # noqa: F401 - env is a fixture
+from test_run import SEG_TINY, TINY, env, run  # noqa: F401 - env is a fixture
 
 # One SGD step at lr=1e30 from a finite loss: that last update makes the weights so large that the forward pass
 # overflows, which the training-loss check (before the update) cannot see; the validation after it and the test of
@@ -32,6 +32,22 @@ step = PointCloudClassification.test_step
 def test_step(self, batch, batch_idx):
     return step(self, {**batch, "points": batch["points"] * float("nan")}, batch_idx)
 PointCloudClassification.test_step = test_step
+"""
+
+# Every blob mask all background, and the network's evaluation logits all but certain of it: target and prediction
+# are one class in every pixel of both splits, as in a one-class tile set (training untouched but for its masks).
+ONE_CLASS = r"""
+import torch
+from datamodules.segmentation.blobs import Blobs
+from tasks.nets.segnet import SegNet
+generate, forward = Blobs.generate, SegNet.forward
+def blank(self, split, count):
+    images, masks = generate(self, split, count)
+    return images, masks * 0
+def background(self, image):
+    out = forward(self, image)
+    return out if self.training else out + 1e4 * (torch.arange(out.shape[1]) == 0).to(out).view(1, -1, 1, 1)
+Blobs.generate, SegNet.forward = blank, background
 """
 
 
@@ -83,6 +99,27 @@ def test_on_nan_off_accepts_a_non_finite_evaluation(env, tmp_path):
     assert math.isnan(json.loads((tmp_path / "metrics.json").read_text())["val/loss"])
 
 
+def test_a_one_class_split_scores_kappa_nan_says_why_and_the_run_passes(env, tmp_path):
+    """Target and prediction one class in every pixel leave kappa 0 / 0: the run failed at its end with exit 2,
+    blaming a learning rate or bf16. Now it passes; the log says once a split why kappa is NaN, metrics.json keeps
+    the NaN and lists the reason under "undefined", and the run resumed once finished passes again."""
+    args = [*SEG_TINY, "attn=external", "trainer.max_epochs=2", "logger=none", f"hydra.run.dir={tmp_path}"]
+    proc = launch(ONE_CLASS, args, env)
+    log = proc.stdout + proc.stderr
+    record = json.loads((tmp_path / "metrics.json").read_text())
+    assert record["val/miou"] == 1.0 and record["test/pixel_acc"] == 1.0
+    assert math.isnan(record["val/kappa"]) and math.isnan(record["test/kappa"])
+    pixels = {split: count * 32 * 32 for split, count in (("val", 4), ("test", 4))}  # SEG_TINY: 4 images of 32 x 32
+    assert record["undefined"] == {
+        f"{split}/kappa": f"undefined: every one of the split's {pixels[split]} scored pixels is class 0 (background) "
+                          "in both the target and the prediction, so Cohen's kappa (p_o - p_e) / (1 - p_e) is 0 / 0"
+        for split in ("val", "test")}
+    assert log.count("val/kappa is NaN, undefined") == 1 and log.count("test/kappa is NaN, undefined") == 1  # 2 epochs
+    assert "error:" not in proc.stderr and "gave val/kappa" not in log
+    again = launch(ONE_CLASS, [*args, "resume=true"], env)
+    assert "this run had finished already" in again.stdout and "error:" not in again.stderr
+
+
 def fake_trainer(world_size: int = 1, others_bad: bool = False):
     """What :meth:`NonFiniteGuard.evaluation_error` reads of a trainer: its size, the ranks' agreement (a boolean
     all-reduce, "any": ``others_bad`` says another rank saw a non-finite value) and the module evaluated."""
@@ -108,6 +145,22 @@ def test_the_processes_agree_and_skip_fails_as_stop_does():
         diverged.lightning_module.weight[0, 0] = math.nan
     assert "The weights evaluated last hold NaN or infinite values themselves" in str(
         stop.evaluation_error(nan, diverged, "x", None))
+
+
+def test_a_metric_the_data_leaves_undefined_fails_nothing_and_the_others_still_do():
+    """Segmentation's kappa is NaN where target and prediction are one class in every pixel (0 / 0): the run failed
+    on it with exit 2 and a hint at learning rates and bf16, none of them the cause. A metric that the task lists in
+    ``undefined_metrics`` (or a finished run's metrics.json under "undefined", as a resumed run finds it) is passed
+    over, its ``_best`` too; any other NaN still fails the run."""
+    stop, why = NonFiniteGuard("stop"), {"val/kappa": "undefined: one class", "test/kappa": "undefined: one class"}
+    one_class = {"val/miou": 1.0, "val/kappa": math.nan, "val/kappa_best": -math.inf, "test/kappa": math.nan}
+    assert "val/kappa=nan" in str(stop.evaluation_error(one_class, fake_trainer(), "x", None))  # not declared
+    trainer = fake_trainer()
+    trainer.lightning_module.undefined_metrics = why
+    assert stop.evaluation_error(one_class, trainer, "x", None) is None
+    assert stop.evaluation_error({**one_class, "undefined": why}, fake_trainer(), "x", None) is None  # the record's
+    error = str(stop.evaluation_error({**one_class, "test/miou": math.nan}, trainer, "x", None))
+    assert "test/miou=nan on the test split" in error and "kappa" not in error
 
 
 class Scripted(L.LightningModule):

@@ -168,6 +168,25 @@ def scores(confusion: Tensor, class_names: Sequence[str] | None = None) -> dict[
     return out
 
 
+def undefined_scores(confusion: Tensor, class_names: Sequence[str] | None = None) -> dict[str, str]:
+    """The scalar scores that :func:`scores` leaves NaN because the split's pixels leave them undefined, not because
+    of a non-finite prediction: name -> why. Kappa, where the chance agreement p_e is 1: target and prediction are
+    one and the same class in every scored pixel, so p_o = 1 too and (p_o - p_e) / (1 - p_e) is 0 / 0 (scikit-learn
+    and torchmetrics give NaN there as well; the field is split between NaN, 0 and 1, and NaN claims nothing). An
+    empty matrix (no pixel scored) is not listed: nothing was evaluated, every score is NaN."""
+    cm = confusion.detach().to(torch.float64)
+    total = cm.sum()
+    if not bool(total > 0):
+        return {}
+    p_e = (cm.sum(1) * cm.sum(0)).sum() / total**2
+    if bool(p_e < 1):
+        return {}
+    (cls,) = torch.nonzero(cm.sum(1)).flatten().tolist()
+    named = f"class {cls}" + (f" ({class_names[cls]})" if class_names is not None else "")
+    return {"kappa": f"undefined: every one of the split's {int(total)} scored pixels is {named} in both the "
+                     "target and the prediction, so Cohen's kappa (p_o - p_e) / (1 - p_e) is 0 / 0"}
+
+
 def _resize(x: Tensor, size: tuple[int, int]) -> Tensor:
     if tuple(x.shape[-2:]) == tuple(size):
         return x

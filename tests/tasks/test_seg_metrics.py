@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from sklearn.metrics import balanced_accuracy_score, cohen_kappa_score, f1_score, jaccard_score
 
 from attention.errors import UserError
-from tasks.metrics.segmentation import SegConfusion, predict, predict_slide, predict_whole, scores
+from tasks.metrics.segmentation import SegConfusion, predict, predict_slide, predict_whole, scores, undefined_scores
 
 # ---------------------------------------------------------------- hand-computed 3-class case
 # 15 pixels, 4 of them ignored (255, predictions 0, 1, 2, 2 must not count).
@@ -150,6 +150,30 @@ def test_absent_class_is_nan_and_left_out_of_means():
 def test_empty_matrix_gives_nan():
     out = scores(torch.zeros(3, 3, dtype=torch.long))
     assert all(math.isnan(out[key]) for key in ("miou", "pixel_acc", "aa", "kappa", "f1"))
+
+
+def test_kappa_of_one_class_everywhere_is_undefined_and_said_so():
+    """Target and prediction one class in every pixel: p_o = p_e = 1, kappa 0 / 0 (scikit-learn: NaN too). It is
+    NaN, and undefined_scores names it, the class and why, so that trainer.on_nan's check does not take it for a
+    diverged network. Every other score is defined there, and nothing is undefined once a second class appears."""
+    cm = torch.zeros(3, 3, dtype=torch.long)
+    cm[1, 1] = 7
+    out = scores(cm)
+    with warnings.catch_warnings():  # scikit-learn warns that the score is undefined, and gives NaN
+        warnings.simplefilter("ignore")
+        assert math.isnan(out["kappa"]) and math.isnan(cohen_kappa_score([1] * 7, [1] * 7))
+    assert float(out["miou"]) == 1.0 and float(out["pixel_acc"]) == 1.0 and float(out["f1"]) == 1.0
+    assert undefined_scores(cm, ["a", "b", "c"]) == {
+        "kappa": "undefined: every one of the split's 7 scored pixels is class 1 (b) in both the target and the "
+                 "prediction, so Cohen's kappa (p_o - p_e) / (1 - p_e) is 0 / 0"}
+    assert "class 1 in both" in undefined_scores(cm)["kappa"]
+    cm[1, 2] = 1  # one pixel predicted otherwise: p_e < 1, kappa defined (0 here: no agreement beyond chance)
+    assert undefined_scores(cm) == {} and float(scores(cm)["kappa"]) == pytest.approx(
+        cohen_kappa_score([1] * 8, [1] * 7 + [2]), abs=1e-12)
+    cm[:] = 0
+    cm[0, 0], cm[2, 2] = 3, 4  # two classes, both right: kappa 1
+    assert undefined_scores(cm) == {} and float(scores(cm)["kappa"]) == 1.0
+    assert undefined_scores(torch.zeros(3, 3, dtype=torch.long)) == {}  # nothing scored: not "undefined by the data"
 
 
 def test_random_case_matches_sklearn():
