@@ -189,6 +189,38 @@ def test_frechet_distance_of_fewer_images_than_features_is_the_extended_precisio
     assert fid.frechet_distance(s1, s2) == pytest.approx(torch_fidelity, rel=1e-6)
 
 
+@pytest.mark.parametrize("sizes", [(30, 20), (20, 30), (13, 13)], ids=lambda s: f"N={s[0]},{s[1]}")
+def test_frechet_distance_against_a_reference_root_is_the_extended_precision_value(sizes):
+    """More images than features on both sides (D = 12), the reference carrying the square root of its covariance
+    (``"root"``, as reference_statistics keeps it): one symmetric eigensolve of R.T sigma R a score. Against the
+    definition in 40 digits, either side the reference; torch-fidelity's general eigensolver agrees to its noise."""
+    rng = np.random.default_rng(3)
+    mix = rng.normal(size=(12, 12))
+    x1 = rng.normal(size=(sizes[0], 12)) @ mix
+    x2 = rng.normal(loc=0.3, size=(sizes[1], 12)) @ mix.T
+    s1, s2 = fid.fid_statistics(torch.from_numpy(x1)), fid.fid_statistics(torch.from_numpy(x2))
+    assert "factor" not in s1 and "factor" not in s2
+    root = fid.with_root(dict(s2))["root"]
+    np.testing.assert_allclose(root @ root.T, s2["sigma"], rtol=1e-12, atol=1e-12 * np.abs(s2["sigma"]).max())
+    expected = fid_mp(x1, x2)
+    assert fid.frechet_distance(s1, {**s2, "root": root}) == pytest.approx(expected, rel=1e-12)
+    assert fid.frechet_distance({**s2, "root": root}, s1) == pytest.approx(expected, rel=1e-12)
+    assert fid.frechet_distance(s1, s2) == pytest.approx(expected, rel=1e-9)  # torch-fidelity's path
+
+
+def test_frechet_distance_against_a_reference_root_at_inception_sizes_is_torch_fidelitys():
+    """D = 256 features, 400 generated against a reference of 600 (the validation FID's shape, smaller): the root's
+    form against torch-fidelity's own function."""
+    from torch_fidelity.metric_fid import fid_statistics_to_metric
+
+    rng = np.random.default_rng(4)
+    reference = fid.with_root(fid.fid_statistics(torch.from_numpy(rng.gamma(1.0, size=(600, 256)))))
+    generated = fid.fid_statistics(torch.from_numpy(rng.gamma(1.3, size=(400, 256))))
+    theirs = fid_statistics_to_metric(*({k: s[k] for k in ("mu", "sigma")} for s in (generated, reference)),
+                                      verbose=False)["frechet_inception_distance"]
+    assert fid.frechet_distance(generated, reference) == pytest.approx(theirs, rel=1e-9)
+
+
 def test_frechet_distance_of_a_few_samples_of_inception_features_is_torch_fidelitys():
     """The GAN task's case: a few hundred generated samples (here 50) of D = 2048 features against a full-rank
     reference, and a validation of 4 against 8. torch-fidelity's (D, D) eigenvalues carry ~1e-7 relative noise
@@ -357,6 +389,29 @@ def test_reference_statistics_cache(tmp_path, extractor, weights_file, image_set
     # no cache dir: computed, nothing written
     none_dir = fid.reference_statistics(extractor, images, "toy/train", weights_file, None, batch_size=4)
     np.testing.assert_allclose(none_dir["mu"], first["mu"])
+
+
+def test_reference_statistics_of_more_images_than_features_keep_their_covariance_root(tmp_path, extractor,
+                                                                                        monkeypatch):
+    """A reference of more images than features (the GAN's training split) keeps the square root of its covariance,
+    made once for every score against it, from the same float64 sigma on a hit as on a miss: the same bits. Its
+    features here are 40 of 16 dimensions, given for the extractor's (the cache reads any consistent size)."""
+    rows = np.random.default_rng(5).gamma(1.0, size=(40, 16)).astype(np.float32)
+    monkeypatch.setattr(fid, "inception_features", lambda *args, **kwargs: (torch.from_numpy(rows).double(), None))
+
+    def must_not_run():
+        raise AssertionError("images materialised on a cache hit")
+
+    images = torch.zeros(40, 3, 8, 8, dtype=torch.uint8)
+    first = fid.reference_statistics(extractor, images, "toy/wide", "random:0", tmp_path, batch_size=4)
+    second = fid.reference_statistics(extractor, must_not_run, "toy/wide", "random:0", tmp_path, batch_size=4)
+    assert set(first) == set(second) == {"mu", "sigma", "root"}
+    for key in first:
+        np.testing.assert_array_equal(second[key], first[key])
+    np.testing.assert_allclose(first["root"] @ first["root"].T, first["sigma"], rtol=1e-12, atol=1e-13)
+    generated = fid.fid_statistics(torch.from_numpy(rows[::-1][:30].copy()) * 1.1)
+    assert fid.frechet_distance(generated, first) == pytest.approx(
+        fid.frechet_distance(generated, {k: first[k] for k in ("mu", "sigma")}), rel=1e-9)  # torch-fidelity's
 
 
 def test_weights_id(weights_file, tmp_path):
