@@ -524,7 +524,7 @@ class GAN(Task):
                 values += fid.kernel_inception_distance(
                     pool, reference["features"], subsets=int(cfg.get("kid_subsets", 100)),
                     subset_size=cfg.get("kid_subset_size"), degree=int(cfg.get("kid_degree", 3)),
-                    gamma=cfg.get("kid_gamma"), coef0=float(cfg.get("kid_coef0", 1)))
+                    gamma=cfg.get("kid_gamma"), coef0=float(cfg.get("kid_coef0", 1)), device=self.device)
             if cfg.get("prc"):
                 values += prc.precision_recall(vgg.to(self.device), self._prc_reference(),
                                                neighborhood=int(cfg.get("prc_neighborhood", 3)))[:2]

@@ -78,6 +78,38 @@ def test_kid_equals_float64_unbiased_mmd():
     assert abs(same[0]) < 0.2 * expected[0] + 1e-3
 
 
+def test_kid_written_for_the_gpu_is_torch_fidelitys_function_and_the_float64_definition():
+    """On a GPU, KID is computed there with torch (fid._kid_on_device), run here on the CPU: torch-fidelity's
+    kid_features_to_metric given the same float64 features (the same subsets and estimator, to the order of the
+    sums) and the definition written out, with the kernel's options."""
+    from torch_fidelity.metric_kid import kid_features_to_metric
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.rand(70, 64, generator=g, dtype=torch.float64)
+    y = torch.rand(90, 64, generator=g, dtype=torch.float64) * 1.1
+    theirs = kid_features_to_metric(x, y, kid_subsets=12, kid_subset_size=30, kid_kernel="poly",
+                                    kid_kernel_poly_degree=3, kid_kernel_poly_gamma=None, kid_kernel_poly_coef0=1.0,
+                                    rng_seed=2020, verbose=False)
+    ours = fid._kid_on_device(x, y, 12, 30, 3, None, 1.0, "cpu")
+    assert ours[0] == pytest.approx(theirs["kernel_inception_distance_mean"], rel=1e-9)
+    assert ours[1] == pytest.approx(theirs["kernel_inception_distance_std"], rel=1e-7)
+    assert fid.kernel_inception_distance(x, y, subsets=12, subset_size=30) == pytest.approx(ours, rel=1e-9)
+    expected = kid_float64(x.numpy(), y.numpy(), subsets=3, size=5, degree=2, gamma=0.3, coef0=0.5)
+    assert fid._kid_on_device(x, y, 3, 5, 2, 0.3, 0.5, "cpu") == pytest.approx(expected, rel=1e-12, abs=1e-15)
+
+
+@pytest.mark.cuda
+def test_kid_on_the_gpu_is_the_cpus():
+    """At Inception's size (D = 2048) and torch-fidelity's subset size (1,000): the same subsets and float64
+    kernels on the GPU as on the CPU."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.rand(3000, 2048, generator=g, dtype=torch.float64)
+    y = torch.rand(5000, 2048, generator=g).add_(0.05).numpy()  # float32, as the reference cache holds it
+    on_gpu = fid.kernel_inception_distance(x, y, subsets=10, device="cuda")
+    on_cpu = fid.kernel_inception_distance(x, y, subsets=10)
+    assert on_gpu == pytest.approx(on_cpu, rel=1e-10)
+
+
 def test_kid_subset_size_null_caps_at_the_image_counts_and_a_number_must_fit():
     assert fid.kid_subset_size(None, 20000, 50000) == 1000   # torch-fidelity's default
     assert fid.kid_subset_size(None, 200, 400) == 200        # the demo's validation
