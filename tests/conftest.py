@@ -4,6 +4,7 @@ import functools
 import http.server
 import json
 import os
+import signal
 import threading
 from pathlib import Path
 
@@ -15,6 +16,13 @@ import torch
 from suite.run_dirs import register_resolvers
 
 register_resolvers()  # as run.py does first: the tests that compose configs resolve ${batches:...} and the others
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    # A shell without job control starts a background command (`make test &`, `nohup make test &`) with SIGINT
+    # ignored, and every process it starts inherits that: Ctrl-C then never reached the runs of the tests of what
+    # Ctrl-C does (5 of them failed). A handler of its own, unlike an ignored signal, is not inherited across exec:
+    # the runs start with SIGINT's default, as from a terminal.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # `make test` runs two xdist workers on the 2-core CI machine: one intra-op thread each, so that two
