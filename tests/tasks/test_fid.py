@@ -208,6 +208,19 @@ def test_frechet_distance_against_a_reference_root_is_the_extended_precision_val
     assert fid.frechet_distance(s1, s2) == pytest.approx(expected, rel=1e-9)  # torch-fidelity's path
 
 
+def test_frechet_distance_against_a_reference_root_with_dead_features_is_the_extended_precision_value():
+    """Features that are 0 in every image (an Inception channel a data set never activates) make both covariances
+    singular: the root's zero eigenvalues, rounding's on either side of 0, are taken as 0, and the score is still
+    the definition's to 1e-12."""
+    rng = np.random.default_rng(6)
+    mix = rng.normal(size=(12, 12))
+    x1, x2 = rng.normal(size=(30, 12)) @ mix, rng.normal(loc=0.2, size=(25, 12)) @ mix.T
+    x1[:, [2, 7]] = 0.0
+    x2[:, [2, 7]] = 0.0
+    s1, s2 = fid.fid_statistics(torch.from_numpy(x1)), fid.with_root(fid.fid_statistics(torch.from_numpy(x2)))
+    assert fid.frechet_distance(s1, s2) == pytest.approx(fid_mp(x1, x2), rel=1e-12)
+
+
 def test_frechet_distance_against_a_reference_root_at_inception_sizes_is_torch_fidelitys():
     """D = 256 features, 400 generated against a reference of 600 (the validation FID's shape, smaller): the root's
     form against torch-fidelity's own function."""
