@@ -392,15 +392,16 @@ def kernel_inception_distance(
     without replacement by ``np.random.RandomState(2020)``. The kernels are
     computed in float64 (torch-fidelity's own pipeline passes its float32
     features, so its numpy arithmetic is float32: relative differences of
-    ~1e-4, far below the spread over subsets). On a GPU ``device`` they are
-    computed there (:func:`_kid_on_device`); elsewhere (None, the CPU) by
-    torch-fidelity's function, whose numpy products are the faster on a CPU.
+    ~1e-4, far below the spread over subsets). On a CUDA ``device`` they are
+    computed there (:func:`_kid_on_device`); elsewhere (None, the CPU, and
+    MPS, which has no float64) by torch-fidelity's function, whose numpy
+    products are the faster on a CPU.
     """
     generated, reference = generated.to(torch.float64), torch.as_tensor(reference).to(torch.float64)
     if subsets < 1:
         raise UserError(f"metrics.kid_subsets={subsets} must be >= 1 (torch-fidelity's default: 100).")
     size = kid_subset_size(subset_size, len(generated), len(reference))
-    if device is not None and torch.device(device).type != "cpu":
+    if device is not None and torch.device(device).type == "cuda":
         return _kid_on_device(generated, reference, subsets, size, degree, gamma, coef0, device)
     out = kid_features_to_metric(
         generated.detach().cpu(), reference.cpu(), kid_subsets=subsets, kid_subset_size=size,
