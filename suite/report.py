@@ -33,7 +33,7 @@ import yaml
 
 from attention.errors import UserError
 from suite.run_dirs import in_use
-from suite.run_record import RECORD_KEYS, RESOLVED_KEY, data_name, protocol as derive_protocol
+from suite.run_record import RECORD_KEYS, RESOLVED_KEY, data_name, protocol as derive_protocol, read_metrics
 
 log = logging.getLogger(__name__)
 
@@ -364,9 +364,7 @@ def read_run_dir(folder: Path) -> Run | LeftOut | None:
     if not metrics_file.is_file():
         return LeftOut(str(folder), "no metrics.json (the run crashed or was stopped: no process holds its .run.lock)")
     try:
-        data = json.loads(metrics_file.read_text())
-        if not isinstance(data, dict):
-            raise ValueError(f"a JSON {type(data).__name__}, not an object")
+        data = read_metrics(metrics_file)
     except (ValueError, OSError, UnicodeDecodeError) as err:
         return LeftOut(str(folder), f"corrupt metrics.json ({str(err).splitlines()[0] if str(err) else err!r})")
     if not resolved.is_file() or not isinstance(config, dict):

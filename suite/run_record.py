@@ -21,7 +21,9 @@
 - ``provenance``: what produced the numbers (:func:`provenance`): the code's git commit for each part of the run
   (a resumed run may have continued under other code), torch's version and the device;
 - ``undefined``, only where there are such: the metrics recorded NaN because the split's data leaves them undefined,
-  each with the reason (``Task.undefined_metrics``; ``trainer.on_nan``'s check passes over them).
+  each with the reason (``Task.undefined_metrics``; ``trainer.on_nan``'s check passes over them);
+- ``non_finite``, only where there are such: the metrics that are NaN or infinite, each with its value (``"nan"``,
+  ``"inf"``, ``"-inf"``), written ``null`` in their place (:func:`metrics_text`; :func:`read_metrics` restores them).
 
 Nothing here may lose a run: a count or measurement that fails is left out with a warning.
 """
@@ -30,7 +32,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
+import math
 import random
 import resource
 import subprocess
@@ -42,10 +46,56 @@ log = logging.getLogger(__name__)
 # What :func:`record` adds to metrics.json beside the metrics (these differ between two runs of one seed, or, as
 # "undefined", are words about the metrics).
 RECORD_KEYS = ("wall_time_s", "peak_memory_bytes", "peak_memory_source", "train_samples_per_sec", "params", "flops",
-               "protocol", "compile_time_s", "compile_graphs", "provenance", "tested", "undefined")
+               "protocol", "compile_time_s", "compile_graphs", "provenance", "tested", "undefined", "non_finite")
+NON_FINITE = "non_finite"  # metrics.json's key naming the metrics written null: name -> "nan", "inf" or "-inf"
 # The W&B config key holding the resolved values of the config keys a `wandb agent` locked to the sweep's values
 # (suite.loggers.ResilientWandbLogger.log_hyperparams), where mode=report reads them.
 RESOLVED_KEY = "resolved"
+
+
+def metrics_text(record: dict) -> str:
+    """``record`` as metrics.json's text: strict JSON. Python's ``json`` writes a NaN or infinite float as the bare
+    tokens ``NaN`` / ``Infinity``, which JSON (RFC 8259) does not have: jq, JavaScript's ``JSON.parse``, Go, Rust's
+    serde and pandas' strict readers refuse the whole file, so one undefined kappa made a run's record unreadable to
+    everything but Python. Such a metric is written ``null`` instead, as JavaScript writes it, and named under
+    ``"non_finite"`` with its value, which :func:`read_metrics` puts back; a non-finite float inside a nested value
+    (a protocol, the provenance) is written ``null`` alone."""
+    top = {k: v for k, v in record.items() if k != NON_FINITE}
+    named = {k: _non_finite_word(v) for k, v in top.items() if isinstance(v, float) and not math.isfinite(v)}
+    text = {k: None if k in named else _strict(v) for k, v in top.items()}
+    if named:
+        text[NON_FINITE] = named
+    return json.dumps(text, indent=2, allow_nan=False) + "\n"
+
+
+def _non_finite_word(value: float) -> str:
+    return "nan" if math.isnan(value) else "inf" if value > 0 else "-inf"
+
+
+def _strict(value):
+    """``value`` with every non-finite float inside it ``None``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value
+
+
+def read_metrics(path: str | Path) -> dict:
+    """A metrics.json as its run wrote the record: the metrics :func:`metrics_text` wrote ``null`` and named under
+    ``"non_finite"`` are floats again (NaN, inf, -inf), and the key is gone. A record written before that (bare
+    ``NaN`` tokens, which Python's ``json`` reads) reads as it did. Raises OSError or ValueError (malformed JSON,
+    not an object) as ``json.loads`` does."""
+    record = json.loads(Path(path).read_text())
+    if not isinstance(record, dict):
+        raise ValueError(f"a JSON {type(record).__name__}, not an object")
+    named = record.pop(NON_FINITE, None)
+    for key, word in (named.items() if isinstance(named, dict) else ()):
+        if record.get(key, math.nan) is None and word in ("nan", "inf", "-inf"):
+            record[key] = float(word)
+    return record
 
 
 def floats(metrics) -> dict[str, float]:
@@ -152,8 +202,6 @@ def protocol(config: dict, tested: str | None = None, val_is_test: bool | None =
 def checkpoint_origin(ckpt: str | None) -> dict | None:
     """The protocol of the run that wrote checkpoint ``ckpt`` (for ``mode=test``/``eval``): the one in its
     ``metrics.json``, else one told from its ``resolved_config.yaml``; None when neither is beside it."""
-    import json
-
     from omegaconf import OmegaConf
 
     from suite.checkpoints import run_config_of
@@ -161,8 +209,8 @@ def checkpoint_origin(ckpt: str | None) -> dict | None:
     if not ckpt or (saved := run_config_of(ckpt)) is None:
         return None
     try:
-        recorded = json.loads((saved.parent / "metrics.json").read_text()).get("protocol")
-    except (OSError, ValueError, AttributeError):
+        recorded = read_metrics(saved.parent / "metrics.json").get("protocol")
+    except (OSError, ValueError):
         recorded = None
     if isinstance(recorded, dict):
         return recorded

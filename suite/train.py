@@ -354,9 +354,11 @@ def finished_already(trainer, out_dir: Path) -> dict | None:
     was: it was rewritten with the test metrics alone, so the job script of a sweep run again to finish its
     unfinished runs lost the training and validation metrics of every finished one); None when there is none
     to keep (killed while testing: the run tests and writes it)."""
+    from suite.run_record import read_metrics
+
     metrics_file = out_dir / "metrics.json"
     try:
-        recorded = json.loads(metrics_file.read_text())
+        recorded = read_metrics(metrics_file)
     except (OSError, ValueError):
         return None
     if trainer.is_global_zero:
@@ -477,11 +479,11 @@ def write_metrics(metrics: dict, module, config: dict, tested: str | None, train
     params/FLOPs, throughput, protocol; with ``trainer.compile``, the compile time), printed too, and the run
     record sent to W&B."""
     from suite.checkpoint_io import atomic_write_text
-    from suite.run_record import record
+    from suite.run_record import metrics_text, record
 
     extra = record(module, config, tested, trainer.strategy.root_device.type, wall_time, meter, compiler, code,
                    settings, val_is_test, chosen_in, trainer.world_size)
-    atomic_write_text(out_dir / "metrics.json", json.dumps({**metrics, **extra}, indent=2) + "\n")
+    atomic_write_text(out_dir / "metrics.json", metrics_text({**metrics, **extra}))
     print("\n".join(f"{k:>24} {v:.4f}" for k, v in metrics.items()))
     print("\n".join(f"{k:>24} {v:.6g}" for k, v in extra.items() if isinstance(v, (int, float))))
     print(f"{'protocol':>24} {json.dumps(extra['protocol'])}")

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 
 from suite.checkpoints import RunCheckpoint
 from suite.guard import NonFiniteGuard
+from suite.run_record import metrics_text, read_metrics
 from test_reliability import launch
 from test_run import SEG_TINY, TINY, env, run  # noqa: F401 - env is a fixture
 
@@ -70,7 +71,7 @@ def test_weights_diverged_in_the_last_update_fail_the_run_after_it_wrote_everyth
         assert needle in said, (needle, said)
     assert "val/oa" not in said  # finite values are not named
     # Nothing lost: the record, both checkpoints and the CSV log are written as in a finished run.
-    record = json.loads((tmp_path / "metrics.json").read_text())
+    record = read_metrics(tmp_path / "metrics.json")
     assert math.isnan(record["val/loss"]) and math.isnan(record["test/loss"])
     assert record["tested"]["checkpoint"] == best.name
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
@@ -90,13 +91,14 @@ def test_a_non_finite_test_names_the_test_split_and_the_checkpoint_it_scored(env
     (best,) = (tmp_path / "checkpoints").glob("best-*.ckpt")
     assert f"test/loss=nan on the test split, scoring checkpoint {best}" in said, said
     assert "validation split" not in said and "themselves" not in said  # validation and weights are finite
-    assert math.isnan(json.loads((tmp_path / "metrics.json").read_text())["test/loss"])
+    assert math.isnan(read_metrics(tmp_path / "metrics.json")["test/loss"])
+    assert strict_json(tmp_path / "metrics.json")["test/loss"] is None
 
 
 def test_on_nan_off_accepts_a_non_finite_evaluation(env, tmp_path):
     proc = run([*DIVERGED_AT_THE_END, "logger=none", "trainer.on_nan=off", f"hydra.run.dir={tmp_path}"], env)
     assert proc.returncode == 0 and "error:" not in proc.stderr
-    assert math.isnan(json.loads((tmp_path / "metrics.json").read_text())["val/loss"])
+    assert math.isnan(read_metrics(tmp_path / "metrics.json")["val/loss"])
 
 
 def test_a_one_class_split_scores_kappa_nan_says_why_and_the_run_passes(env, tmp_path):
@@ -106,9 +108,11 @@ def test_a_one_class_split_scores_kappa_nan_says_why_and_the_run_passes(env, tmp
     args = [*SEG_TINY, "attn=external", "trainer.max_epochs=2", "logger=none", f"hydra.run.dir={tmp_path}"]
     proc = launch(ONE_CLASS, args, env)
     log = proc.stdout + proc.stderr
-    record = json.loads((tmp_path / "metrics.json").read_text())
+    record = read_metrics(tmp_path / "metrics.json")
     assert record["val/miou"] == 1.0 and record["test/pixel_acc"] == 1.0
     assert math.isnan(record["val/kappa"]) and math.isnan(record["test/kappa"])
+    written = strict_json(tmp_path / "metrics.json")  # what jq or JavaScript read: null, and the word beside it
+    assert written["val/kappa"] is None and written["non_finite"] == {"test/kappa": "nan", "val/kappa": "nan"}
     pixels = {split: count * 32 * 32 for split, count in (("val", 4), ("test", 4))}  # SEG_TINY: 4 images of 32 x 32
     assert record["undefined"] == {
         f"{split}/kappa": f"undefined: every one of the split's {pixels[split]} scored pixels is class 0 (background) "
@@ -118,6 +122,43 @@ def test_a_one_class_split_scores_kappa_nan_says_why_and_the_run_passes(env, tmp
     assert "error:" not in proc.stderr and "gave val/kappa" not in log
     again = launch(ONE_CLASS, [*args, "resume=true"], env)
     assert "this run had finished already" in again.stdout and "error:" not in again.stderr
+
+
+def strict_json(path):
+    """``path`` read as a strict JSON reader reads it (RFC 8259: no NaN, Infinity or -Infinity tokens)."""
+    def refuse(token):
+        raise AssertionError(f"{path} holds the bare token {token}, which strict JSON readers refuse")
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def test_metrics_json_is_strict_json_and_reads_back_every_non_finite_value(tmp_path):
+    """Python's json wrote NaN and inf as bare tokens, which jq, JavaScript, Go and strict readers refuse (the whole
+    record unreadable for one undefined kappa). metrics.json writes them null, names each under "non_finite", and
+    the suite's reader restores them; a nested non-finite value (a protocol's) is null; an older record's bare
+    tokens read as before."""
+    record = {"test/oa": 0.5, "test/loss": math.nan, "val/loss": math.inf, "val/x": -math.inf, "params": 3,
+              "protocol": {"split": "test", "scale": [math.nan, 1.0]}, "tested": None}
+    path = tmp_path / "metrics.json"
+    path.write_text(metrics_text(record))
+    written = strict_json(path)
+    assert {k: written[k] for k in ("test/oa", "test/loss", "val/loss", "val/x", "params", "tested")} == {
+        "test/oa": 0.5, "test/loss": None, "val/loss": None, "val/x": None, "params": 3, "tested": None}
+    assert written["non_finite"] == {"test/loss": "nan", "val/loss": "inf", "val/x": "-inf"}
+    assert written["protocol"] == {"split": "test", "scale": [None, 1.0]}
+    back = read_metrics(path)
+    assert "non_finite" not in back and back["test/oa"] == 0.5 and back["params"] == 3 and back["tested"] is None
+    assert math.isnan(back["test/loss"]) and back["val/loss"] == math.inf and back["val/x"] == -math.inf
+    path.write_text(metrics_text(back))  # written again (a resumed run's record): the same file
+    assert strict_json(path) == written
+    assert metrics_text({"test/oa": 0.5}) == '{\n  "test/oa": 0.5\n}\n'  # nothing non-finite: no key
+    path.write_text('{"test/loss": NaN, "test/oa": 0.25}')  # a record from before: Python's bare token
+    old = read_metrics(path)
+    assert math.isnan(old["test/loss"]) and old["test/oa"] == 0.25
+    path.write_text('{"test/loss": null, "non_finite": {"test/loss": "bogus", "val/oa": "nan"}}')  # hand-edited
+    assert read_metrics(path) == {"test/loss": None}  # no value invented
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="not an object"):
+        read_metrics(path)
 
 
 def fake_trainer(world_size: int = 1, others_bad: bool = False):

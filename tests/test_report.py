@@ -584,13 +584,19 @@ def test_accuracy_outside_zero_one_is_left_out_naming_file_and_key(sweep, tmp_pa
     assert rep.is_fraction("val/oa_best") and rep.is_fraction("test/iou/Airplane") and not rep.is_fraction("test/fid")
 
 
-def test_a_seed_that_diverged_is_named_in_its_row(sweep, tmp_path):
+@pytest.mark.parametrize("written", ["strict", "bare"])
+def test_a_seed_that_diverged_is_named_in_its_row(sweep, tmp_path, written):
     """A run whose compared metric is NaN was only listed at the end of the report: its row showed the other seeds'
-    mean as the variant's result, with nothing to say a seed of it had diverged."""
+    mean as the variant's result, with nothing to say a seed of it had diverged. Both as run.py writes the NaN
+    (null, named under "non_finite") and as records from before that hold it (Python's bare NaN token)."""
+    from suite.run_record import metrics_text
+
     out, _ = sweep
     jobs = copy_runs(out, tmp_path / "runs")
     nan = jobs[("self", 1)] / "metrics.json"
-    nan.write_text(json.dumps({**json.loads(nan.read_text()), "test/loss": math.nan}))
+    diverged = {**json.loads(nan.read_text()), "test/loss": math.nan}
+    nan.write_text(metrics_text(diverged) if written == "strict" else json.dumps(diverged))
+    assert ("NaN" in nan.read_text()) == (written == "bare")
     document = rep.report(cfg(runs=[str(tmp_path / "runs")], out=str(tmp_path / "rep"), metric="test/loss",
                               baseline="offset"))
     rows = {row["attn"]: row for row in document["rows"]}
