@@ -56,7 +56,8 @@
 #     and the 1x1 convolutions reach cuDNN, and pct_cuda's rows for the three forms off by default (the offset mixer
 #     in plain ops, float32 and bf16; batch norms on channels-last views; 1x1 convolutions through cuDNN), and FPS
 #     with each argmax carrying the next centre (fps_triton.CARRY: its cuda test and pct_cuda's FPS rows). Since the
-#     seventh: KID computed on the GPU (test_kid_prc's cuda test: the GPU's against the CPU's).
+#     seventh: KID computed on the GPU (test_kid_prc's cuda test: the GPU's against the CPU's); since the eighth the
+#     validation's FID too (test_fid's cuda test).
 # Writes OUTDIR/log.txt (each step's summary), OUTDIR/tests-cuda.txt, OUTDIR/tests-rest.txt and OUTDIR/tables.tar
 # (the benchmark tables).
 set -u
@@ -287,8 +288,8 @@ elif [ "$PART" = 13 ]; then
   say "FPS and kNN cuda tests, the PCT tasks with the GPU's training default, classification (8 workers)"
   timeout -s INT -k 10 "$(left 220 150)" python3 -m pytest -m cuda -n 8 -p no:cacheprovider -rA \
     tests/attention/test_fps_triton.py tests/attention/test_pointops.py tests/gpu/test_cuda_tasks.py \
-    tests/attention/test_functional.py tests/tasks/test_pct.py tests/tasks/test_kid_prc.py \
-    -k "(fps or knn or modelnet or shapenet or classification or projected or group_rows or cudnn or kid) and not compiled" \
+    tests/attention/test_functional.py tests/tasks/test_pct.py tests/tasks/test_kid_prc.py tests/tasks/test_fid.py \
+    -k "(fps or knn or modelnet or shapenet or classification or projected or group_rows or cudnn or kid or fid) and not compiled" \
     > "$OUT/tests-cuda.txt" 2>&1
   say "cuda tests exit $?"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/tests-cuda.txt" | tail -n 30 >> "$LOG"
   say "what one call costs the host (benchmarks.launch: dilated's backward alone, the autograd floor)"

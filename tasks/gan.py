@@ -518,7 +518,7 @@ class GAN(Task):
         scores = torch.zeros(len(names), dtype=torch.float64)
         if self.trainer.is_global_zero:
             reference = self._reference()
-            values = [fid.frechet_distance(fid.fid_statistics(pool), reference),
+            values = [fid.fid_against_reference(pool, reference, device=self.device),
                       *fid.inception_score(logits, splits=int(cfg.get("isc_splits", 1)))]
             if cfg.get("kid"):
                 values += fid.kernel_inception_distance(

@@ -7,8 +7,9 @@ Everything numerical is torch-fidelity's own code: the feature extractor
 ``isc_features_to_metric`` and ``kid_features_to_metric`` (KID on the same
 pool features as FID: no second pass), but for FID's trace term, computed in an
 equal symmetric form where one side has fewer images than features or is a
-cached reference (:func:`frechet_distance`), and for KID on a GPU, computed
-there with torch (:func:`kernel_inception_distance`). This module only adds
+cached reference (:func:`frechet_distance`), and for KID and the validation's
+FID on a GPU, computed there with torch (:func:`kernel_inception_distance`,
+:func:`fid_against_reference`). This module only adds
 what a training loop needs around them:
 
 * :func:`to_uint8` quantises generator output in [-1, 1] exactly as
@@ -344,6 +345,41 @@ def _trace_sqrt(product: np.ndarray) -> float:
     """tr sqrt of a symmetric positive semi-definite matrix (a product such as F sigma F.T, symmetric but for
     rounding): the sum of the square roots of its eigenvalues, those below zero (rounding's) taken as 0."""
     return float(np.sqrt(np.clip(np.linalg.eigvalsh((product + product.T) / 2), 0, None)).sum())
+
+
+def fid_against_reference(features: Tensor, reference: Mapping[str, np.ndarray],
+                          device: torch.device | str | None = None) -> float:
+    """FID of (N, D) generated features against :func:`reference_statistics`' ``reference``:
+    :func:`frechet_distance` of their :func:`fid_statistics`, computed on ``device`` where that is a CUDA device,
+    the generated side has more images than features and the reference carries its ``"root"`` (the GAN's
+    validation: 10,000 against the training split, D = 2048) (:func:`_fid_on_device`); elsewhere on the CPU."""
+    n, d = features.shape if features.dim() == 2 else (0, 0)
+    if device is None or torch.device(device).type != "cuda" or "root" not in reference or n <= d:
+        return frechet_distance(fid_statistics(features), reference)
+    return _fid_on_device(features, reference, device)
+
+
+def _fid_on_device(features: Tensor, reference: Mapping[str, np.ndarray], device: torch.device | str) -> float:
+    """:func:`frechet_distance` of :func:`fid_statistics` (N > D) against a reference with ``"root"`` R, in float64
+    with torch on ``device``: mu and np.cov's covariance (ddof=1, centred, then one product), tr sqrt from
+    ``eigvalsh(R.T sigma R)``, the same formula as the CPU's. Written here because the CPU's took 1.3 s (np.cov of
+    10,000 x 2048) plus 1.7 s (two (D, D) products and an eigensolve) of one host thread at every validation while
+    the GPU waited; on a GPU they are products of a few milliseconds and one symmetric eigensolve (cuSOLVER). NaN
+    for non-finite features, as :func:`frechet_distance` gives; one read of the device for that and one for the
+    score."""
+    x = features.detach().to(device, torch.float64)                            # (N, D)
+    if not bool(torch.isfinite(x).all()):
+        return math.nan
+    mu = x.mean(dim=0)                                                          # (D,)
+    centred = x - mu
+    sigma = centred.T @ centred / (x.shape[0] - 1)                              # (D, D), np.cov's (ddof=1)
+    root = torch.as_tensor(np.asarray(reference["root"], dtype=np.float64)).to(device)      # (D, D)
+    product = root.T @ sigma @ root                                             # (D, D), symmetric but for rounding
+    tr_covmean = torch.linalg.eigvalsh((product + product.T) / 2).clamp_(min=0).sqrt_().sum()
+    mu_ref = torch.as_tensor(np.asarray(reference["mu"], dtype=np.float64)).to(device)
+    trace_ref = float(np.trace(np.asarray(reference["sigma"], dtype=np.float64)))
+    diff = mu - mu_ref
+    return float(diff @ diff + sigma.diagonal().sum() - 2 * tr_covmean) + trace_ref
 
 
 def inception_score(logits: Tensor, splits: int = 1) -> tuple[float, float]:

@@ -221,6 +221,61 @@ def test_frechet_distance_against_a_reference_root_with_dead_features_is_the_ext
     assert fid.frechet_distance(s1, s2) == pytest.approx(fid_mp(x1, x2), rel=1e-12)
 
 
+@pytest.mark.parametrize("dead", [False, True], ids=["full-rank", "dead-features"])
+def test_fid_written_for_the_gpu_is_the_extended_precision_value(dead):
+    """On a GPU the validation's FID is computed there with torch (fid._fid_on_device: mean, np.cov's covariance,
+    eigvalsh of R.T sigma R), run here on the CPU: the definition in 40 digits to 1e-12 (also with features dead in
+    every image, which make both covariances singular), the CPU's frechet_distance to 1e-12, NaN for non-finite
+    features."""
+    rng = np.random.default_rng(8)
+    mix = rng.normal(size=(12, 12))
+    x1, x2 = rng.normal(size=(40, 12)) @ mix, rng.normal(loc=0.25, size=(30, 12)) @ mix.T
+    if dead:
+        x1[:, [1, 9]] = 0.0
+        x2[:, [1, 9]] = 0.0
+    reference = fid.with_root(fid.fid_statistics(torch.from_numpy(x2)))
+    generated = torch.from_numpy(x1)
+    ours = fid._fid_on_device(generated, reference, "cpu")
+    assert ours == pytest.approx(fid_mp(x1, x2), rel=1e-12)
+    assert ours == pytest.approx(fid.frechet_distance(fid.fid_statistics(generated), reference), rel=1e-12)
+    bad = generated.clone()
+    bad[5, 3] = float("nan")
+    assert np.isnan(fid._fid_on_device(bad, reference, "cpu"))
+
+
+def test_fid_against_a_reference_runs_on_the_cpu_but_for_a_cuda_device_with_more_images_than_features(monkeypatch):
+    """fid_against_reference takes the device path only where it pays and is defined: a CUDA device, more images
+    than features (else the low-rank factor's form, on the CPU), a reference with its root; the CPU, MPS (no
+    float64) and no device keep frechet_distance."""
+    rng = np.random.default_rng(9)
+    reference = fid.with_root(fid.fid_statistics(torch.from_numpy(rng.normal(size=(30, 6)))))
+    many, few = torch.from_numpy(rng.normal(size=(20, 6))), torch.from_numpy(rng.normal(size=(5, 6)))
+    called = []
+    monkeypatch.setattr(fid, "_fid_on_device", lambda *args: called.append(args[2]) or 0.0)
+    for features, device, ref in ((many, None, reference), (many, "cpu", reference), (many, "mps", reference),
+                                  (few, "cuda", reference), (many, "cuda", {"mu": reference["mu"],
+                                                                             "sigma": reference["sigma"]})):
+        expected = fid.frechet_distance(fid.fid_statistics(features), ref)
+        assert fid.fid_against_reference(features, ref, device=device) == pytest.approx(expected, rel=1e-12)
+    assert called == []
+    assert fid.fid_against_reference(many, reference, device=torch.device("cuda", 0)) == 0.0
+    assert called == [torch.device("cuda", 0)]
+    with pytest.raises(UserError, match="at least 2 images"):
+        fid.fid_against_reference(many[:1], reference, device="cuda")
+
+
+@pytest.mark.cuda
+def test_fid_on_the_gpu_is_the_cpus():
+    """At the GAN validation's size (10,000 generated images, D = 2048, against a reference of 12,000 with its
+    root): the GPU's float64 score against the CPU's."""
+    g = torch.Generator().manual_seed(5)
+    reference = fid.with_root(fid.fid_statistics(torch.rand(12000, 2048, generator=g, dtype=torch.float64)))
+    generated = torch.rand(10000, 2048, generator=g, dtype=torch.float64).mul_(1.1)
+    on_gpu = fid.fid_against_reference(generated, reference, device="cuda")
+    on_cpu = fid.frechet_distance(fid.fid_statistics(generated), reference)
+    assert on_gpu == pytest.approx(on_cpu, rel=1e-10)
+
+
 def test_frechet_distance_against_a_reference_root_at_inception_sizes_is_torch_fidelitys():
     """D = 256 features, 400 generated against a reference of 600 (the validation FID's shape, smaller): the root's
     form against torch-fidelity's own function."""
