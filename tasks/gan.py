@@ -486,26 +486,28 @@ class GAN(Task):
         n = self.trainer.datamodule.eval_samples(stage)
         z, y = self._eval_inputs(stage, n)
         images = fid.to_uint8(self.generator(z[index], y[index] if self.num_classes else None))
+        # The features stay on the device until _score: a copy to the host per batch waited for the extractors,
+        # and the GPU idled while the host queued the next batch's generator and Inception.
         with torch.autocast(self.device.type, enabled=False):  # float32 features, as the reference statistics
-            pool, logits = fid.inception_features(self._inception(), images, batch_size=len(images))  # on the CPU
-            vgg = prc.vgg16_features(self._vgg16(), images, batch_size=len(images)) \
+            pool, logits = fid.inception_features(self._inception(), images, batch_size=len(images),
+                                                  keep_on_device=True)            # (B, 2048), (B, 1008) float64
+            vgg = prc.vgg16_features(self._vgg16(), images, batch_size=len(images), keep_on_device=True) \
                 if self.metrics_cfg.get("prc", False) else pool.new_empty(len(images), 0)  # (B, 4096) or (B, 0)
-        index = index.cpu()  # with the features it indexes (``_score``); the extractors synchronised already
-        self._features.append((index, pool, logits, vgg))
+        self._features.append((index.to(pool.device), pool, logits, vgg))
         folder = self.eval_cfg.get("save_samples") if stage == "test" else None
         if folder:
             for i, image in zip(index.tolist(), images.cpu()):
                 fid.save_pngs(image[None], folder, start=i)
 
     def _gathered(self, t: torch.Tensor) -> torch.Tensor:
-        """Every rank's rows of ``t`` (a CPU tensor), on the CPU: through the device, which NCCL needs. Ranks may
-        hold one more or one fewer (torchmetrics' gather allows that, Lightning's all_gather does not)."""
+        """Every rank's rows of ``t``, on the device (which NCCL needs). Ranks may hold one more or one fewer
+        (torchmetrics' gather allows that, Lightning's all_gather does not)."""
         from torchmetrics.utilities.distributed import gather_all_tensors
 
-        return torch.cat(gather_all_tensors(t.to(self.device))).cpu()
+        return torch.cat(gather_all_tensors(t.to(self.device)))
 
     def _score(self, stage: str) -> dict[str, float]:
-        index, pool, logits, vgg = (torch.cat(t) for t in zip(*self._features))  # all on the CPU (_eval_step)
+        index, pool, logits, vgg = (torch.cat(t) for t in zip(*self._features))  # on the device (_eval_step)
         self._features = []
         if self.trainer.world_size > 1:  # every rank's samples; de-duplicating by index undoes sampler padding
             index, pool, logits = (self._gathered(t) for t in (index, pool, logits))

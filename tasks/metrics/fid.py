@@ -219,9 +219,12 @@ def load_inception(weights: str | None = None) -> torch.nn.Module:
 
 @torch.no_grad()
 def inception_features(
-    extractor: torch.nn.Module, images_uint8: Tensor, batch_size: int = 50, progress: bool = False
+    extractor: torch.nn.Module, images_uint8: Tensor, batch_size: int = 50, progress: bool = False,
+    keep_on_device: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """(pool features (N, 2048), logits_unbiased (N, 1008)) of uint8 (N, 3, H, W) images, float64 on CPU.
+    """(pool features (N, 2048), logits_unbiased (N, 1008)) of uint8 (N, 3, H, W) images, float64 on CPU (with
+    ``keep_on_device``, on the extractor's device: a copy to the host waits for the network, so a GPU
+    validation that copied each batch's features idled while the host queued the next batch's work).
 
     Runs in batches of ``batch_size`` on the extractor's device (torch-fidelity
     resizes to 299x299 inside the network). Single-channel images are
@@ -229,13 +232,15 @@ def inception_features(
     reads grayscale files.
     """
     _check_uint8_images(images_uint8, "inception_features", channels=(1, 3))
+    to = extractor_device(extractor) if keep_on_device else torch.device("cpu")
     pools, logits = [], []
     for batch in rgb_batches(extractor, images_uint8, batch_size, progress, "Inception features"):
         out = extractor.convert_features_tuple_to_dict(extractor(batch))
-        pools.append(out["2048"].to("cpu", torch.float64))
-        logits.append(out["logits_unbiased"].to("cpu", torch.float64))
+        pools.append(out["2048"].to(to, torch.float64))
+        logits.append(out["logits_unbiased"].to(to, torch.float64))
     if not pools:
-        return torch.empty(0, 2048, dtype=torch.float64), torch.empty(0, 1008, dtype=torch.float64)
+        return (torch.empty(0, 2048, dtype=torch.float64, device=to),
+                torch.empty(0, 1008, dtype=torch.float64, device=to))
     return torch.cat(pools), torch.cat(logits)
 
 
@@ -454,18 +459,23 @@ def _kid_on_device(generated: Tensor, reference: Tensor, subsets: int, size: int
     estimator. Written here because torch-fidelity's runs in numpy on the CPU: its default, 100 pairs of 1,000 images
     at D = 2048, is 1.2 TFLOP of float64 products, tens of seconds of a host CPU at every validation while the GPU
     waits. Each pair's rows are gathered on the CPU and moved alone: the device holds two subsets at a time, never
-    the reference's features. One read of the device at the end."""
-    generated, reference = generated.detach().cpu(), reference.detach().cpu()
+    the reference's features; generated features already on the device (the GAN's validation keeps them there)
+    are gathered there. One read of the device at the end."""
+    reference = reference.detach().cpu()
+    generated = generated.detach() if generated.device.type == torch.device(device).type else generated.detach().cpu()
     gamma = 1.0 / generated.shape[1] if gamma is None else float(gamma)
     rng = np.random.RandomState(ISC_RNG_SEED)
 
     def kernel(a: Tensor, b: Tensor) -> Tensor:  # (gamma a b.T + coef0) ** degree, in place: (m, m)
         return torch.addmm(a.new_full((), coef0), a, b.T, alpha=gamma).pow_(degree)
 
+    def rows(features: Tensor, count: int) -> Tensor:  # (m, D) on the device: rows drawn where they are
+        index = torch.from_numpy(rng.choice(count, size, replace=False))
+        return features[index.to(features.device)].to(device)
+
     mmds = []
     for _ in range(subsets):
-        x = generated[torch.from_numpy(rng.choice(len(generated), size, replace=False))].to(device)  # (m, D)
-        y = reference[torch.from_numpy(rng.choice(len(reference), size, replace=False))].to(device)  # (m, D)
+        x, y = rows(generated, len(generated)), rows(reference, len(reference))  # generated's draw first
         k_xx, k_yy = kernel(x, x), kernel(y, y)
         off_diagonal = (k_xx.sum() - k_xx.diagonal().sum()) + (k_yy.sum() - k_yy.diagonal().sum())
         mmds.append(off_diagonal / (size * (size - 1)) - 2 * kernel(x, y).sum() / (size * size))

@@ -107,17 +107,19 @@ def load_vgg16(weights: str | None = None) -> torch.nn.Module:
 
 @torch.no_grad()
 def vgg16_features(extractor: torch.nn.Module, images_uint8: Tensor, batch_size: int = 50,
-                   progress: bool = False) -> Tensor:
-    """``fc2_relu`` features (N, 4096) of uint8 (N, 3, H, W) images, float32 (the network's own) on CPU.
+                   progress: bool = False, keep_on_device: bool = False) -> Tensor:
+    """``fc2_relu`` features (N, 4096) of uint8 (N, 3, H, W) images, float32 (the network's own) on CPU (with
+    ``keep_on_device``, on the extractor's device, as :func:`tasks.metrics.fid.inception_features` keeps them).
 
     Single-channel images are replicated to RGB, as for Inception.
     """
     fid._check_uint8_images(images_uint8, "vgg16_features", channels=(1, 3))
+    to = fid.extractor_device(extractor) if keep_on_device else torch.device("cpu")
     out = []
     for batch in fid.rgb_batches(extractor, images_uint8, batch_size, progress, "VGG16 features"):
         (features,) = extractor(batch)
-        out.append(features.to("cpu", torch.float32))
-    return torch.cat(out) if out else torch.empty(0, 4096)
+        out.append(features.to(to, torch.float32))
+    return torch.cat(out) if out else torch.empty(0, 4096, device=to)
 
 
 def precision_recall(generated: Tensor, real: Tensor, neighborhood: int = 3,
