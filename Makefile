@@ -5,7 +5,9 @@
 # make bench   - same set-up, then what every attention variant costs here (tables and plots into benchmarks/);
 #                more overrides with ARGS, e.g. make bench ARGS='bench.dtypes=[float32,bfloat16]'
 # make results - same set-up, then the comparison in docs/recipes.md#results: every variant x seeds 0, 1, 2 on
-#                generated shapes (experiment=compare, one thread a run), then mode=report into docs/results/compare
+#                generated shapes (experiment=compare, one thread a run) in a new multirun/compare/<time>, then
+#                mode=report of it into docs/results/compare; make results RESULTS=multirun/compare/<time> finishes
+#                that sweep instead (resume=true: its finished runs kept, the others continued) and reports it
 # make test-gpu - on a machine with a CUDA GPU, in GPU_PYTHON (default python3: the GPU image's own torch, not the
 #                lock's; needs no .venv): every `cuda` test (tests/gpu/, the kernels' in tests/attention/), then the
 #                rest of the suite, each with GPU_WORKERS workers (docs/scale.md#testing-on-a-gpu)
@@ -23,6 +25,11 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 LOCK   := requirements/lock.txt
+
+# One folder per `make results` (a second one into a single folder had every job refuse the finished run it found
+# there, and make stop); := dates it once, for both of its commands.
+RESULTS     ?=
+RESULTS_DIR := $(or $(RESULTS),multirun/compare/$(shell date +%Y-%m-%d_%H-%M-%S))
 
 GPU_PYTHON  ?= python3
 GPU_WORKERS ?= 8
@@ -71,8 +78,9 @@ bench-gpu:
 	CUBLAS_WORKSPACE_CONFIG=:4096:8 $(GPU_ENV) $(GPU_PYTHON) run.py mode=bench bench.device=cuda 'bench.variants=[]' 'bench.baselines=[]' bench.tasks=true bench.task_deterministic=true bench.task_pct=false bench.name=deterministic bench.table_dir=benchmarks logger=none 'hydra.run.dir=outputs/bench/$${run_stamp:}-deterministic'
 
 results: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) run.py -m experiment=compare 'attn=glob(*)' seed=0,1,2 hydra.sweep.dir=multirun/compare
-	$(PY) run.py mode=report report.runs=multirun/compare report.out=docs/results/compare
+	OMP_NUM_THREADS=1 $(PY) run.py -m experiment=compare 'attn=glob(*)' seed=0,1,2 hydra.sweep.dir=$(RESULTS_DIR) \
+		$(if $(RESULTS),resume=true)
+	$(PY) run.py mode=report report.runs=$(RESULTS_DIR) report.out=docs/results/compare
 
 lock: $(STAMP)
 	$(PY) -m piptools compile --quiet $(if $(UPGRADE),--upgrade) --extra dev --allow-unsafe --strip-extras \

@@ -790,11 +790,13 @@ def test_holm_adjusts_each_tables_p_values(sweep, tmp_path):
     assert rep.holm([0.04, math.nan, 0.01, 0.02]) == pytest.approx([0.04, math.nan, 0.03, 0.04], nan_ok=True)
     assert rep.holm([0.3, 0.5]) == pytest.approx([0.6, 0.6]) and rep.holm([0.9, 0.8]) == [1.0, 1.0]
     assert rep.holm([]) == [] and rep.holm([0.2]) == [0.2]
-    # The committed docs/results/compare/report.json (before this column): six p-values against offset.
+    # The committed docs/results/compare/report.json: six p-values against offset, and the column made of them.
     committed = json.loads((ROOT / "docs" / "results" / "compare" / "report.json").read_text())["rows"]
     adjusted = dict(zip([r["variant"] for r in committed],
                         rep.holm([math.nan if r["p_value"] is None else r["p_value"] for r in committed])))
-    assert round(adjusted["attn=external"], 3) == 0.259  # as docs/recipes.md says: 6 x 0.0431
+    assert {r["variant"]: r["p_holm"] for r in committed if r["p_holm"] is not None} == pytest.approx(
+        {k: v for k, v in adjusted.items() if not math.isnan(v)})
+    assert round(adjusted["attn=linear_taylor"], 3) == 0.471  # as docs/recipes.md says: 6 x 0.0785
     rows = [{"task": "t", "data": "d", "metric": "m", "p_value": p, "note": rep.verdict(p, 0.05)}
             for p in (0.01, 0.02, 0.04, math.nan)]
     rows[3]["note"] = "baseline"
