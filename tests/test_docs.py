@@ -114,6 +114,7 @@ def test_parameter_counts_in_running_md_are_what_mode_summary_counts(tmp_path):
 COMMAND = re.compile(r"python run\.py((?:[ \t]+[^\s`#][^\s`]*)*)")  # the arguments, up to a comment or the code's end
 # What the commands leave for the reader to fill in, each given a value that exists here.
 PLACEHOLDERS = {"<T>": "modelnet", "<X>": "external", "<S>": "0", "<name>": "focal_t", "<date>/<time>": "2026-01-01/00",
+                "compare/<time>": "compare/2026-01-01_00-00-00",
                 "<entity>/attention-suite/<sweep id>": "me/attention-suite/abc123",
                 "<ckpt>": "outputs/modelnet/offset/2026-01-01_00-00-00/checkpoints/last.ckpt"}
 
