@@ -44,6 +44,7 @@ from attention.layout import Points
 from benchmarks import measure
 from benchmarks.baselines import BASELINES
 from benchmarks.measure import GiB, MiB
+from suite.strict_json import strict
 
 log = logging.getLogger("bench")
 ROOT = Path(__file__).resolve().parents[1]
@@ -969,7 +970,7 @@ def bench(cfg: DictConfig) -> dict:
     summary = {"machine": info, "settings": s, "limits": limits, "exponents": exps, "roofline": roof,
                "targets": tgts, "dilated": dil, "tasks": task_rows, "pct": pct_rows,
                "seconds": time.perf_counter() - started, "plots": [p.name for p in plot_paths]}
-    (out_dir / f"{stem}.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    (out_dir / f"{stem}.json").write_text(json.dumps(strict(summary), indent=2, default=str) + "\n")  # NaN: null
     written = [out_dir / f"{stem}.{ext}" for ext in ("md", "csv", "json")] + plot_paths
     if (folder := table_dir(s)) is not None:
         folder.mkdir(parents=True, exist_ok=True)

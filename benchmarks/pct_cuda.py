@@ -66,6 +66,7 @@ if str(ROOT) not in sys.path:
 from benchmarks import measure  # noqa: E402
 from benchmarks.baselines import channel_first, topk_knn  # noqa: E402
 from benchmarks.pct import interleaved  # noqa: E402
+from suite.strict_json import strict  # noqa: E402
 from suite.tf32 import arithmetic  # noqa: E402
 
 GOALS = {"float32": 1.5, "bfloat16": 2.0, "compiled": 2.0, "partseg": 1.3}  # issue 28: reference fp32 / suite
@@ -594,9 +595,9 @@ def main(argv=None) -> dict:
         if args.out is None:
             return
         args.out.write_text(markdown(out))
-        args.out.with_suffix(".json").write_text(json.dumps({k: v for k, v in out.items()
-                                                             if k not in ("profile", "host_profile")},
-                                                            indent=2, default=str) + "\n")
+        args.out.with_suffix(".json").write_text(json.dumps(strict({k: v for k, v in out.items()
+                                                                    if k not in ("profile", "host_profile")}),
+                                                            indent=2, default=str) + "\n")  # NaN: null
 
     if model_module is not None:
         for batch in args.batch:

@@ -32,6 +32,7 @@ import numpy as np
 import yaml
 
 from attention.errors import UserError
+from suite import strict_json
 from suite.run_dirs import in_use
 from suite.run_record import RECORD_KEYS, RESOLVED_KEY, data_name, protocol as derive_protocol, read_metrics
 
@@ -948,16 +949,6 @@ def write_csv(path: Path, rows: list[dict]) -> None:
             writer.writerow({k: csv_value(v) for k, v in row.items()})
 
 
-def json_safe(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
-
-
 def clear_earlier_report(out: Path) -> None:
     """Delete the plots of the report ``out`` holds (the ones its ``report.json`` lists), before a new report is
     written there: a report run again into its folder (``mode=report`` with the same runs, as after more runs
@@ -1066,8 +1057,8 @@ def log_to_wandb(cfg, rows: list[dict], out: Path, plots: dict) -> None:
                          job_type="report", dir=str(out), mode=wandb_mode(logger.get("mode", "auto")),
                          config={"report": dict(cfg.report)})
         columns = [k for k in rows[0] if k not in ("runs", "protocol", "seeds")] + ["protocol", "seeds"]
-        run.log({"report": wandb.Table(columns=columns, data=[[csv_value(json_safe(r.get(c))) for c in columns]
-                                                              for r in rows])})
+        run.log({"report": wandb.Table(columns=columns, data=[[csv_value(strict_json.strict(r.get(c)))
+                                                               for c in columns] for r in rows])})
         for items in plots.values():
             for title, name in items:
                 run.log({name.removesuffix(".png"): wandb.Image(str(out / name), caption=title)})
@@ -1200,7 +1191,7 @@ def report(cfg, api=None) -> dict:
                 "left_out": [{"path": x.path, "reason": x.reason} for x in left_out],
                 "skipped_non_training_runs": skipped,
                 "plots": [name for items in plots.values() for _, name in items]}
-    (out / "report.json").write_text(json.dumps(json_safe(document), indent=2) + "\n")
+    (out / "report.json").write_text(strict_json.dumps(document, indent=2) + "\n")
     write_csv(out / "report.csv", rows)
     write_csv(out / "metrics.csv", document["metrics"])
     text = markdown(rows, left_out, sources, plots, confidence)
@@ -1216,4 +1207,4 @@ def report(cfg, api=None) -> dict:
         print(f"{skipped} folder(s) of mode=summary/bench/report runs skipped (they hold no results)")
     print(f"report written to {out / 'report.md'} (and report.csv, metrics.csv, report.json, "
           f"{len(document['plots'])} plots)")
-    return json_safe(document)
+    return strict_json.strict(document)

@@ -41,6 +41,8 @@ import subprocess
 import sys
 from pathlib import Path, PurePath
 
+from suite import strict_json
+
 log = logging.getLogger(__name__)
 
 # What :func:`record` adds to metrics.json beside the metrics (these differ between two runs of one seed, or, as
@@ -62,25 +64,14 @@ def metrics_text(record: dict) -> str:
     (a protocol, the provenance) is written ``null`` alone."""
     top = {k: v for k, v in record.items() if k != NON_FINITE}
     named = {k: _non_finite_word(v) for k, v in top.items() if isinstance(v, float) and not math.isfinite(v)}
-    text = {k: None if k in named else _strict(v) for k, v in top.items()}
+    text = {k: None if k in named else v for k, v in top.items()}
     if named:
         text[NON_FINITE] = named
-    return json.dumps(text, indent=2, allow_nan=False) + "\n"
+    return strict_json.dumps(text, indent=2) + "\n"
 
 
 def _non_finite_word(value: float) -> str:
     return "nan" if math.isnan(value) else "inf" if value > 0 else "-inf"
-
-
-def _strict(value):
-    """``value`` with every non-finite float inside it ``None``."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _strict(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_strict(v) for v in value]
-    return value
 
 
 def read_metrics(path: str | Path) -> dict:

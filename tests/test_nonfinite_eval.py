@@ -11,6 +11,7 @@ import math
 from types import SimpleNamespace
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -159,6 +160,19 @@ def test_metrics_json_is_strict_json_and_reads_back_every_non_finite_value(tmp_p
     path.write_text("[1, 2]")
     with pytest.raises(ValueError, match="not an object"):
         read_metrics(path)
+
+
+def test_strict_json_writes_every_non_finite_float_null_wherever_it_is():
+    """The one serialiser of metrics.json, report.json and the benchmarks' JSON: NaN and +-inf at any depth (dict
+    values, list and tuple items, a numpy float64: a float subclass) become null; everything else is kept."""
+    from suite import strict_json
+
+    value = {"a": math.nan, "b": [1.0, math.inf, (2, -math.inf)], "c": {"d": np.float64("nan"), "e": "nan"},
+             "f": 3, "g": None, "h": True}
+    assert strict_json.strict(value) == {"a": None, "b": [1.0, None, [2, None]], "c": {"d": None, "e": "nan"},
+                                         "f": 3, "g": None, "h": True}
+    text = strict_json.dumps(value)
+    assert "NaN" not in text and "Infinity" not in text and json.loads(text) == strict_json.strict(value)
 
 
 def fake_trainer(world_size: int = 1, others_bad: bool = False):
