@@ -2,7 +2,8 @@
 
 ``metrics.json`` keeps every final metric (``train/*``, ``val/*``, ``test/*``) and gains:
 
-- ``wall_time_s``: seconds from the start of the run (``suite/train.py``) to the end of testing (data set-up included);
+- ``wall_time_s``: seconds from the start of the run (``suite/train.py``, after the imports of what it runs:
+  ``import_what_it_runs``) to the end of testing (data set-up included);
   a resumed run adds the time of its earlier parts (``suite.resume.FitRecord``);
 - ``peak_memory_bytes`` with ``peak_memory_source``: CUDA's ``torch.cuda.max_memory_allocated`` when the run
   used a GPU, else the process's peak resident set size (:func:`peak_rss`), both reset when the run starts
