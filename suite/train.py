@@ -350,11 +350,11 @@ def sweep_of_this_job() -> Path | None:
 
 
 def import_what_it_runs(cfg: DictConfig) -> None:
-    """Import, before the run's clock starts, the modules a run of ``cfg`` imports: Lightning, the suite's machinery,
-    its task's and its data's. Imports are the process's cost, not the run's: a single run imported Lightning before
-    its clock (Hydra's run-start callback), the first job of a local multirun inside it, so that job's
-    ``wall_time_s`` was 4 s longer than the same job's after it (a run of 4 s: twice as long), and the first
-    variant's wall time in ``mode=report`` the longer."""
+    """Import, before the run's clock starts, the modules a run of ``cfg`` imports: Lightning, the suite's
+    machinery, its task's and its data's, W&B's. Imports are the process's cost, not the run's: a single run
+    imported Lightning before its clock (Hydra's run-start callback), the first job of a local multirun inside it,
+    so that job's ``wall_time_s`` was 4 s longer than the same job's after it (a run of 4 s: twice as long), and
+    the first variant's wall time in ``mode=report`` the longer."""
     import contextlib
 
     import lightning  # noqa: F401
@@ -367,6 +367,10 @@ def import_what_it_runs(cfg: DictConfig) -> None:
         target = (cfg.get(section) or {}).get("_target_")
         with contextlib.suppress(Exception):  # an unknown class: the run's own checks say so, with the fix
             get_class(str(target))
+    # W&B's import; not its service process, which the first wandb.init of a process starts (1 s)
+    if (cfg.get("logger") or {}).get("name") == "wandb":
+        with contextlib.suppress(Exception):  # a W&B that does not import: suite.loggers says so and goes on
+            import wandb  # noqa: F401
 
 
 def finished_already(trainer, out_dir: Path) -> dict | None:
