@@ -438,14 +438,16 @@ def kernel_inception_distance(
     MPS, which has no float64) by torch-fidelity's function, whose numpy
     products are the faster on a CPU.
     """
-    generated, reference = generated.to(torch.float64), torch.as_tensor(reference).to(torch.float64)
+    # The reference's pool features stay as the cache holds them (float32: 400 MB for 50,000 images, twice that as
+    # a float64 copy at every validation); the rows drawn are made float64, exactly.
+    generated, reference = generated.to(torch.float64), torch.as_tensor(reference)
     if subsets < 1:
         raise UserError(f"metrics.kid_subsets={subsets} must be >= 1 (torch-fidelity's default: 100).")
     size = kid_subset_size(subset_size, len(generated), len(reference))
     if device is not None and torch.device(device).type == "cuda":
         return _kid_on_device(generated, reference, subsets, size, degree, gamma, coef0, device)
     out = kid_features_to_metric(
-        generated.detach().cpu(), reference.cpu(), kid_subsets=subsets, kid_subset_size=size,
+        generated.detach().cpu(), reference.to(torch.float64).cpu(), kid_subsets=subsets, kid_subset_size=size,
         kid_kernel="poly", kid_kernel_poly_degree=degree, kid_kernel_poly_gamma=gamma, kid_kernel_poly_coef0=coef0,
         rng_seed=ISC_RNG_SEED, verbose=False,
     )
@@ -469,9 +471,9 @@ def _kid_on_device(generated: Tensor, reference: Tensor, subsets: int, size: int
     def kernel(a: Tensor, b: Tensor) -> Tensor:  # (gamma a b.T + coef0) ** degree, in place: (m, m)
         return torch.addmm(a.new_full((), coef0), a, b.T, alpha=gamma).pow_(degree)
 
-    def rows(features: Tensor, count: int) -> Tensor:  # (m, D) on the device: rows drawn where they are
+    def rows(features: Tensor, count: int) -> Tensor:  # (m, D) float64 on the device: rows drawn where they are
         index = torch.from_numpy(rng.choice(count, size, replace=False))
-        return features[index.to(features.device)].to(device)
+        return features[index.to(features.device)].to(device, torch.float64)
 
     mmds = []
     for _ in range(subsets):

@@ -96,6 +96,11 @@ def test_kid_written_for_the_gpu_is_torch_fidelitys_function_and_the_float64_def
     assert fid.kernel_inception_distance(x, y, subsets=12, subset_size=30) == pytest.approx(ours, rel=1e-9)
     expected = kid_float64(x.numpy(), y.numpy(), subsets=3, size=5, degree=2, gamma=0.3, coef0=0.5)
     assert fid._kid_on_device(x, y, 3, 5, 2, 0.3, 0.5, "cpu") == pytest.approx(expected, rel=1e-12, abs=1e-15)
+    # A reference of float32 features, as the cache holds them: the rows drawn made float64, the same numbers as
+    # the float64 copy the whole reference used to be turned into.
+    y32 = y.float()
+    assert fid._kid_on_device(x, y32, 12, 30, 3, None, 1.0, "cpu") == fid._kid_on_device(x, y32.double(), 12, 30, 3,
+                                                                                          None, 1.0, "cpu")
 
 
 @pytest.mark.cuda
