@@ -16,7 +16,8 @@
 #                what every attention variant costs there in float32 and bf16 (benchmarks/cost-cuda.*), and what
 #                trainer.deterministic=true costs each task (benchmarks/deterministic-cuda.*), DeiT-S against
 #                timm's (benchmarks/backbones-cuda.md), every variant at small N eager, compiled and as a CUDA
-#                graph (benchmarks/small-n-cuda.md); docs/cost.md
+#                graph (benchmarks/small-n-cuda.md), the GAN validation's FID and KID on the host and on the
+#                device (benchmarks/fidelity-cuda.md); docs/cost.md
 # make lock    - resolve pyproject.toml (+ requirements/tools.in, under requirements/pins.txt) into
 #                requirements/lock.txt again, keeping every pin that still fits; make lock UPGRADE=1 moves every
 #                package to the newest release the constraints admit
@@ -74,6 +75,7 @@ bench-gpu:
 	$(GPU_ENV) $(GPU_PYTHON) -m benchmarks.pct_cuda $(if $(PCT_PYTORCH),--reference $(PCT_PYTORCH))
 	$(GPU_ENV) $(GPU_PYTHON) -m benchmarks.backbones
 	$(GPU_ENV) $(GPU_PYTHON) -m benchmarks.small_n
+	$(GPU_ENV) $(GPU_PYTHON) -m benchmarks.fidelity
 	$(GPU_ENV) $(GPU_PYTHON) run.py mode=bench bench.device=cuda 'bench.dtypes=[float32,bfloat16]' bench.tasks=true bench.table_dir=benchmarks logger=none 'hydra.run.dir=outputs/bench/$${run_stamp:}' $(ARGS)
 	CUBLAS_WORKSPACE_CONFIG=:4096:8 $(GPU_ENV) $(GPU_PYTHON) run.py mode=bench bench.device=cuda 'bench.variants=[]' 'bench.baselines=[]' bench.tasks=true bench.task_deterministic=true bench.task_pct=false bench.name=deterministic bench.table_dir=benchmarks logger=none 'hydra.run.dir=outputs/bench/$${run_stamp:}-deterministic'
 

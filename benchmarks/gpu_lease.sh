@@ -57,7 +57,7 @@
 #     in plain ops, float32 and bf16; batch norms on channels-last views; 1x1 convolutions through cuDNN), and FPS
 #     with each argmax carrying the next centre (fps_triton.CARRY: its cuda test and pct_cuda's FPS rows). Since the
 #     seventh: KID computed on the GPU (test_kid_prc's cuda test: the GPU's against the CPU's); since the eighth the
-#     validation's FID too (test_fid's cuda test).
+#     validation's FID too (test_fid's cuda test), and both timed against the host's forms (benchmarks.fidelity).
 # Writes OUTDIR/log.txt (each step's summary), OUTDIR/tests-cuda.txt, OUTDIR/tests-rest.txt and OUTDIR/tables.tar
 # (the benchmark tables).
 set -u
@@ -295,6 +295,10 @@ elif [ "$PART" = 13 ]; then
   say "what one call costs the host (benchmarks.launch: dilated's backward alone, the autograd floor)"
   timeout -s INT "$(left 200 40)" python3 -m benchmarks.launch --out "$TABLES/launch-cuda.md" >> "$LOG" 2>&1
   say "launch exit $?"; pack
+  say "the GAN validation's FID and KID, host against device (benchmarks.fidelity)"
+  timeout -s INT "$(left 200 90)" python3 -m benchmarks.fidelity --rounds 2 --out "$TABLES/fidelity-cuda.md" \
+    >> "$LOG" 2>&1
+  say "fidelity exit $?"; pack
   say "cost bench: offset at 65,536 with its in-place products counted (36% of the bound read before)"
   timeout -s INT "$(left 200 60)" python3 run.py mode=bench bench.device=cuda 'bench.dtypes=[float32]' \
     'bench.variants=[offset]' 'bench.baselines=[]' 'bench.sizes=[65536]' 'bench.channels=[256]' bench.min_seconds=0.2 \

@@ -567,6 +567,23 @@ def test_launch_benchmark_times_each_call_on_the_host(tmp_path, one_thread):
     assert all(f"| {w} | 20 |" in text for w in works)
 
 
+def test_fidelity_benchmark_times_both_forms_of_each_score_and_they_agree(tmp_path, one_thread):
+    """benchmarks.fidelity (the GAN validation's FID and KID, host against device) on the CPU, small: both forms
+    timed, their values equal to 1e-9 (the device's form run here on the CPU), the table written."""
+    from benchmarks import fidelity
+
+    out = tmp_path / "fidelity.md"
+    rows = fidelity.main(["--quick", "--device", "cpu", "--dim", "64", "--reference", "1500", "--out", str(out)])
+    assert [r["score"] for r in rows] == ["FID against the reference", "KID, 10 pairs of 500"]
+    for r in rows:
+        assert r["host_s"] > 0 and r["device_s"] > 0 and r["ratio"] == r["host_s"] / r["device_s"], r
+        assert r["device_value"] == pytest.approx(r["host_value"], rel=1e-9), r
+    assert rows[0]["host_value"] > 0  # features of another scale: not the same distribution
+    text = out.read_text()
+    assert "1,000 generated against 1,500 reference features of D = 64" in text
+    assert all(f"| {r['score']} |" in text for r in rows)
+
+
 def test_launch_benchmark_leaves_dilated_launches_out_and_puts_them_back(monkeypatch):
     """The CUDA row "dilated forward + backward, its 3 launches left out" (benchmarks.launch.without_launches), run
     on CPU tensors with the Triton backend forced: the wrappers and autograd run with the stand-ins in place of the
