@@ -3,7 +3,7 @@ the host's form (torch-fidelity's numpy; FID's trace term by ``frechet_distance`
 float64 there: ``fid.fid_against_reference``, ``fid._kid_on_device``), side by side in one process.
 
     python -m benchmarks.fidelity                # writes benchmarks/fidelity-<device>.md
-    python -m benchmarks.fidelity --quick        # 1,000 generated features, 10 KID pairs; prints only
+    python -m benchmarks.fidelity --quick        # 3,000 generated features, 10 KID pairs; prints only
 
 The GAN task's defaults: 10,000 generated images' pool features (D = 2048) against a reference of 12,000 (the
 training split's statistics and their covariance root, as ``reference_statistics`` keeps them, made once and not
@@ -81,17 +81,23 @@ def markdown(rows: list[dict], info: dict, device, argv: list[str], started: str
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--generated", type=int, default=10_000)
+    parser.add_argument("--generated", type=int, help="generated features (default 10,000; --quick 3,000): more "
+                                                          "than --dim, where the device's FID form applies")
     parser.add_argument("--reference", type=int, default=12_000)
     parser.add_argument("--dim", type=int, default=2048)
-    parser.add_argument("--subsets", type=int, default=100)
-    parser.add_argument("--subset-size", type=int, default=1000)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="1,000 generated, 10 KID pairs of 500; prints unless --out")
+    parser.add_argument("--subsets", type=int, help="KID's pairs (default 100; --quick 10)")
+    parser.add_argument("--subset-size", type=int, help="KID's subset size (default 1,000; --quick 500)")
+    parser.add_argument("--rounds", type=int, help="timed calls of each form (default 3; --quick 1)")
+    parser.add_argument("--quick", action="store_true", help="the smaller defaults above; prints unless --out")
     parser.add_argument("--out", type=Path, help="default: benchmarks/fidelity-<device>.md")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.generated, args.subsets, args.subset_size, args.rounds = 1000, 10, 500, 1
+    for name, full, quick in (("generated", 10_000, 3000), ("subsets", 100, 10), ("subset_size", 1000, 500),
+                              ("rounds", 3, 1)):
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    if args.generated <= args.dim:
+        parser.error(f"--generated {args.generated} must exceed --dim {args.dim}: with fewer images than features "
+                     "the validation's FID takes the low-rank factor's form on the host, not the device's")
     device = torch.device(args.device)
     started = time.strftime("%Y-%m-%d %H:%M")
     reference_features = features(args.reference, args.dim, seed=0)

@@ -580,8 +580,10 @@ def test_fidelity_benchmark_times_both_forms_of_each_score_and_they_agree(tmp_pa
         assert r["device_value"] == pytest.approx(r["host_value"], rel=1e-9), r
     assert rows[0]["host_value"] > 0  # features of another scale: not the same distribution
     text = out.read_text()
-    assert "1,000 generated against 1,500 reference features of D = 64" in text
+    assert "3,000 generated against 1,500 reference features of D = 64" in text
     assert all(f"| {r['score']} |" in text for r in rows)
+    with pytest.raises(SystemExit):  # fewer images than features: the device's FID form does not apply
+        fidelity.main(["--quick", "--device", "cpu", "--dim", "64", "--generated", "64"])
 
 
 def test_launch_benchmark_leaves_dilated_launches_out_and_puts_them_back(monkeypatch):
