@@ -103,8 +103,21 @@ def test_kid_written_for_the_gpu_is_torch_fidelitys_function_and_the_float64_def
                                                                                           None, 1.0, "cpu")
 
 
+def test_kid_on_a_device_moves_a_reference_too_large_for_it_pair_by_pair_to_the_same_numbers(monkeypatch):
+    """A reference pool over ``KID_DEVICE_REFERENCE_BYTES`` stays on the host and each pair's rows are gathered there:
+    the same subsets, so the same numbers, bit for bit, as the pool moved whole."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.rand(40, 16, generator=g, dtype=torch.float64)
+    y = torch.rand(50, 16, generator=g)  # float32, as cached
+    whole = fid._kid_on_device(x, y, 6, 20, 3, None, 1.0, "cpu")
+    monkeypatch.setattr(fid, "KID_DEVICE_REFERENCE_BYTES", y.numel() * 4 - 1)
+    assert fid._kid_on_device(x, y, 6, 20, 3, None, 1.0, "cpu") == whole
+    theirs = fid.kernel_inception_distance(x, y, subsets=6, subset_size=20)  # torch-fidelity's, float64 copies
+    assert whole == pytest.approx(theirs, rel=1e-9)
+
+
 @pytest.mark.cuda
-def test_kid_on_the_gpu_is_the_cpus():
+def test_kid_on_the_gpu_is_the_cpus(monkeypatch):
     """At Inception's size (D = 2048) and torch-fidelity's subset size (1,000): the same subsets and float64
     kernels on the GPU as on the CPU."""
     g = torch.Generator().manual_seed(3)
@@ -113,6 +126,8 @@ def test_kid_on_the_gpu_is_the_cpus():
     on_gpu = fid.kernel_inception_distance(x, y, subsets=10, device="cuda")
     on_cpu = fid.kernel_inception_distance(x, y, subsets=10)
     assert on_gpu == pytest.approx(on_cpu, rel=1e-10)
+    monkeypatch.setattr(fid, "KID_DEVICE_REFERENCE_BYTES", 0)  # each pair's rows gathered on the host and moved
+    assert fid.kernel_inception_distance(x, y, subsets=10, device="cuda") == on_gpu
 
 
 def test_kid_subset_size_null_caps_at_the_image_counts_and_a_number_must_fit():
