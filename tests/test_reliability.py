@@ -224,14 +224,15 @@ def test_kill_during_checkpoint_write_keeps_the_previous_one(env, tmp_path):
     marker = tmp_path / "marker"
     run_dir = tmp_path / "run"
     args = [*TWO_EPOCHS, "logger=none", f"hydra.run.dir={run_dir}"]
-    proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(ROOT / "run.py"), HANG_IN_SECOND_LAST_CKPT, *args],
-                            cwd=env["HOME"], env={**env, "MARKER": str(marker)}, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    # one process (no data-loading workers): the kill reaches all of it
+    proc = warm_python.popen([sys.executable, "-c", LAUNCHER, str(ROOT / "run.py"), HANG_IN_SECOND_LAST_CKPT, *args],
+                             cwd=env["HOME"], env={**env, "MARKER": str(marker)}, stdin=subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 300
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    output = proc.communicate()[0].decode()
+    proc.send_signal(signal.SIGKILL)
+    output = proc.communicate()[0]
     assert marker.exists(), output[-3000:]
     ckpts = run_dir / "checkpoints"
     stray = list(ckpts.glob(".last.ckpt.tmp-*"))

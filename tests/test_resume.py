@@ -18,6 +18,7 @@ from fixture_cache import once_per_worker, user_error_in_process
 from test_last_checkpoint import INTERRUPT
 from test_reliability import launch
 from test_run import GAN_TINY, ROOT, TINY, env, run, user_error  # noqa: F401  (env is a fixture)
+import warm_python
 
 # 5 epochs of a small PCT on 3 generated classes, a checkpoint after each: slow enough to be killed mid-run. On the
 # CPU (pinned: a GPU repeats only with trainer.deterministic=true, tests/gpu/test_cuda_tasks.py resumes there).
@@ -47,9 +48,9 @@ def history(out: Path) -> list[str]:
 def kill_after_a_checkpoint(args: list[str], env: dict, run_dir: Path) -> int:
     """Start ``run.py args`` in ``run_dir``, SIGKILL it as soon as its last.ckpt holds an epoch before the run's end
     (of 4), and return that epoch (tests/gpu/test_cuda_tasks.py does the same on a GPU)."""
-    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args, f"hydra.run.dir={run_dir}"],
-                            cwd=env["HOME"], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = warm_python.popen([sys.executable, str(ROOT / "run.py"), *args, f"hydra.run.dir={run_dir}"],
+                             cwd=env["HOME"], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
     last, deadline = run_dir / "checkpoints" / "last.ckpt", time.monotonic() + 300
     while checkpoint_epoch(last) is None and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)

@@ -15,6 +15,7 @@ import pytest
 from fixture_cache import once_per_worker, user_error_in_process
 from suite.report import read_folders
 from test_run import ROOT, TINY, env, run, user_error  # noqa: F401 - env is a fixture
+import warm_python
 
 # Two epochs of 10 steps, logged to W&B (offline) with the CSV history beside it.
 ARGS = [*TINY, "trainer.max_epochs=2", "logger=wandb"]
@@ -139,12 +140,13 @@ def test_runs_and_sweeps_started_together_get_a_directory_each(env, tmp_path):
     code = FROZEN.format(run=str(ROOT / "run.py"))
     home = tmp_path  # the working directory of every run: outputs/ and sweeps/ are made here
     common = ["task=modelnet", "mode=summary", "data=shapes"]
-    procs = [subprocess.Popen([sys.executable, "-c", code, *common, f"seed={seed}"], cwd=home, env=env,
-                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # (forked from a warm interpreter: five cold starts' imports took most of this test's 40-50 s on 2 cores)
+    procs = [warm_python.popen([sys.executable, "-c", code, *common, f"seed={seed}"], cwd=home, env=env,
+                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for seed in range(3)]
-    procs += [subprocess.Popen([sys.executable, "-c", code, "-m", *common, "attn=self,external", f"seed={seed}"],
-                               cwd=home, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+    procs += [warm_python.popen([sys.executable, "-c", code, "-m", *common, "attn=self,external", f"seed={seed}"],
+                                cwd=home, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
               for seed in (10, 11)]
     for proc in procs:
         out = proc.communicate(timeout=600)[0]
@@ -160,9 +162,9 @@ def test_runs_and_sweeps_started_together_get_a_directory_each(env, tmp_path):
     for job in ("0_modelnet_self", "1_modelnet_external"):
         assert sorted(seed(home / "multirun" / s / job) for s in sweeps) == ["10", "11"]
     # A folder named on the command line is used as given, a pattern too: the way to finish a sweep with resume=true.
-    named = subprocess.run([sys.executable, "-c", code, "-m", *common, "attn=self", "seed=12",
-                            "hydra.sweep.dir=multirun/${now:%Y-%m-%d_%H-%M-%S}"], cwd=home, env=env,
-                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
+    named = warm_python.run([sys.executable, "-c", code, "-m", *common, "attn=self", "seed=12",
+                             "hydra.sweep.dir=multirun/${now:%Y-%m-%d_%H-%M-%S}"], cwd=home, env=env,
+                            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
     assert named.returncode == 0, named.stderr[-3000:]
     assert sorted(p.name for p in (home / "multirun").iterdir()) == sweeps
     # (its job, a summary, writes its record into summary-<time>/ in the job folder that holds an earlier summary)
@@ -260,9 +262,9 @@ def test_a_directory_is_not_used_by_two_training_runs_at_once(env, tmp_path, cap
     import time
 
     folder = tmp_path / "run"
-    first = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *TINY, "trainer.max_epochs=50", "logger=none",
-                              f"hydra.run.dir={folder}"], cwd=env["HOME"], env=env, stdin=subprocess.DEVNULL,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = warm_python.popen([sys.executable, str(ROOT / "run.py"), *TINY, "trainer.max_epochs=50", "logger=none",
+                               f"hydra.run.dir={folder}"], cwd=env["HOME"], env=env, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         last, deadline = folder / "checkpoints" / "last.ckpt", time.monotonic() + 300
         while not last.is_file():

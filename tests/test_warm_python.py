@@ -79,3 +79,35 @@ def test_what_the_server_cannot_start_as_a_cold_process_would_is_started_cold(en
     assert not warm_python.eligible(argv, env, start_new_session=True)  # a process group of its own
     assert not warm_python.eligible(["/bin/echo", "x"], env)
     assert warm_python.eligible(argv, {**env, "PYTHONPATH": "/anywhere", "WANDB_MODE": "offline"})
+
+
+def test_a_warm_popen_is_signalled_and_reports_as_a_cold_one(env, tmp_path):
+    """:func:`warm_python.popen`: the child runs beside the test, its output comes back through PIPE (stderr into
+    stdout with STDOUT), a signal ends it with ``-N`` as it ends a cold process."""
+    ready = tmp_path / "ready"
+    program = (f"import pathlib, sys, time; print('out', flush=True); print('err', file=sys.stderr, flush=True); "
+               f"pathlib.Path({str(ready)!r}).touch(); time.sleep(60)")
+    argv = [sys.executable, "-c", program]
+    outputs = {}
+    for start in (warm_python.popen, subprocess.Popen):
+        ready.unlink(missing_ok=True)
+        proc = start(argv, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                     stderr=subprocess.STDOUT, text=True)
+        assert isinstance(proc, warm_python.WarmProcess) == (start is warm_python.popen)
+        while not ready.exists():
+            assert proc.poll() is None
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=0.2)
+        assert proc.poll() is None
+        proc.kill()
+        outputs[start] = proc.communicate(timeout=60)
+        assert proc.returncode == -9 and proc.poll() == -9
+    assert outputs[warm_python.popen] == outputs[subprocess.Popen] == ("out\nerr\n", None)
+    done = warm_python.popen([sys.executable, "-c", "import sys; sys.exit(4)"], cwd=tmp_path, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    assert done.wait(timeout=60) == 4 and done.communicate() == (None, None)
+    proc.kill()  # after the end: nothing to signal, and no error
+    cold = warm_python.popen(argv, cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "2"}, stdout=subprocess.DEVNULL)
+    assert isinstance(cold, subprocess.Popen)  # not eligible: started as asked
+    cold.kill()
+    cold.wait()

@@ -4,7 +4,8 @@ A run.py process spends its first seconds importing torch, Lightning (with torch
 torchvision and torch._dynamo) and Hydra: 5-6 s of a tiny test run on a fast 2-core machine, 9-12 s on a slower one
 (an AMD EPYC here), and the suite starts a few hundred of them. :func:`run` starts such a process from a warm one
 instead: a server process per pytest worker (started at the first call, ended with the worker) imports those
-libraries once, and forks a child for each call. The child is set up as a fresh interpreter's would be (its
+libraries once, and forks a child for each call (:func:`popen`, the same as a ``subprocess.Popen``: for a run
+that the test signals or runs beside others). The child is set up as a fresh interpreter's would be (its
 environment, working folder, ``sys.argv``, ``sys.path`` with the script's folder and ``PYTHONPATH`` first,
 stdin/stdout/stderr on the call's files), runs the script as ``__main__`` (``runpy``, as ``python script.py`` does)
 and ends as the interpreter ends: non-daemon threads joined, ``atexit`` handlers run, an uncaught exception's
@@ -117,6 +118,80 @@ def run(argv: list[str], *, cwd=None, env: dict | None = None, stdin=None, timeo
         return subprocess.CompletedProcess(argv, int(line), _read(out), _read(err))
 
 
+class WarmProcess:
+    """A child of the warm server as a ``subprocess.Popen`` of it would be used: ``pid``, ``poll``, ``wait``,
+    ``send_signal`` / ``terminate`` / ``kill`` (to the child itself: it has no process group of its own) and
+    ``communicate``, its output to ``subprocess.DEVNULL`` or ``subprocess.PIPE`` (read when it has ended), stderr
+    also to ``subprocess.STDOUT``. The server reports its exit code (a signal's ``-N``) when it ends; a thread of
+    this process waits for that report."""
+
+    def __init__(self, argv: list[str], cwd, env: dict | None, stdout, stderr):
+        import threading
+
+        _, path, _ = _start_server()
+        self.args, self.returncode = argv, None
+        self._scratch = tempfile.TemporaryDirectory(prefix="warm-popen-")
+        piped = {"stdout": stdout == subprocess.PIPE, "stderr": stderr == subprocess.PIPE}
+        self._paths = {name: os.path.join(self._scratch.name, name) if piped[name] else None for name in piped}
+        out = self._paths["stdout"] or os.devnull
+        err = out if stderr == subprocess.STDOUT else self._paths["stderr"] or os.devnull
+        request = {"argv": argv[1:], "cwd": os.fspath(cwd or os.getcwd()),
+                   "env": dict(os.environ if env is None else env), "stdout": out, "stderr": err}
+        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._conn.connect(path)
+        self._reader = self._conn.makefile("r")
+        self._conn.sendall((json.dumps(request) + "\n").encode())
+        self.pid = int(self._reader.readline())
+        self._ended = threading.Event()
+        threading.Thread(target=self._wait_for_the_report, daemon=True).start()
+
+    def _wait_for_the_report(self) -> None:
+        try:
+            line = self._reader.readline()
+        except OSError:
+            line = ""
+        finally:
+            self._reader.close()
+            self._conn.close()
+        self.returncode = int(line) if line else -9  # no report: the server itself is gone, and its children
+        self._ended.set()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._ended.wait(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:  # after the report its pid may be another process's
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(15)
+
+    def kill(self) -> None:
+        self.send_signal(9)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str | None, str | None]:
+        self.wait(timeout)
+        return tuple(None if path is None else _read(path) for path in self._paths.values())
+
+
+def popen(argv: list[str], *, cwd=None, env: dict | None = None, stdin=None, stdout=None, stderr=None,
+          text: bool = False, **popen) -> subprocess.Popen | WarmProcess:
+    """``subprocess.Popen(argv, cwd=, env=, stdin=, stdout=, stderr=, text=)``, started warm (a
+    :class:`WarmProcess`) where :func:`eligible` and its input is nothing, its output DEVNULL or PIPE (stderr also
+    STDOUT) as text; else exactly that call."""
+    outputs = (subprocess.DEVNULL, subprocess.PIPE)
+    if not (stdin in (None, subprocess.DEVNULL) and stdout in outputs and stderr in (*outputs, subprocess.STDOUT)
+            and (text or subprocess.PIPE not in (stdout, stderr)) and eligible(argv, env, **popen)):
+        return subprocess.Popen(argv, cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr, text=text,
+                                **popen)
+    return WarmProcess(argv, cwd, env, stdout, stderr)
+
+
 def _read(path: str) -> str:
     try:
         return Path(path).read_bytes().decode("utf-8", errors="replace")
@@ -184,6 +259,9 @@ def _child(request: dict) -> None:
         written = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         for fd, name, mode in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], written),
                                (2, request["stderr"], written)):
+            if fd == 2 and name == request["stdout"] and name != os.devnull:  # stderr=STDOUT: one file, one offset
+                os.dup2(1, 2)
+                continue
             opened = os.open(name, mode, 0o644)
             os.dup2(opened, fd)
             os.close(opened)
