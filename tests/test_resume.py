@@ -614,8 +614,9 @@ def test_each_process_draws_its_own_numbers_and_resumes_them(env, tmp_path):
     def fit(name, devices, steps, resume="-", save_at=-1):
         out = tmp_path / name
         out.mkdir()
-        subprocess.run([sys.executable, str(script), str(out), str(devices), str(steps), str(resume), str(save_at)],
-                       cwd=tmp_path, env=env, check=True, capture_output=True, timeout=300)
+        done = warm_python.run([sys.executable, str(script), str(out), str(devices), str(steps), str(resume),
+                                str(save_at)], cwd=tmp_path, env=env, capture_output=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
         return {rank: [json.loads(line) for line in (out / f"rank{rank}.jsonl").read_text().splitlines()]
                 for rank in range(devices)}
 
