@@ -37,7 +37,39 @@ import torch
 from torchmetrics import MaxMetric, MeanMetric, MinMetric
 
 LAYOUTS = ("grid", "points")
-MODES = {"max": MaxMetric, "min": MinMetric}
+
+
+class BestMixin:
+    """The best so far of a validation metric, NaN until a value that is not NaN has come. torchmetrics' maximum
+    and minimum drop NaN values (with a warning at every update) and, having seen no other, report where they
+    start, -inf and +inf: a metric the data leaves undefined at every validation (segmentation's kappa where one
+    class fills every image, ``Task.undefined_metrics``) logged ``val/kappa_best=-inf``, a value no epoch had.
+    ``seen`` (1 once a value was not NaN) is a state beside the best: synced across processes (max) and kept in
+    checkpoints."""
+
+    def __init__(self):
+        super().__init__(nan_strategy="ignore")  # NaN is dropped, as before, without a warning per validation
+        self.add_state("seen", default=torch.tensor(0.0), dist_reduce_fx="max")
+
+    def update(self, value) -> None:
+        value = torch.as_tensor(value, dtype=torch.float32, device=self.seen.device)
+        super().update(value)
+        self.seen = torch.maximum(self.seen, (~value.isnan()).any().float())  # on the device: no host sync
+
+    def compute(self) -> torch.Tensor:
+        best = super().compute()
+        return torch.where(self.seen > 0, best, torch.full_like(best, float("nan")))
+
+
+class BestMax(BestMixin, MaxMetric):
+    pass
+
+
+class BestMin(BestMixin, MinMetric):
+    pass
+
+
+MODES = {"max": BestMax, "min": BestMin}
 
 
 def best_attribute(metric: str) -> str:
@@ -173,12 +205,16 @@ class Task(L.LightningModule):
         for key in [k for k in state if self._is_best_key(k) and k not in mine]:
             del state[key]
         for key, value in mine.items():
+            head, _, tail = key.partition(".")
+            kept = [state[f"{head}.{t}"] for t in ("max_value", "min_value") if f"{head}.{t}" in state]
+            if tail == "seen" and key not in state and kept:  # written before `seen`: a finite best was a value
+                state[key] = torch.isfinite(kept[0]).to(value)
             state.setdefault(key, value)
 
     @staticmethod
     def _is_best_key(key: str) -> bool:
         head, _, tail = key.partition(".")
-        return head.endswith("_best") and tail in ("max_value", "min_value")
+        return head.endswith("_best") and tail in ("max_value", "min_value", "seen")
 
 
 class DeviceMean(MeanMetric):

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import ast
 import graphlib
+import math
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -154,12 +156,45 @@ def test_best_so_far_is_tracked_from_monitor_with_the_checkpoint_keys_of_before(
     module = point_task({"metric": "val/oa", "mode": "max"})
     assert module.best_modes == {"val/oa": "max", "val/macc": "max"}
     best = {k for k in module.state_dict() if "_best." in k}
-    assert best == {"val_oa_best.max_value", "val_macc_best.max_value"}  # as the tasks wrote them before
+    assert best == {"val_oa_best.max_value", "val_macc_best.max_value", "val_oa_best.seen", "val_macc_best.seen"}
     assert module.summaries() == [("", module.net, module.example_input_array)]
     loss = point_task({"metric": "val/loss", "mode": "min"})
     assert loss.best_modes == {"val/oa": "max", "val/macc": "max", "val/loss": "min"}
     with pytest.raises(ValueError, match="monitor.mode='best'"):
         point_task({"metric": "val/oa", "mode": "best"})
+
+
+def test_a_best_is_nan_until_a_value_is_not_and_keeps_the_best_of_the_others(monkeypatch):
+    """torchmetrics' maximum (minimum) drops NaN values and, having seen no other, reports its start: a tracked
+    metric NaN at every validation (``monitor.metric=val/kappa`` on one-class data) logged ``<metric>_best=-inf``,
+    a value no epoch had. Now NaN until a value is not NaN; the NaN values after are passed over, as before, and
+    the minimum of infinite losses is inf."""
+    module = point_task({"metric": "val/loss", "mode": "min"})
+    logged = []
+    monkeypatch.setattr(module, "log", lambda name, value, **kwargs: logged.append((name, float(value))))
+    module._trainer = SimpleNamespace(sanity_checking=False)
+    nan = math.nan
+    for oa, loss in ((nan, nan), (0.5, math.inf), (nan, 2.0), (0.25, 3.0)):
+        module.log_best({"val/oa": torch.tensor(oa), "val/loss": torch.tensor(loss)})
+    oa, loss = [[v for k, v in logged if k == name] for name in ("val/oa_best", "val/loss_best")]
+    assert math.isnan(oa[0]) and oa[1:] == [0.5, 0.5, 0.5], oa
+    assert math.isnan(loss[0]) and loss[1:] == [math.inf, 2.0, 2.0], loss
+    module._trainer = SimpleNamespace(sanity_checking=True)  # not an epoch: nothing is tracked
+    module.log_best({"val/oa": torch.tensor(0.9)})
+    assert len(logged) == 8 and float(module.val_oa_best.compute()) == 0.5
+
+
+def test_a_checkpoint_written_before_the_best_knew_what_it_had_seen_loads():
+    """Checkpoints of before hold ``<metric>_best.max_value`` alone: they load, a finite best counting as seen, and
+    the start value (nothing seen) not."""
+    old = point_task({"metric": "val/oa", "mode": "max"})
+    old.val_oa_best(torch.tensor(0.75))
+    state = {k: v for k, v in old.state_dict().items() if not k.endswith(".seen")}
+    new = point_task({"metric": "val/oa", "mode": "max"})
+    new.on_load_checkpoint({"state_dict": state})
+    new.load_state_dict(state)
+    assert float(new.val_oa_best.max_value) == 0.75 and float(new.val_oa_best.seen) == 1
+    assert float(new.val_macc_best.max_value) == -math.inf and float(new.val_macc_best.seen) == 0
 
 
 @pytest.mark.parametrize("before, after", [("val/oa", "val/loss"), ("val/loss", "val/oa")])
