@@ -394,9 +394,10 @@ def distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 KNN_BLOCK_ELEMENTS = 1 << 24
 # Above this many distances per sample (M * N), knn searches a grid of cells instead of every pair.
 KNN_GRID_ABOVE = 1 << 24
-# Devices on which knn's brute force picks the k smallest without asking the host about ties
-# (:func:`smallest_without_sync`): a GPU would wait for each question; the CPU answers it for free and
-# :func:`smallest` is about 3 times faster there than building the int64 keys.
+# Devices on which code never asks the host about a tensor's values where an answer would only save work: knn's
+# brute force picks the k smallest without asking about ties (:func:`smallest_without_sync`), PCT's NormActMax
+# reduces twice where it could learn that once is enough (tasks/nets/pct.py). A GPU would wait for each question;
+# the CPU answers it for free (:func:`smallest` is about 3 times faster there than building the int64 keys).
 SYNC_FREE_DEVICES = ("cuda",)
 
 

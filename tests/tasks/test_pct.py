@@ -317,6 +317,39 @@ def test_training_with_or_without_norm_act_max_is_the_same_function(monkeypatch)
     assert ops_b.kernels < ops_a.kernels and ops_a.bytes_moved < ops_b.bytes_moved, (ops_a.kernels, ops_b.kernels)
 
 
+@pytest.mark.parametrize("act", [torch.nn.ReLU(), torch.nn.LeakyReLU(0.2)])
+def test_norm_act_max_with_weights_of_both_signs_is_the_plain_form(monkeypatch, act):
+    """A batch norm weight below 0 turns the max over K after it into the min before it: NormActMax takes the max
+    of the sign-flipped rows (one reduction with indices, not a max and a min). With weights of both signs and tied
+    rows (a point grouped twice: the same features), its output, every gradient and the running statistics are the
+    plain batch norm + activation + max's in float64; with every weight > 0 (the CPU's shortcut: one max) too. (At a
+    weight of exactly 0 every row ties after the batch norm: the plain form's max takes the first, NormActMax the
+    row of the largest h, the one-sided derivative's; both are subgradients of the max.)"""
+    import tasks.nets.pct as pct
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 5, 4, dtype=torch.float64, generator=gen)  # (P, K, I)
+    x[:, 3] = x[:, 1]  # ties: K rows 1 and 3 equal in every sample
+    grad = torch.randn(6, 7, dtype=torch.float64, generator=gen)
+    bias = torch.randn(7, dtype=torch.float64, generator=gen)
+    for weight in (torch.tensor([1.5, -0.5, 0.3, -2.0, 0.7, 1.0, -1e-3]), torch.rand(7, generator=gen) + 0.1):
+        results = []
+        for fused in (True, False):
+            monkeypatch.setattr(pct, "FUSED_NORM_ACT_MAX", fused)
+            torch.manual_seed(0)
+            layer = pct.ConvBNMax(4, 7, act).double()
+            with torch.no_grad():
+                layer[1].weight.copy_(weight)
+                layer[1].bias.copy_(bias)
+            inp = x.clone().requires_grad_()
+            out = layer(inp)
+            out.backward(grad)
+            results.append((out.detach(), inp.grad, layer[0].weight.grad, layer[1].weight.grad, layer[1].bias.grad,
+                            layer[1].running_mean, layer[1].running_var))
+        for got, want in zip(*results):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.cuda
 def test_group_rows_on_cuda_adds_in_place_as_the_cpu_adds():
     """GroupRows on a CUDA GPU (its index-adds in place into the halves of one (R, 2C) gradient, the default
