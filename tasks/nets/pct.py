@@ -31,9 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import attention
+from attention import pointops
 from attention.eager import below_autograd, skips_dispatch
 from attention.errors import UserError
-from attention import pointops
 from attention.pointops import farthest_point_sample, gather, knn
 from attention.tensor_cache import tensor_cache
 
