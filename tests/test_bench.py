@@ -219,6 +219,16 @@ def test_a_replaced_table_takes_the_plots_its_json_lists_with_it(tmp_path):
     assert (tmp_path.parent / "outside.png").is_file()  # never outside the folder
 
 
+@pytest.mark.parametrize("path", sorted((ROOT / "benchmarks").glob("*.json")), ids=lambda p: p.name)
+def test_committed_benchmark_json_is_strict_json(path):
+    """What jq, JavaScript or pandas read: no bare NaN or Infinity (Python's json writes them, and reads them
+    back, unless told not to; the writers go through suite.strict_json, a table written before it did not)."""
+    def refuse(word):
+        raise ValueError(f"{path.name} holds a bare {word}: write it through suite.strict_json.strict (null)")
+
+    assert isinstance(json.loads(path.read_text(), parse_constant=refuse), dict)
+
+
 def test_table_dir_check_names_what_a_run_would_lose(tmp_path):
     full = bench_settings("bench.tasks=true", f"bench.table_dir={tmp_path}")
     _table_there(tmp_path, full)
