@@ -249,18 +249,49 @@ def check_run_dir(cfg, key: str) -> None:
 
 
 def unknown_key(key: str, overrides: list[str]) -> str:
-    """The message for an override of ``key``, which the composed config lacks: the keys nearest to it by spelling
-    ("did you mean"), then every key its parent has (composed without this override)."""
+    """The message for an override of ``key``, which the composed config lacks, and of every other override the
+    config lacks (Hydra names the first only: a user who mistyped three keys learnt of them one run at a time):
+    for each, the keys nearest to it by spelling ("did you mean"), then every key its parent has (composed without
+    those overrides), once per parent."""
     from hydra import compose, initialize_config_dir
-    from omegaconf import DictConfig
+    from hydra.errors import ConfigCompositionException
 
-    others = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] != key]
-    try:
-        with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-            cfg = compose("config", overrides=others, return_hydra_config=key.startswith("hydra."))
-    except Exception:  # noqa: BLE001 - another override fails too: the message names this one without its siblings
+    def without(overrides: list[str], key: str) -> list[str]:
+        return [o for o in overrides if o.lstrip("+~").split("=", 1)[0] != key]
+
+    missing, others, cfg = [key], without(overrides, key), None
+    while cfg is None and len(missing) <= len(overrides):
+        try:
+            with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+                cfg = compose("config", overrides=others, return_hydra_config=any(k.startswith("hydra.")
+                                                                                  for k in missing))
+        except ConfigCompositionException as err:  # another key the config lacks: named too, then composed without
+            found = NO_KEY.search(" ".join(str(err).split()))
+            if found is None or found.group(1) in missing:
+                break
+            missing.append(found.group(1))
+            others = without(others, found.group(1))
+        except Exception:  # noqa: BLE001 - another override fails otherwise: Hydra's own message names it
+            break
+    if cfg is None:
         return (f"{key} is not an option of the composed config (and another override fails too); "
                 "`python run.py --cfg job` prints the config's keys.")
+    described = [describe_missing(cfg, each, overrides) for each in missing]
+    text = " ".join(sentence for sentence, _, _ in described)
+    listed = {}
+    for _, parent, keys in described:
+        if keys and parent not in listed:
+            listed[parent] = keys
+    for parent, keys in listed.items():
+        text += f" The keys of {parent or 'the config'}: {', '.join(keys)}."
+    return text
+
+
+def describe_missing(cfg, key: str, overrides: list[str]) -> tuple[str, str, list[str]]:
+    """(what :func:`unknown_key` says of ``key``, the config lacking it: the nearest keys by spelling and a fix;
+    the section that lacks it; that section's keys)."""
+    from omegaconf import DictConfig
+
     given = next((o for o in overrides if o.lstrip("+~").split("=", 1)[0] == key), f"{key}=<value>")
     value = given.split("=", 1)[1] if "=" in given else "<value>"
     if (inside := missing_inside(cfg, key, given)) is not None:  # key={a:{b:1}}: the key exists, a or b does not
@@ -278,21 +309,20 @@ def unknown_key(key: str, overrides: list[str]) -> str:
     text = f"{key} is not an option: {where}."
     if meant:
         text += " Did you mean " + " or ".join(meant) + "?"
-    if keys:
-        text += f" The keys of {parent or 'the config'}: {', '.join(keys)}."
     if parent == "bench.options":
         # bench.options is null (Hydra adds no key to a {}, and a per-variant defaults entry would make every new
         # variant edit the bench config): a dotted option is added with ++, as a new key is
-        text = (f"{key} is not in the config: bench.options holds only what the command line adds to "
+        return (f"{key} is not in the config: bench.options holds only what the command line adds to "
                 f"configs/attn/<variant>.yaml, and a dotted option is added with ++: "
                 f"`python run.py mode=bench ++{key}={value}`, or several at once, "
-                f"`'bench.options={{{wrong}:{{{'.'.join(parts[depth + 1:]) or '<option>'}:{value}}}}}'`.")
-    elif parent == "trainer" and depth == len(parts) - 1 and is_trainer_argument(wrong):
+                f"`'bench.options={{{wrong}:{{{'.'.join(parts[depth + 1:]) or '<option>'}:{value}}}}}'`.",
+                parent, [])
+    if parent == "trainer" and depth == len(parts) - 1 and is_trainer_argument(wrong):
         text += (f" {wrong} is an argument of Lightning's Trainer that the config does not list: give it with ++, "
                  f"`python run.py ++trainer.{wrong}={value}`.")
     elif meant:
         text += f" Example: `python run.py {meant[0]}={value}`."
-    return text
+    return text, parent, keys
 
 
 def missing_inside(cfg, key: str, override: str) -> tuple[str, str] | None:

@@ -149,6 +149,19 @@ def test_key_typos_say_which_keys_exist(args, needles, capsys, tmp_path):
     assert "+key" not in message and "To append to your config" not in message
 
 
+def test_every_mistyped_key_is_named_at_once(capsys, tmp_path):
+    """Hydra names the first key the config lacks; the message names each (a fix for the typos), and lists a
+    section's keys once however many of its keys were mistyped."""
+    message = refused_in_process(["experiment=demo", "data.num_train=64", "trainer.max_epoch=1", "data.num_val=8"],
+                                 capsys, tmp_path, "data.num_train is not an option: data has no key 'num_train'",
+                                 "data.num_val is not an option: data has no key 'num_val'",
+                                 "Did you mean trainer.max_epochs?", "`python run.py trainer.max_epochs=1`",
+                                 "The keys of trainer: ", "train_per_class")
+    assert message.count("The keys of data: ") == 1 and "another override fails" not in message
+    # a typo beside an override that fails otherwise (a group option that does not exist): Hydra's turn to say it
+    refused_in_process(["data.num_train=64", "attn=nope"], capsys, tmp_path, "attn")
+
+
 def test_key_typo_through_run_py(home):
     refused(home, ["trainer.max_epoch=3"], "Did you mean trainer.max_epochs?")
 
