@@ -280,8 +280,8 @@ def unknown_key(key: str, overrides: list[str]) -> str:
     text = " ".join(sentence for sentence, _, _ in described)
     listed = {}
     for _, parent, keys in described:
-        if keys and parent not in listed:
-            listed[parent] = keys
+        if keys:
+            listed.setdefault(parent, keys)
     for parent, keys in listed.items():
         text += f" The keys of {parent or 'the config'}: {', '.join(keys)}."
     return text

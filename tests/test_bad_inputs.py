@@ -159,7 +159,7 @@ def test_every_mistyped_key_is_named_at_once(capsys, tmp_path):
                                  "The keys of trainer: ", "train_per_class")
     assert message.count("The keys of data: ") == 1 and "another override fails" not in message
     # a typo beside an override that fails otherwise (a group option that does not exist): Hydra's turn to say it
-    refused_in_process(["data.num_train=64", "attn=nope"], capsys, tmp_path, "attn")
+    refused_in_process(["data.num_train=64", "attn=nope"], capsys, tmp_path, "unknown attn 'nope'")
 
 
 def test_key_typo_through_run_py(home):
